@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Sets up everything slipstream needs on a fresh Debian machine (Python 3.11, root for apt-get).
+#   scripts/setup.sh            core + extras for running (serve, hf)
+#   scripts/setup.sh --dev      also test tools (pytest, moto, ...) and the Debian packages the tests use
+# Idempotent: the venv is reused, and pip runs again only when pyproject.toml changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DEV=0
+[[ "${1:-}" == "--dev" ]] && DEV=1
+
+# Debian packages: bubblewrap (bwrap sandboxes), QEMU + busybox + a cloud kernel (microVM sandboxes),
+# cpio (guest initramfs). Installed only when missing; without root we say what is missing and go on.
+APT_PKGS=(bubblewrap qemu-system-x86 busybox-static cpio)
+missing=()
+for p in "${APT_PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+    echo "setup: apt-get install ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  else
+    echo "setup: WARNING missing Debian packages (need root to install): ${missing[*]}" >&2
+  fi
+fi
+
+PY=${PYTHON:-python3}
+if [[ ! -x .venv/bin/python ]]; then
+  echo "setup: creating .venv"
+  "$PY" -m venv .venv
+fi
+EXTRAS="serve,hf"
+((DEV)) && EXTRAS="serve,hf,s3,dev"
+stamp=".venv/.slipstream-installed-$EXTRAS"
+if [[ ! -f "$stamp" || pyproject.toml -nt "$stamp" ]]; then
+  .venv/bin/pip install -q --upgrade pip
+  # torch first, pinned: pip takes the CPU build that lies on disk on the dev machines. A GPU user
+  # installs a CUDA build before this script (see README); the pin below is then already satisfied.
+  .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q "torch==2.13.0"
+  .venv/bin/pip install -q -e ".[$EXTRAS]"
+  touch "$stamp"
+fi

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Runs the test suite. pytest's exit code 5 ("no tests collected") counts as failure here: a suite
+# that silently runs nothing must not pass.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+.venv/bin/python -m pytest -m "not gpu" "$@"
+rc=$?
+if [[ $rc == 5 ]]; then echo "test: pytest collected no tests" >&2; exit 1; fi
+exit $rc

@@ -1,0 +1,113 @@
+"""`slipstream`: one entry point, one module per subcommand.
+
+Each subcommand module exposes `register(subparsers)`, which adds its parser and sets
+`func=handler(args) -> int`. Config-taking commands accept `-c FILE` plus any number of dotted
+overrides (`--trainer.lr=3e-4` or `--trainer.lr 3e-4`), collected into `args.overrides`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from slipstream.config import ConfigError
+
+# Subcommand modules, in the order `--help` lists them. A module missing here is simply absent.
+SUBCOMMANDS = [
+    "run",
+    "sft",
+    "eval",
+    "serve",
+    "sandbox",
+    "sweep",
+    "bench",
+    "ckpt",
+    "config_cmd",
+]
+
+EPILOG = """\
+Config: every job command takes -c FILE (TOML) and dotted overrides such as --trainer.lr=3e-4.
+`slipstream config show -c FILE` prints the fully resolved config; `slipstream config schema` lists
+every key with its type, default and meaning."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="slipstream",
+        description="Asynchronous RL post-training of Mixture-of-Experts LMs with verifiable rewards.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        try:
+            module = importlib.import_module(f"slipstream.cli.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"slipstream.cli.{name}":
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Separate dotted overrides (`--a.b=v`, `--a.b v`) from ordinary arguments."""
+    rest: list[str] = []
+    overrides: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            rest.extend(argv[i:])
+            break
+        if arg.startswith("--") and "." in arg.split("=", 1)[0]:
+            if "=" in arg:
+                overrides.append(arg[2:])
+            elif i + 1 < len(argv):
+                overrides.append(f"{arg[2:]}={argv[i + 1]}")
+                i += 1
+            else:
+                raise ConfigError(f"override {arg} has no value")
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        rest, overrides = split_overrides(argv)
+        args = parser.parse_args(rest)
+        args.overrides = overrides
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 2
+        if overrides and not getattr(args, "takes_config", False):
+            parser.error(f"{args.command} takes no config overrides: {' '.join(overrides)}")
+        return int(args.func(args) or 0)
+    except ConfigError as e:
+        print(f"slipstream: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("slipstream: interrupted", file=sys.stderr)
+        return 130
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> None:
+    """-c FILE for commands that take a job config; overrides are collected by main()."""
+    parser.add_argument(
+        "-c",
+        "--config",
+        metavar="FILE",
+        default=None,
+        help="TOML config (default: the embedded quickstart defaults). Any --section.key=value "
+        "after it overrides a single key.",
+    )
+    parser.set_defaults(takes_config=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

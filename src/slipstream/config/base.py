@@ -1,0 +1,109 @@
+"""Config plumbing: the strict base model, TOML loading, dotted command-line overrides, and errors
+that name the key, the value and the file.
+
+Imports without torch (only pydantic and the standard library).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, field docstrings are the docs."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        use_attribute_docstrings=True,
+        validate_assignment=True,
+        frozen=False,
+    )
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used. The message names the key, the value and where it came from."""
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`trainer.lr=3e-4` -> (["trainer", "lr"], 0.0003). The value is read as a TOML literal when it
+    parses as one (numbers, booleans, quoted strings, arrays), else kept as a bare string."""
+    item = item.removeprefix("--")
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form section.key=value")
+    key, raw = item.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r} has an empty key")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set each dotted override in a nested dict (in place) and return it."""
+    for item in overrides:
+        path, value = parse_override(item)
+        node = data
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def _lookup(data: Any, loc: tuple[Any, ...]) -> Any:
+    for part in loc:
+        if isinstance(data, dict) and part in data:
+            data = data[part]
+        elif isinstance(data, list) and isinstance(part, int) and part < len(data):
+            data = data[part]
+        else:
+            return "<missing>"
+    return data
+
+
+def format_validation_error(err: ValidationError, data: dict[str, Any], origin: str) -> str:
+    lines = [f"invalid config ({origin}):"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        value = e.get("input", _lookup(data, e["loc"]))
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  {key} = {value!r}: unknown key")
+        else:
+            lines.append(f"  {key} = {value!r}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from e
+
+
+def load_model(
+    model_cls: type[M], path: str | Path | None = None, overrides: list[str] | None = None
+) -> M:
+    """Build `model_cls` from an optional TOML file plus dotted overrides. Fails with ConfigError
+    (naming key, value and file/command line) before any work starts."""
+    data = read_toml(path) if path is not None else {}
+    origin = str(path) if path is not None else "built-in defaults"
+    if overrides:
+        origin += " + command-line overrides " + " ".join(overrides)
+        apply_overrides(data, overrides)
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, data, origin)) from None

@@ -1,0 +1,20 @@
+"""`[run]`: where outputs go, seeds, device and precision for the whole job."""
+
+from typing import Literal
+
+from pydantic import Field
+
+from slipstream.config.base import Section
+
+
+class RunConfig(Section):
+    output_dir: str = "runs/quickstart"
+    """Directory for checkpoints, metrics (JSON lines) and reports. Created when missing."""
+    seed: int = Field(default=0, ge=0)
+    """Global seed: task generation, model init, sampling."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Torch device. `auto` picks CUDA when available, else CPU."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter/compute dtype for the policy model."""
+    num_threads: int = Field(default=0, ge=0)
+    """torch intra-op threads; 0 leaves torch's default."""
