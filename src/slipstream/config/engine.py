@@ -18,3 +18,19 @@ class EngineConfig(Section):
     """KV-cache budget in tokens (all running sequences together); the scheduler admits within it."""
     max_new_tokens: int = Field(default=32, ge=1)
     """Default completion length cap."""
+    max_seq_len: int = Field(default=0, ge=0)
+    """Slot length in tokens (prompt + completion) for the native engine; 0 = the model's
+    max_position_embeddings. The engine runs min(max_batch_size, kv_cache_tokens // max_seq_len)
+    sequences at once."""
+    weight_update_policy: Literal["finish_old", "continue_new", "abort"] = "continue_new"
+    """Requests in flight during update_weights: `finish_old` finishes them on the old weights
+    (new requests wait), `continue_new` continues them on the new weights (their cached prefix
+    stays from the old ones), `abort` ends them with finish_reason "abort"."""
+    device: str = "cpu"
+    """Torch device of the native engine's model and KV cache."""
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    """HTTP client: timeout of one request."""
+    max_concurrency: int = Field(default=64, ge=1)
+    """HTTP client: most requests in flight at once."""
+    max_retries: int = Field(default=3, ge=0)
+    """HTTP client: retries on connection errors and 5xx (exponential backoff)."""

@@ -1,6 +1,8 @@
 """`[model]`: the MoE policy architecture. Field names match Hugging Face `Qwen3MoeConfig` so the
 section maps one-to-one onto a checkpoint's `config.json`."""
 
+from typing import Literal
+
 from pydantic import Field
 
 from slipstream.config.base import Section
@@ -49,3 +51,9 @@ class ModelConfig(Section):
     """Weight of the router z-loss (mean squared logsumexp of router logits)."""
     tie_word_embeddings: bool = False
     """Share the input embedding and the LM head."""
+    initializer_range: float = Field(default=0.02, gt=0)
+    """Std of the normal init of linear/embedding/expert weights (random init only)."""
+    moe_impl: Literal["grouped", "grouped_mm", "loop"] = "grouped"
+    """Expert compute path (runtime choice, not part of the checkpoint): `grouped` sorts tokens by
+    expert and runs one matmul per non-empty expert; `grouped_mm` uses torch._grouped_mm (falls
+    back to `grouped` where unsupported); `loop` is the slow per-expert reference."""

@@ -14,17 +14,44 @@ class RolloutConfig(Section):
     """G: samples per task (GRPO group)."""
     temperature: float = Field(default=1.0, ge=0)
     """Sampling temperature for rollouts."""
+    max_new_tokens: int = Field(default=0, ge=0)
+    """Completion length cap for rollouts; 0 = engine.max_new_tokens."""
     tasks_per_lease: int = Field(default=4, ge=1)
     """Tasks leased at once by a worker."""
+    max_inflight_tasks: int = Field(default=8, ge=1)
+    """Most tasks one worker holds at once (over all its leases): generating or verifying."""
     lease_ttl_s: float = Field(default=60.0, gt=0)
-    """A lease not acked or extended within this time is redelivered."""
+    """A lease not acked or extended within this time is redelivered. Workers extend their
+    leases every lease_ttl_s / 3 while they are alive."""
     drain_timeout_s: float = Field(default=20.0, ge=0)
     """On SIGTERM, in-flight work may finish within this time; the rest is nacked."""
+    partial_rollouts: bool = True
+    """Apply a new weight version as soon as it is published, also to sequences mid-generation
+    (their later tokens carry the new version). False: in-flight sequences finish on the weights
+    they started with (the engine's `finish_old` policy)."""
+    weight_poll_s: float = Field(default=0.2, gt=0)
+    """How often a worker asks the weight store for a newer version."""
+    verify_threads: int = Field(default=16, ge=1)
+    """Concurrent verifications per worker (verifiers may be slow: sandboxes, test suites)."""
+    verify_latency: Literal["none", "lognormal"] = "none"
+    """Add artificial verifier latency (benchmarks): `lognormal` draws each verification's delay
+    from a lognormal with median verify_latency_p50_s and p99/p50 = verify_latency_p99_over_p50."""
+    verify_latency_p50_s: float = Field(default=0.05, ge=0)
+    """Median artificial verifier latency (verify_latency = lognormal)."""
+    verify_latency_p99_over_p50: float = Field(default=5.0, ge=1)
+    """Tail ratio of the artificial verifier latency (p99 / p50)."""
+    seeded: bool = False
+    """Deterministic sampling: each sample's seed is a function of (run.seed, task id, sample
+    index), so a sync run is reproducible (used by the kill-and-resume determinism test)."""
 
 
 class BufferConfig(Section):
     max_staleness: int = Field(default=2, ge=0)
-    """Most policy versions a trained token may lag the trainer (0 = on-policy / sync)."""
+    """Most policy versions a trained token may lag the trainer in `async` mode (counted from the
+    oldest token of a group). `sync` uses 0 and `one_step_off` 1 whatever this says."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal (no GRPO signal); admission control over-samples
+    to keep batches full."""
 
 
 class TrainerConfig(Section):
@@ -36,8 +63,55 @@ class TrainerConfig(Section):
     """Groups (tasks) per training batch."""
     lr: float = Field(default=1e-4, gt=0)
     """Peak learning rate (AdamW)."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After warm-up: constant, or cosine decay to lr * min_lr_ratio at the last step."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Linear warm-up steps."""
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    """Cosine schedule floor as a fraction of lr."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """AdamW weight decay (matrices only)."""
+    grad_clip: float = Field(default=1.0, gt=0)
+    """Max global gradient norm."""
     loss: Literal["grpo", "ppo"] = "grpo"
-    """Policy-gradient objective."""
+    """Policy-gradient objective: GRPO (group-relative advantages) or PPO (value head + GAE)."""
+    std_norm: bool = True
+    """GRPO: divide group-centred rewards by the group's std (Dr. GRPO turns this off)."""
+    clip_low: float = Field(default=0.2, ge=0)
+    """Ratio clip below 1 (1 - clip_low)."""
+    clip_high: float = Field(default=0.28, ge=0)
+    """Ratio clip above 1 (1 + clip_high); > clip_low is DAPO's clip-higher."""
+    aggregation: Literal["token_mean", "seq_mean"] = "token_mean"
+    """Loss aggregation over tokens: token_mean (DAPO) or seq_mean (original GRPO)."""
+    is_cap: float = Field(default=2.0, ge=0)
+    """Truncated importance sampling: weight = min(pi_proximal / pi_behaviour, is_cap); 0 = off."""
+    kl_coef: float = Field(default=0.0, ge=0)
+    """Weight of the k3 KL penalty to the reference (starting) policy; 0 = no reference model."""
+    entropy_coef: float = Field(default=0.0, ge=0)
+    """Entropy bonus weight."""
+    num_minibatches: int = Field(default=1, ge=1)
+    """Optimizer steps per batch (the batch is split); > 1 makes the ratio clip active."""
+    ppo_gamma: float = Field(default=1.0, ge=0, le=1)
+    """PPO: discount."""
+    ppo_lambda: float = Field(default=0.95, ge=0, le=1)
+    """PPO: GAE lambda."""
+    value_coef: float = Field(default=0.5, ge=0)
+    """PPO: weight of the clipped value loss."""
+    value_clip: float = Field(default=0.2, gt=0)
+    """PPO: value clip range."""
+    value_lr: float = Field(default=0.0, ge=0)
+    """PPO: critic learning rate; 0 = lr."""
+    bf16: bool = False
+    """Run the forward pass under bfloat16 autocast (weights and optimizer stay float32)."""
+    eval_every: int = Field(default=0, ge=0)
+    """Held-out pass@1 every this many steps (0 = only before and after the run)."""
+    checkpoint_every: int = Field(default=10, ge=0)
+    """Write a resumable checkpoint every this many steps (0 = only at the end)."""
+    deterministic: bool = False
+    """Reproducible run: forces rollout.seeded, sync-style admission order and one worker thread
+    of verification, so a killed and resumed run reproduces per-step losses exactly."""
+    batch_timeout_s: float = Field(default=600.0, gt=0)
+    """Fail loudly when no batch arrives for this long (workers dead or stuck)."""
 
 
 class StoreConfig(Section):
@@ -46,3 +120,7 @@ class StoreConfig(Section):
     <run.output_dir>/store."""
     keep_last: int = Field(default=3, ge=1)
     """Weight versions kept."""
+    keep_checkpoints: int = Field(default=2, ge=1)
+    """Trainer checkpoints kept."""
+    endpoint_url: str = ""
+    """S3 endpoint (MinIO, moto, ...); empty = AWS's default."""

@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from slipstream.config.base import Section
 
@@ -13,8 +13,30 @@ class TaskConfig(Section):
     seed: int = Field(default=1234, ge=0)
     """Seed of the task generator (train and held-out splits are disjoint for a seed)."""
     num_train: int = Field(default=20000, ge=1)
-    """Training prompts."""
+    """Training prompts (train indices wrap around at this count)."""
     num_heldout: int = Field(default=200, ge=1)
     """Held-out prompts for evaluation."""
+    heldout_fraction: float = Field(default=0.1, gt=0, lt=1)
+    """Share of the problem-key space reserved for the held-out split (by keyed hash)."""
+    tokenizer: str = "char"
+    """`char` (built-in character vocabulary), or a path to a tokenizer.json / a directory holding one."""
     max_digits: int = Field(default=3, ge=1, le=18)
     """Arithmetic: operands have up to this many digits."""
+    min_digits: int = Field(default=1, ge=1, le=18)
+    """Arithmetic: operands have at least this many digits (digit count is uniform in the range)."""
+    ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-", "*"], min_length=1)
+    """Arithmetic: operators to draw from (uniformly)."""
+    countdown_numbers: int = Field(default=4, ge=2, le=5)
+    """Countdown: how many numbers are given (the demonstration solver is exhaustive, hence <= 5)."""
+    countdown_max_number: int = Field(default=20, ge=2, le=1000)
+    """Countdown: given numbers are drawn from 1..this."""
+    countdown_max_target: int = Field(default=100, ge=2, le=100000)
+    """Countdown: targets are in 1..this."""
+
+    @model_validator(mode="after")
+    def _digits_ordered(self) -> "TaskConfig":
+        if self.min_digits > self.max_digits:
+            raise ValueError(
+                f"task.min_digits ({self.min_digits}) must be <= task.max_digits ({self.max_digits})"
+            )
+        return self

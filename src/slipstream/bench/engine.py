@@ -1,0 +1,223 @@
+"""`slipstream bench engine`: rollout generation throughput on a GRPO-shaped workload.
+
+For each model (quickstart MoE: hidden 128, 4 layers, 8 experts top-2; larger: hidden 256,
+8 layers, 16 experts top-2; vocab 40) and workload (P prompts x G samples), all in one run on the
+same random weights:
+- figure (a): slipstream's native engine (continuous batching, group prefix sharing),
+- baseline (b): Hugging Face transformers `generate` on the same weights (save_pretrained ->
+  AutoModelForCausalLM.from_pretrained), do_sample, num_return_sequences=G, run in chunks of
+  max_batch_size // G prompts (the engine's concurrency),
+- limit (c): slipstream's model decoding a full batch of max_batch_size rows with a preallocated
+  StaticKVCache and no scheduling or sampling (forward passes only), over the same context range.
+Metric: output tokens per second (tokens up to and including EOS; HF's post-EOS padding is not
+counted). Temperature 1.0, no top-k/top-p, up to --max-new-tokens.
+
+Natural EOS: the models are random with a small init (std 0.02), so the next-token distribution is
+close to uniform and EOS (id 2) is sampled with probability about 1/V per step: lengths are
+geometric (mean ~V tokens, capped at max_new_tokens), which gives the long-tailed length spread
+of real GRPO groups without training. Prompts are 8-24 random tokens.
+
+Writes JSON with provenance to benchmarks/results/engine.json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+MODELS = {
+    "quickstart": dict(hidden_size=128, num_hidden_layers=4, num_experts=8, num_experts_per_tok=2),
+    "larger": dict(
+        hidden_size=256, num_hidden_layers=8, num_experts=16, num_experts_per_tok=2,
+        num_attention_heads=8, num_key_value_heads=4, moe_intermediate_size=256,
+    ),
+}  # fmt: skip
+EOS = 2
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "engine",
+        help="rollout throughput: native engine vs HF generate vs raw decode limit",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--models", default="quickstart,larger", help="comma list of: " + ",".join(MODELS))
+    p.add_argument("--workloads", default="8x8,32x8", help="comma list of PROMPTSxGROUP")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-batch-size", type=int, default=64, help="engine rows / HF chunk / limit batch")
+    p.add_argument("--vocab", type=int, default=40)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="benchmarks/results/engine.json", help="JSON output path")
+    p.set_defaults(func=run)
+
+
+def _build_model(name: str, vocab: int, max_pos: int, device: str, seed: int) -> Any:
+    import torch
+
+    from slipstream.config.model import ModelConfig
+    from slipstream.model import MoEForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=vocab, max_position_embeddings=max_pos, **MODELS[name])
+    return MoEForCausalLM(cfg).to(device).eval()
+
+
+def _prompts(num: int, vocab: int, seed: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(8, 25, (num,), generator=g).tolist()
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def _run_native(model: Any, prompts: list[list[int]], group: int, args: argparse.Namespace, slot_len: int) -> dict[str, Any]:
+    from slipstream.config.engine import EngineConfig
+    from slipstream.engine import GenerateRequest, NativeEngine, SamplingParams
+
+    cfg = EngineConfig(
+        max_batch_size=args.max_batch_size,
+        kv_cache_tokens=args.max_batch_size * slot_len,
+        max_seq_len=slot_len,
+        device=args.device,
+    )
+    with NativeEngine(model, cfg, eos_token_ids=[EOS]) as eng:
+        warm = [GenerateRequest(prompts[0], SamplingParams(max_new_tokens=8, n=group, seed=1))]
+        eng.generate(warm)
+        reqs = [
+            GenerateRequest(p, SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, n=group, seed=args.seed + i))
+            for i, p in enumerate(prompts)
+        ]  # fmt: skip
+        t0 = time.perf_counter()
+        out = eng.generate(reqs)
+        wall = time.perf_counter() - t0
+    lengths = [len(c.token_ids) for c in out]
+    return {
+        "tokens": sum(lengths),
+        "wall_s": wall,
+        "tokens_per_s": sum(lengths) / wall,
+        "mean_len": sum(lengths) / len(lengths),
+        "max_len": max(lengths),
+        "eos_fraction": sum(c.finish_reason == "stop" for c in out) / len(out),
+    }
+
+
+def _run_hf(model: Any, prompts: list[list[int]], group: int, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    from slipstream.model import save_pretrained
+
+    with tempfile.TemporaryDirectory() as tmp:
+        save_pretrained(model, tmp)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).to(args.device).eval()
+    chunk = max(1, args.max_batch_size // group)
+    gen_kw = dict(
+        do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=args.max_new_tokens,
+        num_return_sequences=group, eos_token_id=EOS, pad_token_id=0,
+    )  # fmt: skip
+
+    def batch(ps: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(p) for p in ps)
+        ids = torch.zeros((len(ps), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(ps):  # left padding, as decoder-only generation needs
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        return ids.to(args.device), mask.to(args.device)
+
+    with torch.inference_mode():
+        ids, mask = batch(prompts[:1])
+        hf.generate(input_ids=ids, attention_mask=mask, **{**gen_kw, "max_new_tokens": 8})
+        torch.manual_seed(args.seed)
+        tokens, lengths, t0 = 0, [], time.perf_counter()
+        for start in range(0, len(prompts), chunk):
+            ids, mask = batch(prompts[start : start + chunk])
+            out = hf.generate(input_ids=ids, attention_mask=mask, **gen_kw)[:, ids.shape[1] :]
+            for row in out.tolist():
+                n = row.index(EOS) + 1 if EOS in row else len(row)
+                lengths.append(n)
+        wall = time.perf_counter() - t0
+    tokens = sum(lengths)
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "mean_len": tokens / len(lengths)}
+
+
+def _run_limit(model: Any, batch_size: int, prompt_len: int, steps: int, device: str) -> dict[str, Any]:
+    import torch
+
+    from slipstream.model import StaticKVCache
+
+    cache = StaticKVCache.for_model(model, batch_size, prompt_len + steps + 1)
+    ids = torch.randint(3, model.config.vocab_size, (batch_size, prompt_len), device=device)
+    with torch.inference_mode():
+        for _ in range(2):  # the first pass warms up; the second is timed
+            cache.reset()
+            model(ids, cache=cache)
+            tok = torch.full((batch_size, 1), 5, dtype=torch.long, device=device)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                model(tok, cache=cache)
+            wall = time.perf_counter() - t0
+    return {"batch": batch_size, "steps": steps, "wall_s": wall, "tokens_per_s": batch_size * steps / wall}
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from slipstream.observe.provenance import collect_provenance
+
+    torch.set_num_threads(args.threads)
+    workloads = [tuple(int(x) for x in w.lower().split("x")) for w in args.workloads.split(",")]
+    slot_len = 24 + args.max_new_tokens
+    rows: list[dict[str, Any]] = []
+    header = f"{'model':<11} {'P x G':>7} {'(a) native':>11} {'(b) HF':>9} {'(c) limit':>10} {'a/b':>6} {'a/c':>6}  mean/max len"
+    print("output tokens/s\n" + header)
+    for name in args.models.split(","):
+        model = _build_model(name, args.vocab, slot_len, args.device, args.seed)
+        for num_prompts, group in workloads:
+            prompts = _prompts(num_prompts, args.vocab, args.seed + 1)
+            native = _run_native(model, prompts, group, args, slot_len)
+            hf = None if args.skip_hf else _run_hf(model, prompts, group, args)
+            batch = min(args.max_batch_size, num_prompts * group)
+            mean_prompt = sum(len(p) for p in prompts) // len(prompts)
+            limit = _run_limit(model, batch, mean_prompt, args.max_new_tokens, args.device)
+            row = {
+                "model": name,
+                "model_config": MODELS[name],
+                "num_prompts": num_prompts,
+                "group_size": group,
+                "native": native,
+                "hf_generate": hf,
+                "limit_raw_decode": limit,
+                "native_over_hf": None if hf is None else native["tokens_per_s"] / hf["tokens_per_s"],
+                "native_over_limit": native["tokens_per_s"] / limit["tokens_per_s"],
+            }
+            rows.append(row)
+            hf_s = "-" if hf is None else f"{hf['tokens_per_s']:.0f}"
+            ab = "-" if hf is None else f"{row['native_over_hf']:.2f}"
+            print(
+                f"{name:<11} {num_prompts:>3} x {group:<2} {native['tokens_per_s']:>11.0f} {hf_s:>9} "
+                f"{limit['tokens_per_s']:>10.0f} {ab:>6} {row['native_over_limit']:>6.2f}  "
+                f"{native['mean_len']:.1f}/{native['max_len']}",
+                flush=True,
+            )
+    result = {
+        "benchmark": "engine",
+        "metric": "output tokens per second",
+        "goals": {"native_over_hf": 3.0, "native_over_limit": 0.7},
+        "settings": {k: v for k, v in vars(args).items() if k != "func"},
+        "results": rows,
+        "provenance": collect_provenance(),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0

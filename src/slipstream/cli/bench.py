@@ -1,0 +1,27 @@
+"""`slipstream bench NAME`: run one benchmark (figure vs baseline vs limit, JSON with provenance)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# Benchmark modules under slipstream.bench, in the order `--help` lists them.
+BENCHMARKS = ["engine", "pipeline", "sandbox", "moe_experts"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="run a benchmark: figure next to its baseline and limit, JSON with provenance",
+        description="Benchmarks print the measured figure next to its baseline and its limit, "
+        "measured in the same run, and write JSON with provenance under benchmarks/results/.",
+    )
+    bsub = p.add_subparsers(dest="bench_name", metavar="NAME", required=True)
+    for name in BENCHMARKS:
+        try:
+            module = importlib.import_module(f"slipstream.bench.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"slipstream.bench.{name}":
+                continue
+            raise
+        module.register(bsub)

@@ -1,0 +1,50 @@
+"""`slipstream ckpt list|export`: inspect the weight versions and trainer checkpoints of a run's
+store, and export a published weight version as an HF-format directory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from slipstream.cli import add_config_args
+from slipstream.config import load_config
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("ckpt", help="list weight versions / checkpoints in the store, export weights")
+    csub = p.add_subparsers(dest="ckpt_command", metavar="ACTION", required=True)
+    ls = csub.add_parser("list", help="published weight versions and resumable checkpoints")
+    add_config_args(ls)
+    ls.set_defaults(func=cmd_list)
+    ex = csub.add_parser("export", help="copy a weight version into a local HF-format directory")
+    add_config_args(ex)
+    ex.add_argument("--version", type=int, default=None, help="default: the latest")
+    ex.add_argument("output", help="directory to write")
+    ex.set_defaults(func=cmd_export)
+
+
+def _stores(args: argparse.Namespace):
+    from slipstream.rl.checkpoint import CheckpointStore
+    from slipstream.rl.controller import storage_options, store_url
+    from slipstream.rl.weights import WeightStore
+
+    cfg = load_config(args.config, args.overrides)
+    weights = WeightStore(store_url(cfg), cfg.store.keep_last, storage_options(cfg))
+    return weights, CheckpointStore(weights.blob, cfg.store.keep_checkpoints)
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    weights, ckpts = _stores(args)
+    print(json.dumps({"store": weights.blob.url, "weight_versions": weights.versions(),
+                      "checkpoint_steps": ckpts.steps()}, indent=1))  # fmt: skip
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    weights, _ = _stores(args)
+    version = args.version if args.version is not None else weights.latest()
+    if version is None:
+        print(f"slipstream ckpt: no published weights in {weights.blob.url}")
+        return 1
+    print(weights.fetch_to_dir(version, args.output))
+    return 0

@@ -1,0 +1,29 @@
+"""`slipstream sft`: supervised warm start on the task's demonstrations (see slipstream.sft)."""
+
+from __future__ import annotations
+
+import argparse
+
+from slipstream.cli import add_config_args
+from slipstream.config import load_config
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "sft",
+        help="train the policy on task demonstrations and save an HF-format checkpoint",
+        description="Supervised warm start: trains the MoE policy on [task] demonstrations per [sft], "
+        "writes <run.output_dir>/sft/metrics.jsonl and <run.output_dir>/sft/checkpoint/ "
+        "(config.json, safetensors, tokenizer). Example: slipstream sft -c configs/quickstart.toml "
+        "--sft.steps=100",
+    )
+    add_config_args(p)
+    p.set_defaults(func=cmd_sft)
+
+
+def cmd_sft(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)  # fails on a bad config before torch loads
+    from slipstream.sft import run_sft
+
+    run_sft(cfg)
+    return 0

@@ -1,0 +1,55 @@
+"""Rollout inference: the `Engine` protocol, slipstream's native continuous-batching engine, an
+HTTP server speaking SGLang's native API (plus OpenAI completions) and an HTTP client engine.
+
+`engine.server` (FastAPI) is imported only by `slipstream serve`; this package needs torch and
+httpx only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from slipstream.engine.base import (
+    ALL_TOKENS,
+    Completion,
+    Engine,
+    FinishReason,
+    GenerateRequest,
+    SamplingParams,
+)
+from slipstream.engine.http_client import EngineHTTPError, HTTPEngine
+from slipstream.engine.native import NativeEngine, load_weights_into
+from slipstream.engine.sampling import RowParams, processed_logprobs
+
+
+def build_engine(config: Any, model: Any = None, tokenizer: Any = None, version: int = 0) -> Engine:
+    """The engine named by an `EngineConfig` (`type` = "native" needs `model`; "http" needs `url`)."""
+    if config.type == "native":
+        if model is None:
+            raise ValueError("engine.type = 'native' needs a model")
+        return NativeEngine(model, config, tokenizer=tokenizer, version=version)
+    if not config.url:
+        raise ValueError("engine.type = 'http' needs engine.url")
+    return HTTPEngine(
+        config.url,
+        max_concurrency=config.max_concurrency,
+        timeout_s=config.request_timeout_s,
+        max_retries=config.max_retries,
+    )
+
+
+__all__ = [
+    "ALL_TOKENS",
+    "Completion",
+    "Engine",
+    "EngineHTTPError",
+    "FinishReason",
+    "GenerateRequest",
+    "HTTPEngine",
+    "NativeEngine",
+    "RowParams",
+    "SamplingParams",
+    "build_engine",
+    "load_weights_into",
+    "processed_logprobs",
+]

@@ -1,0 +1,154 @@
+"""The running batch of the native engine: per-row state as tensors, kept compacted.
+
+Row i of the batch lives in KV slot i. When a row finishes, the last row moves into its place
+(its KV prefix and every per-row tensor), so rows [0, B) are always the live ones and a decode
+step needs no gather. Output tokens, behaviour logprobs and versions are written into per-row
+buffers with one indexed store per step; Python touches a row only when it joins, finishes, or
+has stop strings to check.
+
+Legend: N slots (most rows), B live rows, S slot length, W stop-token width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from slipstream.engine.base import SamplingParams
+from slipstream.engine.kv_cache import SlotKVCache
+from slipstream.engine.sampling import RowParams
+
+
+@dataclass
+class Group:
+    """One request in the engine: its n samples and where to deliver them."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    deliver: Callable[[list[Any]], None]  # gets the n Completions, on the engine thread
+    fail: Callable[[Exception], None]  # the engine could not run the request
+    start_s: float
+    results: list[Any] = field(default_factory=list)
+    remaining: int = 0
+
+
+@dataclass
+class Row:
+    group: Group
+    index: int  # sample index within the group
+    stop_ids: frozenset[int]
+
+
+class RunningBatch:
+    """Per-row tensors for up to `num_slots` rows, plus the KV cache they index."""
+
+    def __init__(self, cache: SlotKVCache, vocab_size: int, device: torch.device | str) -> None:
+        n, s = cache.num_slots, cache.slot_len
+        self.cache = cache
+        self.vocab_size = vocab_size
+        self.device = device
+        self.rows: list[Row] = []
+        self.pos_N = torch.zeros(n, dtype=torch.int64, device=device)  # tokens stored in KV
+        self.gen_N = torch.zeros(n, dtype=torch.int64, device=device)  # tokens generated
+        self.last_N = torch.zeros(n, dtype=torch.int64, device=device)  # token to feed next
+        self.max_new_N = torch.zeros(n, dtype=torch.int64, device=device)
+        self.stop_NW = torch.full((n, 4), -1, dtype=torch.int64, device=device)
+        self.out_tok_NS = torch.zeros((n, s), dtype=torch.int64, device=device)
+        self.out_lp_NS = torch.zeros((n, s), dtype=torch.float32, device=device)
+        self.out_ver_NS = torch.zeros((n, s), dtype=torch.int64, device=device)
+        self._params: RowParams | None = None
+        self.stop_string_rows: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def free_slots(self) -> int:
+        return self.cache.num_slots - len(self.rows)
+
+    def params(self) -> RowParams:
+        """Row sampling parameters, rebuilt only after the composition changed."""
+        if self._params is None:
+            self._params = RowParams.build(
+                [r.group.params for r in self.rows],
+                [r.group.seed for r in self.rows],
+                [r.index for r in self.rows],
+                self.vocab_size,
+                self.device,
+            )
+            self.stop_string_rows = [i for i, r in enumerate(self.rows) if r.group.params.stop]
+        return self._params
+
+    def add(self, row: Row, prompt_len: int) -> int:
+        """Append a row (its KV must be written by the caller); returns its index."""
+        i = len(self.rows)
+        self.rows.append(row)
+        stops = sorted(row.stop_ids)
+        if len(stops) > self.stop_NW.shape[1]:
+            wider = torch.full((self.stop_NW.shape[0], len(stops)), -1, dtype=torch.int64)
+            wider[:, : self.stop_NW.shape[1]] = self.stop_NW
+            self.stop_NW = wider.to(self.device)
+        self.stop_NW[i] = -1
+        if stops:
+            self.stop_NW[i, : len(stops)] = torch.tensor(stops, dtype=torch.int64)
+        limit = min(row.group.params.max_new_tokens, self.cache.slot_len - prompt_len + 1)
+        self.max_new_N[i] = limit
+        self.pos_N[i] = prompt_len
+        self.gen_N[i] = 0
+        self._params = None
+        return i
+
+    def record(
+        self, first: int, tokens_B: torch.Tensor, logprobs_B: torch.Tensor, version: int
+    ) -> None:
+        """Store one sampled token for rows [first, first + len(tokens_B)) and advance them."""
+        num = tokens_B.shape[0]
+        rows_B = torch.arange(first, first + num, device=tokens_B.device)
+        gen_B = self.gen_N[first : first + num]
+        self.out_tok_NS[rows_B, gen_B] = tokens_B
+        self.out_lp_NS[rows_B, gen_B] = logprobs_B
+        self.out_ver_NS[rows_B, gen_B] = version
+        self.last_N[first : first + num] = tokens_B
+        self.gen_N[first : first + num] += 1
+
+    def done_mask(self, first: int, tokens_B: torch.Tensor) -> torch.Tensor:
+        """Rows (from `first`) that hit a stop token, their token limit, or the slot end."""
+        end = first + tokens_B.shape[0]
+        hit_B = (tokens_B[:, None] == self.stop_NW[first:end]).any(dim=1)
+        hit_B |= self.gen_N[first:end] >= self.max_new_N[first:end]
+        # The pending token needs a KV position for the next step: none left -> length.
+        hit_B |= self.pos_N[first:end] >= self.cache.slot_len
+        return hit_B
+
+    def tokens(self, i: int) -> list[int]:
+        return self.out_tok_NS[i, : int(self.gen_N[i])].tolist()
+
+    def take(self, i: int) -> tuple[Row, list[int], list[float], list[int]]:
+        """Read a row's outputs; the caller then calls `remove`."""
+        n = int(self.gen_N[i])
+        return (
+            self.rows[i],
+            self.out_tok_NS[i, :n].tolist(),
+            self.out_lp_NS[i, :n].tolist(),
+            self.out_ver_NS[i, :n].tolist(),
+        )
+
+    def remove(self, indices: list[int]) -> None:
+        """Drop rows; the last live row fills each hole (highest index first)."""
+        for i in sorted(indices, reverse=True):
+            last = len(self.rows) - 1
+            if i != last:
+                self.cache.move(last, i, int(self.pos_N[last]))
+                for t in (self.pos_N, self.gen_N, self.last_N, self.max_new_N):
+                    t[i] = t[last]
+                for t in (self.stop_NW, self.out_tok_NS, self.out_lp_NS, self.out_ver_NS):
+                    t[i] = t[last]
+                self.rows[i] = self.rows[last]
+            self.rows.pop()
+        if indices:
+            self._params = None

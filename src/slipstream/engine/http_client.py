@@ -1,0 +1,301 @@
+"""`Engine` over HTTP: slipstream's own server, SGLang (native `/generate`) or vLLM (OpenAI
+`/v1/completions` with token ids).
+
+One background event loop owns an `httpx.AsyncClient` (connection pool); `generate` (sync) and
+`agenerate` (async, from any event loop) both run there. Concurrency is bounded by a semaphore;
+connection errors and 5xx answers are retried with exponential backoff; 4xx answers and exhausted
+retries raise `EngineHTTPError` with the status and the server's message.
+
+api="sglang": POST /generate with input_ids, sampling_params (SGLang names) and
+return_logprob=True; versions come from meta_info.output_token_versions (slipstream) or
+meta_info.weight_version (SGLang) when it parses as an integer, else -1.
+api="openai": POST /v1/completions with token-id prompts, logprobs=0 and vLLM's
+return_tokens_as_token_ids so token ids come back exactly; versions are -1 (unknown).
+
+What the logprobs mean is the server's business: slipstream's are behaviour logprobs after all
+sampling processing; other servers may report them before top-k/top-p processing.
+Not covered: streaming, update_weights on api="openai" (vLLM has no standard endpoint).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from slipstream.engine.base import ALL_TOKENS, Completion, GenerateRequest
+
+log = logging.getLogger(__name__)
+
+
+class EngineHTTPError(RuntimeError):
+    """The server answered with an error (or could not be reached after retries)."""
+
+    def __init__(self, message: str, status_code: int | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+class HTTPEngine:
+    """Client `Engine` for a server at `url` (e.g. http://127.0.0.1:30000)."""
+
+    def __init__(
+        self,
+        url: str,
+        api: str = "sglang",
+        max_concurrency: int = 64,
+        timeout_s: float = 600.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.25,
+        model: str | None = None,
+    ) -> None:
+        if api not in ("sglang", "openai"):
+            raise ValueError(f"api must be 'sglang' or 'openai', got {api!r}")
+        self.url = url.rstrip("/")
+        self.api = api
+        self.max_concurrency = max_concurrency
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.model = model
+        self._version = 0
+        self._group_sizes: dict[str, int] = {}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="http-engine", daemon=True
+        )
+        self._thread.start()
+        self._client: httpx.AsyncClient | None = None
+        self._sem: asyncio.Semaphore | None = None
+        self._call(self._setup())
+
+    async def _setup(self) -> None:
+        limits = httpx.Limits(
+            max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency
+        )
+        self._client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(self.timeout_s))
+        self._sem = asyncio.Semaphore(self.max_concurrency)
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _spawn(self, coro: Any) -> Future:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    # ---- Engine protocol ----------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
+        return self._call(self._generate_all(list(requests)))
+
+    async def agenerate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
+        return await asyncio.wrap_future(self._spawn(self._generate_all(list(requests))))
+
+    def update_weights(self, version: int, source: Any) -> None:
+        """`source` must be a directory path the *server* can read (HF format)."""
+        if self.api != "sglang":
+            raise NotImplementedError(
+                "update_weights needs the SGLang-style /update_weights_from_disk"
+            )
+        if not isinstance(source, str | Path):
+            raise TypeError(
+                "HTTPEngine.update_weights takes a checkpoint directory path, not tensors"
+            )
+        body = {"model_path": str(source), "weight_version": str(version)}
+        out = self._call(self._post("/update_weights_from_disk", body))
+        if not out.get("success", False):
+            raise EngineHTTPError(f"update_weights_from_disk failed: {out.get('message')}")
+        self._version = version
+
+    def abort(self, request_id: str) -> None:
+        n = self._group_sizes.get(request_id, 1)
+        rids = [request_id] if n == 1 else [f"{request_id}_{i}" for i in range(n)] + [request_id]
+        for rid in rids:
+            self._call(self._post("/abort_request", {"rid": rid}, expect_json=False))
+
+    def flush_cache(self) -> None:
+        self._call(self._post("/flush_cache", {}, expect_json=False))
+
+    def get_model_info(self) -> dict[str, Any]:
+        return self._call(self._request("GET", "/get_model_info", None))
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._call(self._client.aclose())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> HTTPEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    async def _generate_all(self, requests: list[GenerateRequest]) -> list[Completion]:
+        one = self._generate_sglang if self.api == "sglang" else self._generate_openai
+        groups = await asyncio.gather(*(one(r) for r in requests))
+        return [c for g in groups for c in g]
+
+    async def _generate_sglang(self, r: GenerateRequest) -> list[Completion]:
+        p = r.params
+        sp: dict[str, Any] = {
+            "max_new_tokens": p.max_new_tokens,
+            "temperature": p.temperature,
+            "top_p": p.top_p,
+            "top_k": p.top_k,
+            "min_p": p.min_p,
+            "n": p.n,
+            "ignore_eos": p.ignore_eos,
+        }
+        if p.stop:
+            sp["stop"] = list(p.stop)
+        if p.stop_token_ids:
+            sp["stop_token_ids"] = list(p.stop_token_ids)
+        if p.seed is not None:
+            sp["sampling_seed"] = p.seed
+        body = {
+            "input_ids": r.prompt_ids,
+            "sampling_params": sp,
+            "return_logprob": True,
+            "rid": r.request_id,
+        }
+        self._group_sizes[r.request_id] = p.n
+        try:
+            out = await self._post("/generate", body)
+        finally:
+            self._group_sizes.pop(r.request_id, None)
+        outs = out if isinstance(out, list) else [out]
+        if len(outs) != p.n:
+            raise EngineHTTPError(f"/generate returned {len(outs)} outputs for n={p.n}")
+        return [self._parse_sglang(r, i, o) for i, o in enumerate(outs)]
+
+    def _parse_sglang(self, r: GenerateRequest, index: int, out: dict[str, Any]) -> Completion:
+        meta = out.get("meta_info", {})
+        lp_items = meta.get("output_token_logprobs") or []
+        ids = out.get("output_ids")
+        tokens = [int(t) for t in ids] if ids is not None else [int(x[1]) for x in lp_items]
+        logprobs = [float(x[0]) if x[0] is not None else float("nan") for x in lp_items]
+        versions = meta.get("output_token_versions")
+        if versions is None:
+            wv = meta.get("weight_version")
+            v = int(wv) if isinstance(wv, str) and wv.lstrip("-").isdigit() else -1
+            versions = [v] * len(tokens)
+        finish = meta.get("finish_reason") or {"type": "abort"}
+        reason = finish.get("type", "abort")
+        if reason not in ("stop", "length", "abort"):
+            reason = "abort"
+        return Completion(
+            r.request_id, index, r.prompt_ids, tokens, out.get("text", ""), logprobs, reason,
+            [int(v) for v in versions], finish.get("matched"), {"meta_info": meta},
+        )  # fmt: skip
+
+    async def _generate_openai(self, r: GenerateRequest) -> list[Completion]:
+        p = r.params
+        body: dict[str, Any] = {
+            "model": self.model or "default",
+            "prompt": r.prompt_ids,
+            "max_tokens": p.max_new_tokens,
+            "temperature": p.temperature,
+            "top_p": p.top_p,
+            "n": p.n,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+        }
+        if p.top_k != ALL_TOKENS:
+            body["top_k"] = p.top_k
+        if p.min_p:
+            body["min_p"] = p.min_p
+        if p.stop:
+            body["stop"] = list(p.stop)
+        if p.stop_token_ids:
+            body["stop_token_ids"] = list(p.stop_token_ids)
+        if p.seed is not None:
+            body["seed"] = p.seed
+        if p.ignore_eos:
+            body["ignore_eos"] = True
+        out = await self._post("/v1/completions", body)
+        completions = []
+        for i, ch in enumerate(sorted(out["choices"], key=lambda c: c["index"])):
+            tokens = ch.get("token_ids")
+            lp = ch.get("logprobs") or {}
+            if tokens is None:
+                tokens = [int(str(t).removeprefix("token_id:")) for t in lp.get("tokens", [])]
+            logprobs = [float(x) for x in lp.get("token_logprobs", [])]
+            reason = ch.get("finish_reason") or "abort"
+            versions = ch.get("token_versions") or [-1] * len(tokens)
+            completions.append(
+                Completion(
+                    r.request_id,
+                    i,
+                    r.prompt_ids,
+                    [int(t) for t in tokens],
+                    ch.get("text", ""),
+                    logprobs,
+                    reason if reason in ("stop", "length") else "abort",
+                    versions,
+                    ch.get("matched_stop"),
+                )  # fmt: skip
+            )
+        return completions
+
+    async def _post(self, path: str, body: dict[str, Any], expect_json: bool = True) -> Any:
+        return await self._request("POST", path, body, expect_json)
+
+    async def _request(self, method: str, path: str, body: Any, expect_json: bool = True) -> Any:
+        assert self._client is not None and self._sem is not None
+        url = self.url + path
+        async with self._sem:
+            for attempt in range(self.max_retries + 1):
+                last = attempt == self.max_retries
+                try:
+                    resp = await self._client.request(method, url, json=body)
+                except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as e:
+                    if last:
+                        raise EngineHTTPError(
+                            f"{method} {url}: {type(e).__name__} after {attempt + 1} attempts: {e}"
+                        ) from e
+                    log.warning("%s %s: %s, retrying", method, url, type(e).__name__)
+                    await asyncio.sleep(self.backoff_s * 2**attempt)
+                    continue
+                except httpx.TimeoutException as e:
+                    raise EngineHTTPError(
+                        f"{method} {url}: timed out after {self.timeout_s} s"
+                    ) from e
+                if resp.status_code >= 500 and not last:
+                    log.warning("%s %s: HTTP %d, retrying", method, url, resp.status_code)
+                    await asyncio.sleep(self.backoff_s * 2**attempt)
+                    continue
+                if resp.status_code >= 400:
+                    raise EngineHTTPError(
+                        f"{method} {url}: HTTP {resp.status_code}: {_error_message(resp)}",
+                        resp.status_code,
+                    )
+                return resp.json() if expect_json else resp.text
+        raise AssertionError("unreachable")
+
+
+def _error_message(resp: httpx.Response) -> str:
+    try:
+        data = resp.json()
+    except ValueError:
+        return resp.text[:500]
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if "message" in data:
+            return str(data["message"])
+        if "detail" in data:
+            return str(data["detail"])
+    return str(data)[:500]

@@ -1,0 +1,112 @@
+"""Preallocated slot KV cache that plugs into the model's attention seam.
+
+The model's attention layers call `cache.attend(layer_idx, q_BHTD, k_BKTD, v_BKTD)`; this cache
+decides where k/v are stored and what each query may see. Storage is one tensor per k and v of
+shape [L, N, K, S, D]: N slots of S positions each, allocated once (the engine's KV budget).
+
+The engine keeps its running rows compacted (batch row i lives in slot i), so a decode step reads
+slots [0, B) as a view with no gather. Two modes, set before each forward:
+
+- `begin_prefill(slots_P)`: fresh prompts, right-padded to a common length T, written to
+  positions [0, T) of the given slots; attention is causal within the chunk (padding sits after
+  every real token of its row, so real queries never see it).
+- `begin_decode(pos_B)`: one new token per row for rows [0, B), written at position pos_B[b];
+  row b attends over positions [0, pos_B[b]] (its own valid prefix plus the new token).
+
+Not covered: prefill on top of an existing prefix (chunked prefill / radix prefix cache), paging.
+
+Legend: L layers, N slots, K kv heads, H query heads, S slot length, D head dim, B rows, P prompts,
+T tokens in this forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class SlotKVCache:
+    """k/v storage for `num_slots` sequences of up to `slot_len` tokens each."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        slot_len: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (num_layers, num_slots, num_kv_heads, slot_len, head_dim)
+        self.k_LNKSD = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_LNKSD = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_slots = num_slots
+        self.slot_len = slot_len
+        self._mode = ""
+        self._slots_P: torch.Tensor | None = None
+        self._rows_B: torch.Tensor | None = None
+        self._pos_B: torch.Tensor | None = None
+        self._mask_B11S: torch.Tensor | None = None
+        self._span = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.k_LNKSD.nbytes + self.v_LNKSD.nbytes
+
+    def begin_prefill(self, slots_P: torch.Tensor) -> None:
+        self._mode = "prefill"
+        self._slots_P = slots_P
+
+    def begin_decode(self, pos_B: torch.Tensor, max_pos: int) -> None:
+        """`max_pos` = int(pos_B.max()), passed in so the caller controls the host sync."""
+        if max_pos >= self.slot_len:
+            raise ValueError(f"decode position {max_pos} is past the slot length {self.slot_len}")
+        self._mode = "decode"
+        num_rows = pos_B.shape[0]
+        self._span = max_pos + 1
+        self._rows_B = torch.arange(num_rows, device=pos_B.device)
+        self._pos_B = pos_B
+        span_S = torch.arange(self._span, device=pos_B.device)
+        self._mask_B11S = (span_S[None, :] <= pos_B[:, None])[:, None, None, :]
+
+    def attend(
+        self, layer_idx: int, q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD: torch.Tensor
+    ) -> torch.Tensor:
+        k_NKSD, v_NKSD = self.k_LNKSD[layer_idx], self.v_LNKSD[layer_idx]
+        if self._mode == "prefill":
+            num_tokens = k_BKTD.shape[2]
+            k_NKSD[self._slots_P, :, :num_tokens] = k_BKTD.to(k_NKSD.dtype)
+            v_NKSD[self._slots_P, :, :num_tokens] = v_BKTD.to(v_NKSD.dtype)
+            return F.scaled_dot_product_attention(
+                q_BHTD, k_BKTD, v_BKTD, is_causal=True, enable_gqa=True
+            )
+        if self._mode == "decode":
+            if q_BHTD.shape[2] != 1:
+                raise ValueError(f"decode takes one token per row, got {q_BHTD.shape[2]}")
+            num_rows = q_BHTD.shape[0]
+            # Advanced indices on dims 0 and 2 around a slice: the indexed view is [B, K, D].
+            k_NKSD[self._rows_B, :, self._pos_B] = k_BKTD[:, :, 0].to(k_NKSD.dtype)
+            v_NKSD[self._rows_B, :, self._pos_B] = v_BKTD[:, :, 0].to(v_NKSD.dtype)
+            keys_BKSD = k_NKSD[:num_rows, :, : self._span]
+            values_BKSD = v_NKSD[:num_rows, :, : self._span]
+            return F.scaled_dot_product_attention(
+                q_BHTD, keys_BKSD, values_BKSD, attn_mask=self._mask_B11S, enable_gqa=True
+            )
+        raise RuntimeError("SlotKVCache.attend called before begin_prefill/begin_decode")
+
+    def copy_prefix(self, src_slot: int, dst_slots: torch.Tensor, length: int) -> None:
+        """Copy the first `length` positions of one slot into others (group prefix sharing)."""
+        if dst_slots.numel() == 0:
+            return
+        self.k_LNKSD[:, dst_slots, :, :length] = self.k_LNKSD[
+            :, src_slot : src_slot + 1, :, :length
+        ]
+        self.v_LNKSD[:, dst_slots, :, :length] = self.v_LNKSD[
+            :, src_slot : src_slot + 1, :, :length
+        ]
+
+    def move(self, src_slot: int, dst_slot: int, length: int) -> None:
+        """Move a sequence to another slot (compaction when a row leaves the batch)."""
+        self.k_LNKSD[:, dst_slot, :, :length] = self.k_LNKSD[:, src_slot, :, :length]
+        self.v_LNKSD[:, dst_slot, :, :length] = self.v_LNKSD[:, src_slot, :, :length]

@@ -1,0 +1,424 @@
+"""slipstream's in-process inference engine: continuous batching over a preallocated slot KV cache.
+
+One engine thread owns the model and the cache and loops: apply a pending weight update, drop
+aborted rows, admit waiting requests that fit in free slots (prefill), then one decode forward for
+every live row. Requests therefore join and leave the running batch at every step.
+
+- KV budget: `kv_cache_tokens` tokens split into slots of `max_seq_len` tokens (prompt + completion);
+  at most min(max_batch_size, kv_cache_tokens // max_seq_len) sequences run at once. A group of n
+  samples is admitted only when n slots are free (groups are never split).
+- Group prefix sharing: the prompt of an n-sample request is prefilled once into the first slot of
+  the group and its KV copied into the other n-1 slots.
+- Sampling: see `sampling.py` (per-row parameters, counter-based per-request seeds).
+- Weights: `update_weights(version, source)` takes a state dict or an HF-format directory. Policy
+  (`weight_update_policy`): "finish_old" waits for the running rows to finish (new requests queue),
+  "continue_new" swaps at the next step boundary (in-flight rows keep their old KV prefix),
+  "abort" ends in-flight rows with finish_reason "abort". Per-token versions record the weights
+  each token was sampled with.
+
+Not covered: chunked prefill, prefix caching across requests, preemption, tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slipstream.config.engine import EngineConfig
+from slipstream.engine.base import Completion, GenerateRequest
+from slipstream.engine.batch import Group, Row, RunningBatch
+from slipstream.engine.kv_cache import SlotKVCache
+from slipstream.engine.sampling import sample
+
+log = logging.getLogger(__name__)
+
+WeightSource = Mapping[str, torch.Tensor] | str | Path
+
+
+class NativeEngine:
+    """Continuous-batching engine around an `MoEForCausalLM` (or any model with the same
+    `forward(input_ids_BT, position_ids_BT, cache)` and `cache.attend` seam).
+
+    `tokenizer` (optional) decodes texts and supplies EOS; without it texts are "" and only
+    stop_token_ids / `eos_token_ids` end samples. Close with `close()` (or use as a context manager).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: EngineConfig | None = None,
+        tokenizer: Any = None,
+        version: int = 0,
+        eos_token_ids: Sequence[int] | None = None,
+    ) -> None:
+        self.config = config or EngineConfig()
+        cfg = model.config
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.device = torch.device(self.config.device)
+        self.model.to(self.device)
+        slot_len = self.config.max_seq_len or cfg.max_position_embeddings
+        if slot_len > cfg.max_position_embeddings:
+            raise ValueError(
+                f"engine.max_seq_len={slot_len} exceeds the model's max_position_embeddings="
+                f"{cfg.max_position_embeddings}"
+            )
+        num_slots = min(self.config.max_batch_size, self.config.kv_cache_tokens // slot_len)
+        if num_slots < 1:
+            raise ValueError(
+                f"engine.kv_cache_tokens={self.config.kv_cache_tokens} holds no sequence of "
+                f"{slot_len} tokens; raise it or lower engine.max_seq_len"
+            )
+        dtype = next(model.parameters()).dtype
+        cache = SlotKVCache(
+            cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, slot_len, cfg.head_dim,
+            dtype=dtype, device=self.device,
+        )  # fmt: skip
+        self.batch = RunningBatch(cache, cfg.vocab_size, self.device)
+        if eos_token_ids is None:
+            eos_token_ids = [tokenizer.eos_id] if tokenizer is not None else []
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self._version = version
+        self._lock = threading.Condition()
+        self._waiting: deque[Group] = deque()
+        self._aborted: set[str] = set()
+        self._pending_update: tuple[int, WeightSource, concurrent.futures.Future] | None = None
+        self._seed_rng = torch.Generator().manual_seed(int(time.time_ns() % (1 << 62)))
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="slipstream-engine", daemon=True)
+        self._thread.start()
+
+    # ---- public API -------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def num_slots(self) -> int:
+        return self.batch.cache.num_slots
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.batch.cache.slot_len
+
+    def submit(
+        self, request: GenerateRequest, on_done: Callable[[list[Completion]], None] | None = None
+    ) -> concurrent.futures.Future:
+        """Queue one request; the future resolves to its n completions. Raises ValueError at once
+        for a request that can never run (prompt too long, n larger than the engine's slots)."""
+        self.validate(request)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def deliver(completions: list[Completion]) -> None:
+            if not future.done():
+                future.set_result(completions)
+            if on_done is not None:
+                on_done(completions)
+
+        def fail(error: Exception) -> None:
+            if not future.done():
+                future.set_exception(error)
+
+        p = request.params
+        seed = (
+            p.seed
+            if p.seed is not None
+            else int(torch.randint(0, 1 << 62, (1,), generator=self._seed_rng))
+        )
+        group = Group(
+            request.request_id, request.prompt_ids, p, seed, deliver, fail, time.perf_counter()
+        )
+        group.results = [None] * p.n
+        group.remaining = p.n
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("engine is closed")
+            if p.max_new_tokens == 0:
+                self._finish_empty(group, "length")
+            else:
+                self._waiting.append(group)
+                self._lock.notify_all()
+        return future
+
+    def validate(self, request: GenerateRequest) -> None:
+        n_prompt, vocab = len(request.prompt_ids), self.model.config.vocab_size
+        if n_prompt >= self.max_seq_len:
+            raise ValueError(
+                f"request {request.request_id}: prompt of {n_prompt} tokens does not fit the "
+                f"context of {self.max_seq_len} tokens (prompt + at least one new token)"
+            )
+        if request.params.n > self.num_slots:
+            raise ValueError(
+                f"request {request.request_id}: n={request.params.n} samples exceed the engine's "
+                f"{self.num_slots} KV slots"
+            )
+        bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(
+                f"request {request.request_id}: token ids {bad[:5]} outside [0, {vocab})"
+            )
+
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
+        futures = [self.submit(r) for r in requests]
+        return [c for f in futures for c in f.result()]
+
+    async def agenerate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
+        futures = [asyncio.wrap_future(self.submit(r)) for r in requests]
+        return [c for cs in await asyncio.gather(*futures) for c in cs]
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            for g in list(self._waiting):
+                if g.request_id == request_id:
+                    self._waiting.remove(g)
+                    self._finish_empty(g, "abort")
+            self._aborted.add(request_id)
+            self._lock.notify_all()
+
+    def abort_all(self) -> None:
+        """Abort every waiting and running request."""
+        with self._lock:
+            for g in list(self._waiting):
+                self._finish_empty(g, "abort")
+            self._waiting.clear()
+            self._aborted.update(r.group.request_id for r in self.batch.rows)
+            self._lock.notify_all()
+
+    def update_weights(self, version: int, source: WeightSource) -> None:
+        """Swap weights (blocking until applied under the configured policy)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._pending_update is not None:
+                raise RuntimeError("another weight update is in progress")
+            self._pending_update = (version, source, future)
+            self._lock.notify_all()
+        future.result()
+
+    def flush_cache(self) -> bool:
+        """Nothing is cached across requests (slots are freed when rows finish): always True."""
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> NativeEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- engine thread ----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._lock:
+                while not self._closed and not self._has_work():
+                    self._lock.wait()
+                if self._closed:
+                    for g in self._waiting:
+                        self._finish_empty(g, "abort")
+                    self._waiting.clear()
+                    return
+                admitted = self._schedule()
+            try:
+                with torch.inference_mode():
+                    self._step(admitted)
+            except Exception as e:  # noqa: BLE001 - the engine thread must fail the waiters, not die silently
+                log.exception("engine step failed")
+                self._fail_all(e)
+
+    def _has_work(self) -> bool:
+        return bool(self._waiting or len(self.batch) or self._pending_update or self._aborted)
+
+    def _schedule(self) -> list[Group]:
+        """Under the lock: apply a weight update when its policy allows, drop aborted rows, and
+        pick the waiting groups that fit in the free slots (FIFO, no overtaking)."""
+        if self._pending_update is not None:
+            policy = self.config.weight_update_policy
+            if policy == "abort":
+                self._finish_rows(list(range(len(self.batch))), "abort")
+            if policy != "finish_old" or len(self.batch) == 0:
+                self._apply_update()
+            else:
+                return []  # finish_old: let the running rows drain before swapping
+        if self._aborted:
+            doomed = [
+                i for i, r in enumerate(self.batch.rows) if r.group.request_id in self._aborted
+            ]
+            self._finish_rows(doomed, "abort")
+            self._aborted.clear()
+        admitted: list[Group] = []
+        free = self.batch.free_slots
+        while self._waiting and self._waiting[0].params.n <= free:
+            g = self._waiting.popleft()
+            free -= g.params.n
+            admitted.append(g)
+        return admitted
+
+    def _apply_update(self) -> None:
+        assert self._pending_update is not None
+        version, source, future = self._pending_update
+        self._pending_update = None
+        try:
+            load_weights_into(self.model, source)
+        except Exception as e:  # noqa: BLE001 - handed to the caller of update_weights
+            future.set_exception(e)
+            return
+        self._version = version
+        future.set_result(None)
+
+    def _step(self, admitted: list[Group]) -> None:
+        if admitted:
+            self._prefill(admitted)
+        if len(self.batch):
+            self._decode()
+
+    def _prefill(self, groups: list[Group]) -> None:
+        batch, version = self.batch, self._version
+        lens_P = [len(g.prompt_ids) for g in groups]
+        first_rows: list[int] = []
+        for g in groups:
+            stop_ids = frozenset(g.params.stop_token_ids) | (
+                frozenset() if g.params.ignore_eos else self.eos_token_ids
+            )
+            for i in range(g.params.n):
+                row = batch.add(Row(g, i, stop_ids), len(g.prompt_ids))
+                if i == 0:
+                    first_rows.append(row)
+        ids_PT = torch.zeros((len(groups), max(lens_P)), dtype=torch.int64)
+        for p, g in enumerate(groups):
+            ids_PT[p, : lens_P[p]] = torch.tensor(g.prompt_ids)
+        ids_PT = ids_PT.to(self.device)
+        slots_P = torch.tensor(first_rows, device=self.device)
+        batch.cache.begin_prefill(slots_P)
+        logits_PTV = self.model(ids_PT, cache=batch.cache).logits_BTV
+        last_P = torch.tensor(lens_P, device=self.device) - 1
+        logits_PV = logits_PTV[torch.arange(len(groups), device=self.device), last_P]
+        # Prefix sharing: copy each prompt's KV from the group's first slot to its other slots.
+        group_of_row: list[int] = []
+        for p, (g, first) in enumerate(zip(groups, first_rows, strict=True)):
+            dst = torch.arange(first + 1, first + g.params.n, device=self.device)
+            batch.cache.copy_prefix(first, dst, lens_P[p])
+            group_of_row += [p] * g.params.n
+        start = first_rows[0]
+        rows = torch.arange(start, len(batch), device=self.device)
+        rp = batch.params().select(rows)
+        logits_RV = logits_PV[torch.tensor(group_of_row, device=self.device)]
+        tokens_R, logprobs_R = sample(logits_RV, rp, batch.gen_N[start : len(batch)])
+        batch.record(start, tokens_R, logprobs_R, version)
+        self._finish_done(start, tokens_R)
+
+    def _decode(self) -> None:
+        batch = self.batch
+        num = len(batch)
+        pos_B = batch.pos_N[:num]
+        batch.cache.begin_decode(pos_B, int(pos_B.max()))
+        logits_BV = self.model(
+            batch.last_N[:num, None], position_ids_BT=pos_B[:, None], cache=batch.cache
+        ).logits_BTV[:, -1]
+        batch.pos_N[:num] += 1
+        tokens_B, logprobs_B = sample(logits_BV, batch.params(), batch.gen_N[:num])
+        batch.record(0, tokens_B, logprobs_B, self._version)
+        self._finish_done(0, tokens_B)
+
+    def _finish_done(self, first: int, tokens_B: torch.Tensor) -> None:
+        batch = self.batch
+        done = (first + torch.nonzero(batch.done_mask(first, tokens_B)).flatten()).tolist()
+        batch.params()  # refresh stop_string_rows
+        matched: dict[int, str] = {}
+        if self.tokenizer is not None:
+            for i in batch.stop_string_rows:
+                if i < first or i in done:
+                    continue
+                text = self.tokenizer.decode(batch.tokens(i))
+                hit = next((s for s in batch.rows[i].group.params.stop if s in text), None)
+                if hit is not None:
+                    matched[i] = hit
+                    done.append(i)
+        if done:
+            with self._lock:
+                self._finish_rows(done, None, matched)
+
+    def _finish_rows(
+        self, indices: list[int], reason: str | None, matched: dict[int, str] | None = None
+    ) -> None:
+        """Build completions for rows and free their slots. reason None: derive stop/length."""
+        matched = matched or {}
+        for i in indices:
+            row, tokens, logprobs, versions = self.batch.take(i)
+            stop: int | str | None = matched.get(i)
+            why = reason
+            if why is None:
+                if stop is not None:
+                    why = "stop"
+                elif tokens and tokens[-1] in row.stop_ids:
+                    why, stop = "stop", tokens[-1]
+                else:
+                    why = "length"
+            text = self._text(tokens, stop if isinstance(stop, str) else None)
+            c = Completion(
+                row.group.request_id, row.index, row.group.prompt_ids, tokens, text, logprobs,
+                why, versions, stop,  # type: ignore[arg-type]
+            )  # fmt: skip
+            self._deliver(row.group, c)
+        self.batch.remove(indices)
+
+    def _text(self, tokens: list[int], stop_str: str | None) -> str:
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(tokens)
+        if stop_str is not None:
+            text = text[: text.find(stop_str)]
+        return text
+
+    def _deliver(self, group: Group, c: Completion) -> None:
+        c.meta["e2e_latency_s"] = time.perf_counter() - group.start_s
+        group.results[c.index] = c
+        group.remaining -= 1
+        if group.remaining == 0:
+            group.deliver(group.results)
+
+    def _finish_empty(self, group: Group, reason: str) -> None:
+        for i in range(group.params.n):
+            if group.results[i] is None:
+                c = Completion(group.request_id, i, group.prompt_ids, [], "", [], reason, [])  # type: ignore[arg-type]
+                self._deliver(group, c)
+
+    def _fail_all(self, error: Exception) -> None:
+        """A forward failed: fail every running and waiting request, keep the engine usable."""
+        with self._lock:
+            groups = {id(r.group): r.group for r in self.batch.rows}
+            groups.update({id(g): g for g in self._waiting})
+            self._waiting.clear()
+            self.batch.remove(list(range(len(self.batch))))
+        for g in groups.values():
+            g.fail(RuntimeError(f"engine step failed: {type(error).__name__}: {error}"))
+
+
+def load_weights_into(model: torch.nn.Module, source: WeightSource) -> None:
+    """Copy weights into `model` in place (parameter identity kept): a state dict with HF names
+    (per-expert or fused layout; `model.state_dict()` qualifies) or an HF-format directory.
+    Strict: missing or unexpected names and wrong shapes raise ValueError naming them."""
+    from slipstream.model import load_hf_state_dict, read_safetensors_dir
+
+    if isinstance(source, str | Path):
+        if not Path(source).is_dir():
+            raise ValueError(f"update_weights: {source} is not a directory")
+        state = read_safetensors_dir(source)
+    else:
+        state = dict(source)
+    load_hf_state_dict(model, state)  # type: ignore[arg-type]

@@ -1,0 +1,147 @@
+"""The attention/KV-cache seam and a simple preallocated cache.
+
+Shape legend: B batch, T new tokens this call, S past+new key length, H query heads, K key/value
+heads (not expanded to H), D head width.
+
+Contract (`KVCache.attend`): each attention layer computes q, k, v for the *new* tokens (after the
+per-head q/k RMSNorm and RoPE) and hands them to `cache.attend(layer_idx, q_BHTD, k_BKTD, v_BKTD)`,
+which stores k/v however it likes, decides which past keys each new query may see (masking) and
+returns the attention output `out_BHTD` (softmax scale 1/sqrt(D), same dtype as q). Layers are
+called in order 0..num_layers-1 once per forward. The model never reads cache state except the
+optional `length` attribute used for default position ids (see `MoEForCausalLM.forward`).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+
+# enable_gqa arrived in torch 2.5; older torch gets an explicit repeat of the K/V heads.
+_SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+@runtime_checkable
+class KVCache(Protocol):
+    """What the model needs from a cache: one call per layer per forward. Implementations own
+    storage, masking and bookkeeping (e.g. per-row lengths or pages in the inference engine)."""
+
+    def attend(
+        self, layer_idx: int, q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+def sdpa(
+    q_BHTD: torch.Tensor,
+    k_BKSD: torch.Tensor,
+    v_BKSD: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    mask_TS: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """scaled_dot_product_attention with grouped-query heads (K divides H). `mask_TS` is a bool
+    "may attend" mask broadcast over batch and heads (or any shape SDPA accepts)."""
+    num_heads, num_kv = q_BHTD.shape[1], k_BKSD.shape[1]
+    if num_heads % num_kv:
+        raise ValueError(f"query heads {num_heads} not divisible by kv heads {num_kv}")
+    if num_kv != num_heads and not _SDPA_HAS_GQA:
+        rep = num_heads // num_kv
+        k_BKSD = k_BKSD.repeat_interleave(rep, dim=1)
+        v_BKSD = v_BKSD.repeat_interleave(rep, dim=1)
+    kwargs = {"enable_gqa": True} if (num_kv != num_heads and _SDPA_HAS_GQA) else {}
+    return F.scaled_dot_product_attention(
+        q_BHTD, k_BKSD, v_BKSD, attn_mask=mask_TS, is_causal=is_causal, **kwargs
+    )
+
+
+def causal_attend(q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD: torch.Tensor) -> torch.Tensor:
+    """Plain causal self-attention over the given tokens only (the no-cache path)."""
+    return sdpa(q_BHTD, k_BKTD, v_BKTD, is_causal=q_BHTD.shape[2] > 1)
+
+
+class StaticKVCache:
+    """Preallocated contiguous cache for incremental decoding where all rows advance together.
+
+    Storage: k/v of shape (num_layers, B, K, max_len, D). `length` is the number of positions
+    already stored (same for every row). It advances automatically by T when the last layer
+    (num_layers-1) has attended, so one model forward == one step; do not advance by hand.
+    `reset()` empties it, `truncate(n)` rolls back to n positions (e.g. rejected draft tokens).
+
+    Not covered: per-row lengths, padding inside the cache, sliding windows (the inference engine
+    provides its own cache for those). Rows that were left-padded must pass position_ids and accept
+    that pad keys are visible (no padding mask here).
+    """
+
+    def __init__(
+        self,
+        batch_size: int,
+        max_len: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (num_layers, batch_size, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.batch_size = batch_size
+        self.max_len = max_len
+        self.num_layers = num_layers
+        self.length = 0
+
+    @classmethod
+    def for_model(
+        cls,
+        model: torch.nn.Module,
+        batch_size: int,
+        max_len: int,
+        dtype: torch.dtype | None = None,
+    ) -> StaticKVCache:
+        """A cache sized for `model` (an MoEForCausalLM), on its device and in its dtype."""
+        cfg = model.config
+        param = next(model.parameters())
+        return cls(
+            batch_size,
+            max_len,
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            dtype=dtype or param.dtype,
+            device=param.device,
+        )
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate cache of length {self.length} to {length}")
+        self.length = length
+
+    def attend(
+        self, layer_idx: int, q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD: torch.Tensor
+    ) -> torch.Tensor:
+        B, _, T, _ = q_BHTD.shape
+        start, end = self.length, self.length + T
+        if B != self.batch_size:
+            raise ValueError(f"batch {B} != cache batch_size {self.batch_size}")
+        if end > self.max_len:
+            raise ValueError(f"cache overflow: {start} + {T} new tokens > max_len {self.max_len}")
+        self.k[layer_idx, :, :, start:end] = k_BKTD
+        self.v[layer_idx, :, :, start:end] = v_BKTD
+        k_BKSD = self.k[layer_idx, :, :, :end]
+        v_BKSD = self.v[layer_idx, :, :, :end]
+        if T == 1:
+            out = sdpa(q_BHTD, k_BKSD, v_BKSD)
+        elif start == 0:
+            out = sdpa(q_BHTD, k_BKSD, v_BKSD, is_causal=True)
+        else:
+            # new query i sits at absolute position start+i and may see keys 0..start+i
+            q_pos_T1 = torch.arange(start, end, device=q_BHTD.device)[:, None]
+            k_pos_1S = torch.arange(end, device=q_BHTD.device)[None, :]
+            out = sdpa(q_BHTD, k_BKSD, v_BKSD, mask_TS=k_pos_1S <= q_pos_T1)
+        if layer_idx == self.num_layers - 1:
+            self.length = end
+        return out

@@ -1,0 +1,114 @@
+"""Dense building blocks of the Qwen3 decoder: RMSNorm, rotary embeddings, grouped-query
+attention with per-head q/k RMSNorm, and the SwiGLU MLP. Numerics follow transformers'
+Qwen3-MoE (norm in float32, RoPE tables in float32 cast to the activation dtype).
+
+Shape legend: B batch, T tokens, D model width (hidden_size), H query heads, K key/value heads,
+Dh head width, I FFN width.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slipstream.model.kv_cache import KVCache, causal_attend
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 and cast back before the weight (as HF)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_cos_sin(
+    position_ids_BT: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables (B, T, Dh) for the given absolute positions. Computed per call from the
+    positions (no max-length table), in float32, then cast to `dtype`."""
+    device = position_ids_BT.device
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
+    )
+    freqs_BTd = position_ids_BT.float()[..., None] * inv_freq
+    emb_BTD = torch.cat((freqs_BTd, freqs_BTd), dim=-1)
+    return emb_BTD.cos().to(dtype), emb_BTD.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x_BNTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos_BTD[:, None], sin_BTD[:, None]
+    return x_BNTD * cos + _rotate_half(x_BNTD) * sin
+
+
+class Attention(nn.Module):
+    """Grouped-query attention, Qwen3 flavour: RMSNorm on each q/k head before RoPE, no biases."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        eps: float,
+        layer_idx: int,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={num_heads} not divisible by num_key_value_heads={num_kv_heads}"
+            )
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.layer_idx = layer_idx
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps)
+        self.k_norm = RMSNorm(head_dim, eps)
+
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        q = self.q_norm(self.q_proj(x_BTD).view(B, T, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)
+        cos, sin = cos_sin
+        q_BHTD = apply_rope(q.transpose(1, 2), cos, sin)
+        k_BKTD = apply_rope(k.transpose(1, 2), cos, sin)
+        v_BKTD = v.transpose(1, 2)
+        if cache is None:
+            out_BHTD = causal_attend(q_BHTD, k_BKTD, v_BKTD)
+        else:
+            out_BHTD = cache.attend(self.layer_idx, q_BHTD, k_BKTD, v_BKTD)
+        return self.o_proj(out_BHTD.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU FFN: down(silu(gate(x)) * up(x)). Used for dense layers and the shared expert."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,224 @@
+"""Mixture-of-experts FFN: softmax top-k router, stacked SwiGLU experts with three interchangeable
+compute paths, optional Qwen2-MoE shared expert, and the router losses.
+
+Shape legend: N tokens (flattened B*T), D hidden_size, E experts, k experts per token, I expert
+FFN width, A = N*k token-expert assignments.
+
+Expert paths (`moe_impl`), all numerically the same function:
+- "grouped": sort the A assignments by expert (stable argsort + bincount offsets), run each
+  non-empty expert segment as one matmul, unsort and combine. One host sync for the segment sizes.
+- "grouped_mm": same sort, then one `torch._grouped_mm` call per projection (no host sync, no
+  Python loop). Needs 16-byte aligned rows (D, I multiples of 4 in fp32 / 8 in bf16) and, on CUDA,
+  bf16; otherwise falls back to "grouped" with one logged warning.
+- "loop": the reference per-expert loop with masks (as transformers), kept for tests/benchmarks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slipstream.model.layers import MLP
+
+log = logging.getLogger(__name__)
+
+MOE_IMPLS = ("grouped", "grouped_mm", "loop")
+_warned: set[str] = set()
+fallbacks: list[str] = []
+"""Fallbacks taken in this process (recorded so benchmarks/runs can report them)."""
+
+
+def _fallback_once(key: str, msg: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        fallbacks.append(msg)
+        log.warning(msg)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous: `_grouped_mm` rejects the
+    stride-0 gradients that e.g. `.sum()` produces."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return g.contiguous()
+
+
+def _grouped_mm_ok(x: torch.Tensor, inner_sizes: Sequence[int]) -> str | None:
+    """None if torch._grouped_mm can run here, else the reason it cannot."""
+    if not hasattr(torch, "_grouped_mm"):
+        return "torch._grouped_mm is not available in this torch build"
+    if any((s * x.element_size()) % 16 for s in inner_sizes):
+        return f"row sizes {list(inner_sizes)} x {x.element_size()} bytes not 16-byte aligned"
+    if x.device.type == "cuda" and x.dtype != torch.bfloat16:
+        return f"torch._grouped_mm on CUDA needs bfloat16, got {x.dtype}"
+    return None
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts stored stacked, in transformers-5 layout: gate_up_proj (E, 2I, D) with the
+    gate rows first, down_proj (E, D, I). Weights are applied as x @ W^T (nn.Linear convention)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size)
+        )
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(
+        self, x_ND: torch.Tensor, ids_Nk: torch.Tensor, w_Nk: torch.Tensor, impl: str = "grouped"
+    ) -> torch.Tensor:
+        """sum_j w[n, j] * expert_{ids[n, j]}(x[n]) for every token n."""
+        if impl == "loop":
+            return self._loop(x_ND, ids_Nk, w_Nk)
+        if impl not in ("grouped", "grouped_mm"):
+            raise ValueError(f"moe_impl={impl!r}; expected one of {MOE_IMPLS}")
+        N, k = ids_Nk.shape
+        flat_ids_A = ids_Nk.reshape(-1)
+        order_A = torch.argsort(flat_ids_A, stable=True)
+        x_AD = x_ND.index_select(0, order_A // k)
+        if impl == "grouped_mm":
+            reason = _grouped_mm_ok(x_ND, (x_ND.shape[1], self.intermediate_size))
+            if reason is not None:
+                _fallback_once(reason, f"moe_impl='grouped_mm' -> 'grouped': {reason}")
+                impl = "grouped"
+        if impl == "grouped_mm":
+            offs_E = (
+                torch.bincount(flat_ids_A, minlength=self.num_experts).cumsum(0).to(torch.int32)
+            )
+            h = torch._grouped_mm(x_AD, self.gate_up_proj.transpose(1, 2), offs=offs_E)
+            gate, up = _ContiguousGrad.apply(h).chunk(2, dim=-1)
+            y_AD = torch._grouped_mm(
+                (F.silu(gate) * up).contiguous(), self.down_proj.transpose(1, 2), offs=offs_E
+            )
+            y_AD = _ContiguousGrad.apply(y_AD)
+        else:
+            counts = torch.bincount(flat_ids_A, minlength=self.num_experts).tolist()
+            # unbind once: indexing W[e] per expert would make backward allocate and add a full
+            # (E, ...) gradient per expert (O(E^2) traffic); unbind's backward is one stack.
+            gate_up_w, down_w = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
+            # split (backward: one cat), not per-segment slicing (backward: a full-size zero
+            # gradient per expert)
+            outs = []
+            for e, seg in enumerate(x_AD.split(counts)):
+                if seg.shape[0] == 0:
+                    continue
+                gate, up = F.linear(seg, gate_up_w[e]).chunk(2, dim=-1)
+                outs.append(F.linear(F.silu(gate) * up, down_w[e]))
+            y_AD = torch.cat(outs) if outs else x_AD.new_zeros(x_AD.shape)
+        inverse_A = torch.empty_like(order_A)
+        inverse_A[order_A] = torch.arange(order_A.numel(), device=order_A.device)
+        y_NkD = y_AD.index_select(0, inverse_A).view(N, k, -1)
+        # weighted sum over the k choices as one batched (1 x k) @ (k x D) product
+        return torch.bmm(w_Nk.to(y_NkD.dtype)[:, None, :], y_NkD).squeeze(1)
+
+    def _loop(self, x_ND: torch.Tensor, ids_Nk: torch.Tensor, w_Nk: torch.Tensor) -> torch.Tensor:
+        out_ND = torch.zeros_like(x_ND)
+        for e in range(self.num_experts):
+            tok_idx, slot = torch.where(ids_Nk == e)
+            if tok_idx.numel() == 0:
+                continue
+            gate, up = F.linear(x_ND[tok_idx], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * w_Nk[tok_idx, slot, None]
+            out_ND.index_add_(0, tok_idx, y.to(out_ND.dtype))
+        return out_ND
+
+
+class SparseMoeBlock(nn.Module):
+    """Router `gate` (Linear D->E, no bias) + `experts`; optional `shared_expert` (SwiGLU) scaled by
+    sigmoid(`shared_expert_gate`(x)) as in Qwen2-MoE. Routing: softmax in float32 over all E
+    logits, top-k, optional renormalisation of the k probabilities (`norm_topk_prob`)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        norm_topk_prob: bool,
+        shared_expert_intermediate_size: int = 0,
+        impl: str = "grouped",
+    ) -> None:
+        super().__init__()
+        if top_k > num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} > num_experts={num_experts}")
+        if impl not in MOE_IMPLS:
+            raise ValueError(f"moe_impl={impl!r}; expected one of {MOE_IMPLS}")
+        self.top_k, self.norm_topk_prob, self.impl = top_k, norm_topk_prob, impl
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size)
+        self.shared_expert: MLP | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if shared_expert_intermediate_size > 0:
+            self.shared_expert = MLP(hidden_size, shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+
+    def route(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (router logits (N, E) in x's dtype, top-k weights (N, k) in x's dtype, ids (N, k))."""
+        logits_NE = self.gate(x_ND)
+        probs_NE = F.softmax(logits_NE, dim=-1, dtype=torch.float32)
+        w_Nk, ids_Nk = torch.topk(probs_NE, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            w_Nk = w_Nk / w_Nk.sum(dim=-1, keepdim=True)
+        return logits_NE, w_Nk.to(logits_NE.dtype), ids_Nk
+
+    def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (output (B, T, D), router logits (B*T, E))."""
+        B, T, D = x_BTD.shape
+        x_ND = x_BTD.reshape(-1, D)
+        logits_NE, w_Nk, ids_Nk = self.route(x_ND)
+        out_ND = self.experts(x_ND, ids_Nk, w_Nk, impl=self.impl)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out_ND = out_ND + torch.sigmoid(self.shared_expert_gate(x_ND)) * self.shared_expert(
+                x_ND
+            )
+        return out_ND.view(B, T, D), logits_NE
+
+
+def load_balancing_loss(
+    router_logits: Sequence[torch.Tensor],
+    num_experts: int,
+    top_k: int,
+    token_mask_N: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Switch-Transformer load-balancing loss exactly as transformers computes it: logits of all
+    MoE layers are concatenated (each (N, E)), then
+    E * sum_{j,e} frac_tokens[j, e] * mean_prob[e], where frac_tokens[j, e] is the fraction of
+    tokens whose j-th choice is e. Perfectly uniform routing gives top_k. `token_mask_N` (bool or
+    0/1, the same N for every layer) excludes padding. Unweighted (no coefficient)."""
+    logits_LNE = torch.cat([g.float() for g in router_logits], dim=0)
+    probs = F.softmax(logits_LNE, dim=-1)
+    _, ids = torch.topk(probs, top_k, dim=-1)
+    onehot = F.one_hot(ids, num_experts).float()  # (LN, k, E)
+    if token_mask_N is None:
+        frac_kE = onehot.mean(dim=0)
+        prob_E = probs.mean(dim=0)
+    else:
+        m = token_mask_N.reshape(-1).float().repeat(len(router_logits))
+        denom = m.sum().clamp_min(1.0)
+        frac_kE = (onehot * m[:, None, None]).sum(0) / denom
+        prob_E = (probs * m[:, None]).sum(0) / denom
+    return (frac_kE * prob_E[None]).sum() * num_experts
+
+
+def router_z_loss(
+    router_logits: Sequence[torch.Tensor], token_mask_N: torch.Tensor | None = None
+) -> torch.Tensor:
+    """ST-MoE router z-loss: mean over tokens (and MoE layers) of logsumexp(logits)^2.
+    Unweighted."""
+    logits = torch.cat([g.float() for g in router_logits], dim=0)
+    z2 = torch.logsumexp(logits, dim=-1).pow(2)
+    if token_mask_N is None:
+        return z2.mean()
+    m = token_mask_N.reshape(-1).float().repeat(len(router_logits))
+    return (z2 * m).sum() / m.sum().clamp_min(1.0)

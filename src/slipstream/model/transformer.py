@@ -1,0 +1,220 @@
+"""The decoder-only MoE language model (Qwen3-MoE architecture), parameter names identical to
+transformers' `Qwen3MoeForCausalLM` (transformers-5 in-memory layout: stacked experts).
+
+Shape legend: B batch, T tokens, D hidden_size, V vocab, E experts, N = B*T.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+from slipstream.config.model import ModelConfig
+from slipstream.model.kv_cache import KVCache
+from slipstream.model.layers import MLP, Attention, RMSNorm, rope_cos_sin
+from slipstream.model.moe import Experts, SparseMoeBlock, load_balancing_loss, router_z_loss
+
+
+@dataclass
+class ModelOutput:
+    logits_BTV: torch.Tensor
+    """Next-token logits, always float32."""
+    aux_loss: torch.Tensor
+    """router_aux_loss_coef * load_balance + router_z_loss_coef * z_loss (scalar, float32, part of
+    the graph); 0 when the model has no MoE layer."""
+    router_logits: tuple[torch.Tensor, ...] | None = None
+    """Per MoE layer, router logits (B*T, E) in the model dtype; None without MoE layers."""
+    load_balance_loss: torch.Tensor | None = None
+    """Unweighted load-balancing loss, detached (for logging); None without MoE layers."""
+    z_loss: torch.Tensor | None = None
+    """Unweighted router z-loss, detached (for logging); None without MoE layers."""
+
+
+def is_moe_layer(cfg: ModelConfig, layer_idx: int) -> bool:
+    """Same rule as transformers: not in mlp_only_layers and (idx+1) % decoder_sparse_step == 0."""
+    return (
+        layer_idx not in cfg.mlp_only_layers
+        and cfg.num_experts > 0
+        and (layer_idx + 1) % cfg.decoder_sparse_step == 0
+    )
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.rms_norm_eps,
+            layer_idx,
+        )
+        self.mlp: SparseMoeBlock | MLP
+        if is_moe_layer(cfg, layer_idx):
+            self.mlp = SparseMoeBlock(
+                cfg.hidden_size,
+                cfg.num_experts,
+                cfg.num_experts_per_tok,
+                cfg.moe_intermediate_size,
+                cfg.norm_topk_prob,
+                cfg.shared_expert_intermediate_size,
+                cfg.moe_impl,
+            )
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), cos_sin, cache)
+        h = self.post_attention_layernorm(x_BTD)
+        if isinstance(self.mlp, SparseMoeBlock):
+            out, router_logits = self.mlp(h)
+            return x_BTD + out, router_logits
+        return x_BTD + self.mlp(h), None
+
+
+class Backbone(nn.Module):
+    """`model.*` in HF naming: embed_tokens, layers, norm."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class MoEForCausalLM(nn.Module):
+    """Qwen3-MoE causal LM. Built in float32 on the current default device with a random init
+    (std `initializer_range`); use `.to(device, dtype)` or `load_pretrained` for weights.
+
+    `gradient_checkpointing = True` recomputes each decoder layer in backward (training without a
+    cache only)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.vocab_size <= 0:
+            raise ValueError("ModelConfig.vocab_size must be set (>0) before building the model")
+        if cfg.num_attention_heads % cfg.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={cfg.num_attention_heads} not divisible by "
+                f"num_key_value_heads={cfg.num_key_value_heads}"
+            )
+        if cfg.head_dim % 2:
+            raise ValueError(f"head_dim={cfg.head_dim} must be even for RoPE")
+        self.config = cfg.model_copy(deep=True)  # set_moe_impl must not edit the caller's
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.gradient_checkpointing = False
+        self.moe_layer_ids = [i for i in range(cfg.num_hidden_layers) if is_moe_layer(cfg, i)]
+        if self.lm_head.weight.device.type != "meta":
+            self.init_weights()
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share lm_head with embed_tokens when `tie_word_embeddings` (call after loading)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        std = self.config.initializer_range
+        for m in self.modules():
+            if isinstance(m, nn.Linear | nn.Embedding):
+                m.weight.normal_(0.0, std)
+            elif isinstance(m, Experts):
+                m.gate_up_proj.normal_(0.0, std)
+                m.down_proj.normal_(0.0, std)
+            elif isinstance(m, RMSNorm):
+                m.weight.fill_(1.0)
+
+    def set_moe_impl(self, impl: str) -> None:
+        """Switch every MoE layer's expert path ("grouped", "grouped_mm", "loop")."""
+        self.config.moe_impl = impl  # validated by pydantic
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, SparseMoeBlock):
+                layer.mlp.impl = impl
+
+    def default_position_ids(
+        self, batch_size: int, num_tokens: int, cache: KVCache | None, device: torch.device
+    ) -> torch.Tensor:
+        """arange(T), offset by `cache.length` when the cache has one (an int, or a per-row (B,)
+        tensor)."""
+        pos_BT = torch.arange(num_tokens, device=device)[None].expand(batch_size, -1)
+        length = getattr(cache, "length", None) if cache is not None else None
+        if isinstance(length, int):
+            pos_BT = pos_BT + length
+        elif isinstance(length, torch.Tensor):
+            pos_BT = pos_BT + length.to(device=device, dtype=torch.long).reshape(-1, 1)
+        return pos_BT
+
+    def forward(
+        self,
+        input_ids_BT: torch.Tensor,
+        position_ids_BT: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        token_mask_BT: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+    ) -> ModelOutput:
+        """Logits for every input position. Without a cache: causal attention over the T tokens
+        given (no padding mask: right-pad batches). With a cache: see `KVCache`.
+        `token_mask_BT` (optional, bool) only excludes tokens from the router losses.
+        `logits_to_keep` > 0 returns logits for the last that many positions only (saves the
+        (B, T, V) projection at prefill); 0 keeps all."""
+        B, T = input_ids_BT.shape
+        if position_ids_BT is None:
+            position_ids_BT = self.default_position_ids(B, T, cache, input_ids_BT.device)
+        x_BTD = self.model.embed_tokens(input_ids_BT)
+        cos_sin = rope_cos_sin(
+            position_ids_BT, self.config.head_dim, self.config.rope_theta, x_BTD.dtype
+        )
+        router_logits: list[torch.Tensor] = []
+        checkpoint = self.gradient_checkpointing and self.training and cache is None
+        for layer in self.model.layers:
+            if checkpoint:
+                x_BTD, rl = torch.utils.checkpoint.checkpoint(
+                    layer, x_BTD, cos_sin, None, use_reentrant=False
+                )
+            else:
+                x_BTD, rl = layer(x_BTD, cos_sin, cache)
+            if rl is not None:
+                router_logits.append(rl)
+        if logits_to_keep > 0:
+            x_BTD = x_BTD[:, -logits_to_keep:]
+        logits_BTV = self.lm_head(self.model.norm(x_BTD)).float()
+        if not router_logits:
+            zero = torch.zeros((), device=logits_BTV.device)
+            return ModelOutput(logits_BTV, zero)
+        cfg = self.config
+        mask_N = None if token_mask_BT is None else token_mask_BT.reshape(-1)
+        lb = load_balancing_loss(router_logits, cfg.num_experts, cfg.num_experts_per_tok, mask_N)
+        aux = cfg.router_aux_loss_coef * lb
+        z = router_z_loss(router_logits, mask_N)
+        if cfg.router_z_loss_coef > 0:
+            aux = aux + cfg.router_z_loss_coef * z
+        return ModelOutput(
+            logits_BTV,
+            aux,
+            tuple(router_logits),
+            lb.detach(),
+            z.detach(),
+        )
+
+    def num_parameters(self, active: bool = False) -> int:
+        """All parameters, or (active=True) those one token uses: top-k of E routed experts."""
+        total = sum(p.numel() for p in self.parameters())
+        if not active:
+            return total
+        cfg = self.config
+        per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+        inactive = (cfg.num_experts - cfg.num_experts_per_tok) * per_expert
+        return total - inactive * len(self.moe_layer_ids)

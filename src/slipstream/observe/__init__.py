@@ -1,0 +1,1 @@
+"""Observability: provenance, metrics and logging helpers."""

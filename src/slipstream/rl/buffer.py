@@ -1,0 +1,161 @@
+"""ExperienceBuffer: complete groups waiting for the trainer, with a staleness bound and admission
+control.
+
+Contract:
+- Staleness of a group at trainer version v = v - (version of its oldest token). `get_batch`
+  never returns a group whose staleness exceeds `max_staleness`; such groups are dropped, counted
+  as wasted, and handed to `on_stale` (the coordinator requeues their tasks: nothing is lost).
+- Admission control (AReaL's staleness manager): at trainer version v, at most
+  (max_staleness + 1 + v) * groups_per_step groups may have been handed out in total (trained +
+  buffered + in flight). A task leased at version v is then trained by version v + max_staleness
+  at the latest, as long as the trainer takes groups oldest first (it does) and workers generate
+  with weights at least as new as the lease's version (the worker's contract) — so little
+  generation is wasted. Dropped groups free their slot (that is the over-sampling that keeps batch
+  sizes full under dynamic sampling).
+- Dynamic sampling (optional): a group whose rewards are all equal carries no GRPO signal and is
+  dropped at `put`.
+
+Not covered: persistence by itself (the checkpoint writes `snapshot()`), priorities.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from slipstream.rl.types import Batch, Group, Sample, TaskRef
+
+
+def group_to_dict(g: Group) -> dict[str, Any]:
+    return dataclasses.asdict(g)
+
+
+def group_from_dict(d: dict[str, Any]) -> Group:
+    return Group(
+        task=TaskRef(**d["task"]),
+        samples=[Sample(**s) for s in d["samples"]],
+        worker_id=d.get("worker_id", ""),
+        lease_id=d.get("lease_id", -1),
+    )
+
+
+class ExperienceBuffer:
+    """Thread-safe; the queue's ack calls `put` and the trainer calls `get_batch`."""
+
+    def __init__(
+        self,
+        groups_per_step: int,
+        max_staleness: int,
+        *,
+        dynamic_sampling: bool = False,
+        on_stale: Callable[[list[Group]], None] | None = None,
+    ) -> None:
+        if groups_per_step < 1 or max_staleness < 0:
+            raise ValueError(
+                f"need groups_per_step >= 1 and max_staleness >= 0, got {groups_per_step}, "
+                f"{max_staleness}"
+            )
+        self.groups_per_step = groups_per_step
+        self.max_staleness = max_staleness
+        self.dynamic_sampling = dynamic_sampling
+        self.on_stale = on_stale
+        self._lock = threading.Lock()
+        self._groups: list[Group] = []
+        self.num_consumed = 0
+        self.num_put = 0
+        self.num_dropped_stale = 0
+        self.num_dropped_uniform = 0
+        self.num_wasted_samples = 0
+        self.staleness_hist: Counter[int] = Counter()
+
+    def put(self, group: Group) -> bool:
+        """Add a complete group. False if dynamic sampling dropped it."""
+        if not group.samples:
+            raise ValueError(f"group for task {group.task.task_id} has no samples")
+        with self._lock:
+            self.num_put += 1
+            if self.dynamic_sampling and len(set(group.rewards)) == 1:
+                self.num_dropped_uniform += 1
+                self.num_wasted_samples += len(group.samples)
+                return False
+            self._groups.append(group)
+            return True
+
+    def _drop_stale(self, current_version: int) -> list[Group]:
+        keep, stale = [], []
+        for g in self._groups:
+            if current_version - g.oldest_version > self.max_staleness:
+                self.num_dropped_stale += 1
+                self.num_wasted_samples += len(g.samples)
+                stale.append(g)
+            else:
+                keep.append(g)
+        self._groups = keep
+        return stale
+
+    def get_batch(self, n: int, current_version: int) -> Batch | None:
+        """n groups, oldest first (ties by task id), or None when fewer than n are fresh enough."""
+        with self._lock:
+            stale = self._drop_stale(current_version)
+            batch = self._take(n, current_version)
+        if stale and self.on_stale is not None:
+            self.on_stale(stale)  # outside our lock: the queue's lock is taken before ours in put
+        return batch
+
+    def _take(self, n: int, current_version: int) -> Batch | None:
+        if len(self._groups) < n:
+            return None
+        self._groups.sort(key=lambda g: (g.oldest_version, g.task.task_id))
+        taken, self._groups = self._groups[:n], self._groups[n:]
+        taken.sort(key=lambda g: g.task.task_id)
+        staleness = [current_version - min(g.oldest_version, current_version) for g in taken]
+        for s in staleness:
+            self.staleness_hist[s] += 1
+        self.num_consumed += n
+        return Batch(groups=taken, trainer_version=current_version, staleness=staleness)
+
+    def admission_slots(self, current_version: int, num_in_flight: int) -> int:
+        """How many more tasks may be leased now without risking samples too stale to train."""
+        with self._lock:
+            cap = (self.max_staleness + 1 + current_version) * self.groups_per_step
+            return max(0, cap - (self.num_consumed + len(self._groups) + num_in_flight))
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._groups)
+
+    def metrics(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "buffered": len(self._groups),
+                "consumed": self.num_consumed,
+                "dropped_stale": self.num_dropped_stale,
+                "dropped_uniform": self.num_dropped_uniform,
+                "wasted_samples": self.num_wasted_samples,
+                "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
+            }
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "groups": [group_to_dict(g) for g in self._groups],
+                "num_consumed": self.num_consumed,
+                "num_put": self.num_put,
+                "num_dropped_stale": self.num_dropped_stale,
+                "num_dropped_uniform": self.num_dropped_uniform,
+                "num_wasted_samples": self.num_wasted_samples,
+                "staleness_hist": dict(self.staleness_hist),
+            }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        with self._lock:
+            self._groups = [group_from_dict(d) for d in state["groups"]]
+            self.num_consumed = state["num_consumed"]
+            self.num_put = state["num_put"]
+            self.num_dropped_stale = state["num_dropped_stale"]
+            self.num_dropped_uniform = state["num_dropped_uniform"]
+            self.num_wasted_samples = state["num_wasted_samples"]
+            self.staleness_hist = Counter({int(k): v for k, v in state["staleness_hist"].items()})

@@ -1,0 +1,228 @@
+"""The RL main loop on the trainer side. It reads as the algorithm:
+
+    setup: model from the starting checkpoint, Trainer, WeightStore, Coordinator (queue+buffer),
+           resume from the latest checkpoint if any, publish the current version
+    loop:  batch <- coordinator.get_batch (staleness-bounded)      [trainer idle while waiting]
+           metrics <- trainer.step(batch)
+           publish weights (version+1), then tell the coordinator the new version
+           log; evaluate every eval_every; checkpoint every checkpoint_every
+    end:   stop workers, final evaluation, final checkpoint, report
+
+Modes are one code path: `sync` = max_staleness 0, `one_step_off` = 1, `async` =
+buffer.max_staleness. The staleness bound and admission control do the rest.
+
+Rollout workers are placed by a launcher (launch/local.py); this module does not start them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slipstream.config import SlipstreamConfig
+from slipstream.observe.metrics import MetricsWriter
+from slipstream.rl.buffer import ExperienceBuffer
+from slipstream.rl.checkpoint import CheckpointStore
+from slipstream.rl.coordinator import Coordinator
+from slipstream.rl.queue import TaskQueue
+from slipstream.rl.trainer import Trainer
+from slipstream.rl.weights import WeightStore
+
+log = logging.getLogger(__name__)
+
+
+def effective_staleness(cfg: SlipstreamConfig) -> int:
+    mode = cfg.trainer.mode
+    return {"sync": 0, "one_step_off": 1}.get(mode, cfg.buffer.max_staleness)
+
+
+def store_url(cfg: SlipstreamConfig) -> str:
+    return cfg.store.url or str(Path(cfg.run.output_dir).resolve() / "store")
+
+
+def storage_options(cfg: SlipstreamConfig) -> dict[str, Any]:
+    if cfg.store.endpoint_url:
+        return {"client_kwargs": {"endpoint_url": cfg.store.endpoint_url}}
+    return {}
+
+
+def hf_weights(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(state dict under HF names, config.json) of the policy, as the WeightStore publishes it."""
+    from slipstream.model import hf_config_from_model_config, state_dict_to_hf
+
+    dtype = next(model.parameters()).dtype
+    return state_dict_to_hf(model), hf_config_from_model_config(model.config, dtype)
+
+
+def heldout_pass_at_1(model: torch.nn.Module, taskset: Any, cfg: SlipstreamConfig) -> float:
+    """Greedy pass@1 on the first eval.num_prompts held-out tasks (the eval job's decoder)."""
+    from slipstream.evaluate import generate
+
+    tasks = taskset.heldout()[: cfg.eval.num_prompts]
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        outs = generate(model, [taskset.prompt_ids(t) for t in tasks], cfg.eval.max_new_tokens,
+                        taskset.tokenizer.eos_id, 0.0, None, cfg.eval.batch_size)  # fmt: skip
+    model.train(was_training)
+    correct = sum(taskset.verify(t, taskset.tokenizer.decode(o)).reward for t, o in zip(tasks, outs, strict=True))
+    return correct / len(tasks)
+
+
+@dataclass
+class RunResult:
+    steps: int
+    wall_s: float
+    pass_at_1_before: float | None
+    pass_at_1_after: float | None
+    samples_per_s: float
+    trainer_idle_frac: float
+    final_reward: float
+    metrics_path: str
+    resumed_from: int | None = None
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Controller:
+    """Trainer-side job. `on_record(record)` is called after every logged step (live display)."""
+
+    def __init__(self, cfg: SlipstreamConfig, init_checkpoint: str, *,
+                 on_record: Callable[[dict[str, Any]], None] | None = None,
+                 evaluate: bool = True) -> None:  # fmt: skip
+        from slipstream.model import load_pretrained
+        from slipstream.tasks import get_taskset
+
+        self.cfg = cfg
+        self.on_record = on_record or (lambda r: None)
+        self.evaluate = evaluate
+        torch.manual_seed(cfg.run.seed)
+        self.out_dir = Path(cfg.run.output_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.taskset = get_taskset(cfg.task)
+        self.device = torch.device("cuda" if cfg.run.device == "cuda" else "cpu")
+        self.model = load_pretrained(init_checkpoint, device=self.device, dtype=getattr(torch, cfg.run.dtype))
+        self.model.train()
+        self.trainer = Trainer(self.model, cfg.trainer, pad_id=self.taskset.tokenizer.pad_id, device=self.device)
+        self.weights = WeightStore(store_url(cfg), cfg.store.keep_last, storage_options(cfg))
+        self.ckpts = CheckpointStore(self.weights.blob, cfg.store.keep_checkpoints)
+        self.max_staleness = effective_staleness(cfg)
+        tc = cfg.trainer
+        queue = TaskQueue(self.taskset.num_train)
+        buffer = ExperienceBuffer(tc.groups_per_step, self.max_staleness, dynamic_sampling=cfg.buffer.dynamic_sampling)
+        self.coord = Coordinator(queue, buffer)
+        self.resumed_from: int | None = None
+        self.pass_before: float | None = None
+        self._maybe_resume()
+        sd, hf_cfg = hf_weights(self.model)
+        self.weights.publish(self.trainer.version, sd, hf_cfg)
+        self.coord.set_version(self.trainer.version)
+
+    def _maybe_resume(self) -> None:
+        step = self.ckpts.latest()
+        if step is None:
+            return
+        trainer_state, coord_state, manifest = self.ckpts.load(step)
+        self.trainer.load_state_dict(trainer_state)
+        self.coord.restore(coord_state)
+        self.pass_before = manifest.get("pass_at_1_before")
+        gone = self.weights.remove_after(self.trainer.version)
+        self.resumed_from = step
+        log.warning("resumed from checkpoint step %d (version %d); unpublished versions %s",
+                    step, self.trainer.version, gone)  # fmt: skip
+
+    def checkpoint(self) -> None:
+        self.ckpts.save(self.trainer.step_count, self.trainer.state_dict(), self.coord.snapshot(),
+                        {"pass_at_1_before": self.pass_before})  # fmt: skip
+
+    def _tensorboard(self):
+        if importlib.util.find_spec("tensorboard") is None:
+            return None
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(str(self.out_dir / "tensorboard"))
+
+    def run(self) -> RunResult:
+        cfg, tc = self.cfg, self.cfg.trainer
+        metrics = MetricsWriter(self.out_dir / "metrics.jsonl", append=self.resumed_from is not None)
+        tb = self._tensorboard()
+        if self.evaluate and self.pass_before is None:
+            self.pass_before = heldout_pass_at_1(self.model, self.taskset, cfg)
+        pass_now = self.pass_before
+        self.on_record({"event": "start", "pass_at_1": pass_now, "step": self.trainer.step_count,
+                        "steps": tc.steps})  # fmt: skip
+        t_start = time.monotonic()
+        idle_total = 0.0
+        samples_total = 0
+        records: list[dict[str, Any]] = []
+        last_reward = float("nan")
+        while self.trainer.step_count < tc.steps:
+            t_wait = time.monotonic()
+            batch = self.coord.get_batch(tc.groups_per_step, tc.batch_timeout_s)
+            if batch is None:
+                raise TimeoutError(
+                    f"no batch of {tc.groups_per_step} groups within trainer.batch_timeout_s="
+                    f"{tc.batch_timeout_s} s at version {self.trainer.version}: are the rollout "
+                    f"workers alive? status {self.coord.status()}"
+                )
+            idle_s = time.monotonic() - t_wait
+            idle_total += idle_s
+            t_train = time.monotonic()
+            m = self.trainer.step(batch)
+            sd, hf_cfg = hf_weights(self.model)
+            self.weights.publish(self.trainer.version, sd, hf_cfg)
+            self.coord.set_version(self.trainer.version)
+            train_s = time.monotonic() - t_train
+            samples_total += len(batch.samples)
+            step = self.trainer.step_count
+            if self.evaluate and tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
+                pass_now = heldout_pass_at_1(self.model, self.taskset, cfg)
+            elapsed = time.monotonic() - t_start
+            status = self.coord.status()
+            last_reward = m["reward_mean"]
+            rec = {
+                "step": step, "version": self.trainer.version, **m,
+                "pass_at_1": pass_now, "idle_s": idle_s, "train_s": train_s,
+                "staleness_max": max(batch.staleness), "staleness_mean": sum(batch.staleness) / len(batch.staleness),
+                "task_ids": batch.task_ids, "elapsed_s": elapsed,
+                "samples_per_s": samples_total / max(elapsed, 1e-9),
+                "trainer_idle_frac": idle_total / max(elapsed, 1e-9),
+                "queue_pending": status["queue_pending"], "queue_leased": status["queue_leased"],
+                "buffered": status["buffer_buffered"], "dropped_stale": status["buffer_dropped_stale"],
+                "dropped_uniform": status["buffer_dropped_uniform"], "redelivered": status["redelivered"],
+                "rejected_acks": status["rejected_acks"], "mode": tc.mode,
+            }  # fmt: skip
+            metrics.log(**rec)
+            if tb is not None:
+                for k, v in rec.items():
+                    if isinstance(v, int | float) and v is not None:
+                        tb.add_scalar(f"rl/{k}", v, step)
+            records.append(rec)
+            self.on_record(rec)
+            if tc.checkpoint_every and step % tc.checkpoint_every == 0:
+                self.checkpoint()
+        self.coord.request_stop()
+        wall_s = time.monotonic() - t_start
+        pass_after = heldout_pass_at_1(self.model, self.taskset, cfg) if self.evaluate else None
+        if not tc.checkpoint_every or self.trainer.step_count % tc.checkpoint_every:
+            self.checkpoint()
+        final = {"event": "end", "pass_at_1": pass_after, "pass_at_1_before": self.pass_before,
+                 "wall_s": wall_s, "step": self.trainer.step_count}  # fmt: skip
+        metrics.log(**final, buffer=self.coord.buffer.metrics())
+        self.on_record(final)
+        metrics.close()
+        if tb is not None:
+            tb.close()
+        return RunResult(
+            steps=self.trainer.step_count, wall_s=wall_s, pass_at_1_before=self.pass_before,
+            pass_at_1_after=pass_after, samples_per_s=samples_total / max(wall_s, 1e-9),
+            trainer_idle_frac=idle_total / max(wall_s, 1e-9), final_reward=last_reward,
+            metrics_path=str(self.out_dir / "metrics.jsonl"), resumed_from=self.resumed_from,
+            records=records,
+        )  # fmt: skip

@@ -1,0 +1,158 @@
+"""Coordinator: the trainer-side service rollout workers talk to (queue + buffer + version), and
+its local transport.
+
+Workers call lease / ack / nack / extend / version / stopping / report; the trainer calls
+get_batch / set_version / snapshot / restore directly on the object.
+
+Admission control happens in `lease`: a worker gets at most `buffer.admission_slots(version,
+in_flight)` tasks, so a lease never asks for work whose samples could only be too stale.
+
+Transport (local launcher): `multiprocessing.managers` over TCP on 127.0.0.1 with a random
+authkey. The trainer process serves the one Coordinator object from a background thread
+(`serve`); each worker process gets a proxy (`connect`) whose method calls are pickled over the
+socket, one connection per calling thread. Exceptions raised in the coordinator are re-raised in
+the worker. A worker killed with SIGKILL only drops its connections; its leases expire.
+
+Not covered: authentication beyond the shared authkey, transport across hosts (bind address is
+loopback), a coordinator that outlives the trainer process (the checkpoint carries its state).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from multiprocessing.managers import BaseManager
+from typing import Any
+
+from slipstream.rl.buffer import ExperienceBuffer
+from slipstream.rl.queue import TaskQueue
+from slipstream.rl.types import Batch, Group, Lease
+
+
+class Coordinator:
+    def __init__(self, queue: TaskQueue, buffer: ExperienceBuffer) -> None:
+        self.queue = queue
+        self.buffer = buffer
+        queue.set_sink(self._sink)
+        buffer.on_stale = lambda groups: queue.requeue([g.task.task_id for g in groups])
+        self._lock = threading.Lock()
+        self._version = 0
+        self._stopping = threading.Event()
+        self._arrived = threading.Condition()
+        self.worker_stats: dict[str, dict[str, float]] = {}
+        self.worker_seen_s: dict[str, float] = {}
+        self.num_acked = 0
+
+    def _sink(self, group: Group) -> None:
+        self.buffer.put(group)
+        self.num_acked += 1
+        with self._arrived:
+            self._arrived.notify_all()
+
+    # ---- worker API ----------------------------------------------------------------------------
+
+    def lease(self, worker_id: str, n: int, ttl_s: float) -> Lease | None:
+        if self._stopping.is_set():
+            return None
+        with self._lock:  # admission check and lease together, or two workers share one slot
+            self.worker_seen_s[worker_id] = time.time()
+            slots = self.buffer.admission_slots(self._version, self.queue.num_in_flight())
+            if slots <= 0:
+                return None
+            return self.queue.lease(worker_id, min(n, slots), ttl_s, policy_version=self._version)
+
+    def ack(self, lease_id: int, group: Group) -> bool:
+        return self.queue.ack(lease_id, group)
+
+    def nack(self, lease_id: int, task_ids: list[int] | None = None) -> int:
+        return self.queue.nack(lease_id, task_ids)
+
+    def extend(self, lease_id: int, ttl_s: float) -> bool:
+        return self.queue.extend(lease_id, ttl_s)
+
+    def version(self) -> int:
+        return self._version
+
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def report(self, worker_id: str, stats: dict[str, float]) -> None:
+        self.worker_stats[worker_id] = stats
+        self.worker_seen_s[worker_id] = time.time()
+
+    # ---- trainer API ---------------------------------------------------------------------------
+
+    def set_version(self, version: int) -> None:
+        """Call after the weights of `version` are published (workers fetch them on lease)."""
+        with self._lock:
+            self._version = version
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+
+    def get_batch(self, n: int, timeout_s: float) -> Batch | None:
+        """Wait up to timeout_s for n fresh groups."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            batch = self.buffer.get_batch(n, self._version)
+            if batch is not None or time.monotonic() >= deadline:
+                return batch
+            with self._arrived:
+                self._arrived.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+
+    def status(self) -> dict[str, Any]:
+        q = self.queue.stats()
+        return {
+            "version": self._version,
+            "queue_pending": q.num_pending,
+            "queue_leased": q.num_leased,
+            "queue_done": q.num_done,
+            "redelivered": q.num_redelivered,
+            "rejected_acks": q.num_rejected_acks,
+            "expired_leases": q.num_expired_leases,
+            **{f"buffer_{k}": v for k, v in self.buffer.metrics().items()},
+        }
+
+    def snapshot(self) -> dict[str, Any]:
+        # Under the queue's lock no ack can land between the two snapshots (an ack moves a task
+        # to `done` and its group into the buffer in one step).
+        with self._lock, self.queue.lock:
+            return {"version": self._version, "queue": self.queue.snapshot(),
+                    "buffer": self.buffer.snapshot()}  # fmt: skip
+
+    def restore(self, state: dict[str, Any]) -> None:
+        with self._lock:
+            self._version = state["version"]
+            self.queue.restore(state["queue"])
+            self.buffer.restore(state["buffer"])
+
+
+class _Manager(BaseManager):
+    pass
+
+
+def serve(coordinator: Coordinator, authkey: bytes, port: int = 0) -> tuple[str, int]:
+    """Serve `coordinator` on 127.0.0.1 from a daemon thread; returns the (host, port)."""
+
+    class M(BaseManager):
+        pass
+
+    M.register("coordinator", callable=lambda: coordinator)
+    server = M(address=("127.0.0.1", port), authkey=authkey).get_server()
+    threading.Thread(target=server.serve_forever, daemon=True, name="coordinator-rpc").start()
+    return server.address
+
+
+def connect(address: tuple[str, int], authkey: bytes, timeout_s: float = 30.0) -> Any:
+    """A proxy of the served Coordinator (retries until the server answers)."""
+    _Manager.register("coordinator")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        mgr = _Manager(address=tuple(address), authkey=authkey)
+        try:
+            mgr.connect()
+            return mgr.coordinator()
+        except (ConnectionRefusedError, FileNotFoundError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)

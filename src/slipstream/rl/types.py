@@ -1,0 +1,109 @@
+"""Plain data passed between the queue, rollout workers, the buffer and the trainer.
+
+Everything here is picklable (lists of ints/floats, no tensors) so it crosses the local transport
+(`multiprocessing.managers`) and can be written into a checkpoint as-is.
+
+Vocabulary: a *task* is one prompt of the task set's train split; a *sample* is one completion of
+it; a *group* is the G samples of one task (GRPO). Policy versions count optimizer steps: weights
+after step k are version k (version 0 = the starting checkpoint).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TaskRef:
+    """A unit of work in the queue. `task_id` is unique for the whole run (it is the queue's
+    sequence number); `index` selects the prompt in the train split (task_id modulo its size), so
+    the same prompt may come back in a later epoch under a new task_id."""
+
+    task_id: int
+    index: int
+
+
+@dataclass
+class Lease:
+    """Tasks handed to one worker until `deadline_s` (monotonic clock of the queue's process).
+
+    `lease_id` is the fencing token: it is unique and never reused, so an ack carrying an old
+    lease_id is recognisably stale. `policy_version` is the trainer's version when the lease was
+    granted; a worker must generate with weights at least that new (this is what makes `sync`
+    mode on-policy)."""
+
+    lease_id: int
+    worker_id: str
+    tasks: list[TaskRef]
+    deadline_s: float
+    policy_version: int
+
+
+@dataclass
+class Sample:
+    """One completion. `versions` has one entry per completion token: the policy version that
+    produced it (partial rollouts may span weight updates). `behaviour_logprobs` are the engine's
+    log-probabilities of the sampled tokens (the behaviour policy for off-policy correction)."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    behaviour_logprobs: list[float]
+    versions: list[int]
+    reward: float = 0.0
+    finish_reason: str = "stop"
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        n = len(self.completion_ids)
+        if len(self.behaviour_logprobs) != n or len(self.versions) != n:
+            raise ValueError(
+                f"sample has {n} completion tokens but {len(self.behaviour_logprobs)} logprobs "
+                f"and {len(self.versions)} versions"
+            )
+
+    @property
+    def oldest_version(self) -> int:
+        """Version of the oldest token; a sample with no completion tokens counts as fresh."""
+        return min(self.versions) if self.versions else 1 << 62
+
+
+@dataclass
+class Group:
+    """The G samples of one task, as a worker acks it. Staleness is counted from the oldest token
+    of any sample in the group."""
+
+    task: TaskRef
+    samples: list[Sample]
+    worker_id: str = ""
+    lease_id: int = -1
+
+    @property
+    def rewards(self) -> list[float]:
+        return [s.reward for s in self.samples]
+
+    @property
+    def oldest_version(self) -> int:
+        return min(s.oldest_version for s in self.samples)
+
+    @property
+    def newest_version(self) -> int:
+        vs = [max(s.versions) for s in self.samples if s.versions]
+        return max(vs) if vs else -1
+
+
+@dataclass
+class Batch:
+    """Groups handed to one trainer step, with the trainer version they were taken at."""
+
+    groups: list[Group]
+    trainer_version: int
+    staleness: list[int] = field(default_factory=list)
+    """Per group: trainer_version - oldest token version."""
+
+    @property
+    def samples(self) -> list[Sample]:
+        return [s for g in self.groups for s in g.samples]
+
+    @property
+    def task_ids(self) -> list[int]:
+        return [g.task.task_id for g in self.groups]

@@ -1,0 +1,212 @@
+"""WeightStore: published policy versions under a URL (file://, s3:// or a plain path) via fsspec.
+
+Layout: <url>/weights/v00000012/{model.safetensors, config.json, manifest.json}. The directory is
+an HF-format checkpoint (safetensors + config.json) that `load_pretrained` can read once copied
+locally (`fetch_to_dir`).
+
+Contract:
+- `publish(version, state_dict, config)` writes the weight files first and `manifest.json` LAST.
+  The manifest is written in one atomic step (a rename on local disks, a single PUT on S3) and
+  lists every file with its size and sha256. A version exists for readers iff its manifest does.
+- Readers (`versions`, `latest`, `fetch`) look only at manifests and verify sizes and hashes, so
+  a publish that died half-way (process or server killed) is never visible; publishing the same
+  version again overwrites the debris.
+- After a publish, versions beyond the newest `keep_last` are deleted (manifest first, so readers
+  stop seeing them before their files go), and manifest-less debris of older versions is removed.
+
+Not covered: several concurrent publishers to one URL (one trainer publishes), a reader that
+fetches a version while retention deletes it (it gets FileNotFoundError and should ask `latest()`
+again; keep_last >= 2 makes that rare).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import time
+from typing import Any
+
+import fsspec
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+log = logging.getLogger(__name__)
+
+_VERSION_RE = re.compile(r"v(\d{8})$")
+WEIGHTS_FILE = "model.safetensors"
+MANIFEST = "manifest.json"
+
+
+class BlobStore:
+    """A URL root on an fsspec filesystem with the few operations the store and checkpoints need.
+    `storage_options` go to fsspec (e.g. {"client_kwargs": {"endpoint_url": ...}} for S3)."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        if not url:
+            raise ValueError("store url is empty")
+        self.url = url
+        self.fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        self.root = root.rstrip("/")
+        self.local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
+        if self.local:
+            self.fs.makedirs(self.root, exist_ok=True)
+
+    def path(self, rel: str) -> str:
+        return f"{self.root}/{rel}"
+
+    def put(self, rel: str, data: bytes) -> None:
+        if self.local:
+            self.fs.makedirs(self.path(rel).rsplit("/", 1)[0], exist_ok=True)
+        self.fs.pipe_file(self.path(rel), data)
+
+    def put_atomic(self, rel: str, data: bytes) -> None:
+        """Readers see the old object or the whole new one, never a prefix."""
+        if self.local:
+            tmp = f"{rel}.tmp-{time.time_ns()}"
+            self.put(tmp, data)
+            self.fs.mv(self.path(tmp), self.path(rel))
+        else:
+            self.put(rel, data)  # an S3 PUT is atomic
+
+    def get(self, rel: str) -> bytes:
+        return self.fs.cat_file(self.path(rel))
+
+    def exists(self, rel: str) -> bool:
+        return self.fs.exists(self.path(rel))
+
+    def listdir(self, rel: str) -> list[str]:
+        """Names (not paths) directly under rel; [] when missing."""
+        self.fs.invalidate_cache()
+        try:
+            entries = self.fs.ls(self.path(rel), detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries})
+
+    def rm(self, rel: str) -> None:
+        try:
+            self.fs.rm(self.path(rel), recursive=True)
+        except FileNotFoundError:
+            pass
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def state_dict_to_bytes(state_dict: dict[str, torch.Tensor]) -> bytes:
+    """safetensors bytes; tensors that share storage (tied weights) are cloned apart."""
+    seen: set[int] = set()
+    out: dict[str, torch.Tensor] = {}
+    for k, v in state_dict.items():
+        t = v.detach().cpu().contiguous()
+        if t.untyped_storage().data_ptr() in seen:
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        out[k] = t
+    return st_save(out)
+
+
+def write_manifested(blob: BlobStore, prefix: str, files: dict[str, bytes], meta: dict[str, Any]) -> None:
+    """Write `files` under prefix, then the manifest (with sizes, hashes and `meta`) last."""
+    for name, data in files.items():
+        blob.put(f"{prefix}/{name}", data)
+    manifest = dict(meta)
+    manifest["files"] = {n: {"bytes": len(d), "sha256": _sha256(d)} for n, d in files.items()}
+    manifest["written_unix_s"] = time.time()
+    blob.put_atomic(f"{prefix}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
+
+
+def read_manifested(blob: BlobStore, prefix: str) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """(manifest, files) with every file checked against the manifest; raises on mismatch."""
+    manifest = json.loads(blob.get(f"{prefix}/{MANIFEST}"))
+    files = {}
+    for name, info in manifest["files"].items():
+        data = blob.get(f"{prefix}/{name}")
+        if len(data) != info["bytes"] or _sha256(data) != info["sha256"]:
+            raise OSError(f"{blob.url}/{prefix}/{name} does not match its manifest")
+        files[name] = data
+    return manifest, files
+
+
+class WeightStore:
+    """Policy versions for rollout engines. See the module docstring for the contract."""
+
+    def __init__(
+        self, url: str, keep_last: int = 3, storage_options: dict[str, Any] | None = None
+    ) -> None:
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        self.blob = BlobStore(url, storage_options)
+        self.keep_last = keep_last
+
+    @staticmethod
+    def _dir(version: int) -> str:
+        return f"weights/v{version:08d}"
+
+    def publish(
+        self, version: int, state_dict: dict[str, torch.Tensor], config: dict[str, Any] | None = None
+    ) -> None:
+        files = {WEIGHTS_FILE: state_dict_to_bytes(state_dict)}
+        if config is not None:
+            files["config.json"] = json.dumps(config, indent=1).encode()
+        write_manifested(self.blob, self._dir(version), files, {"version": version})
+        self._retain(version)
+
+    def _all_dirs(self) -> list[tuple[int, str]]:
+        out = []
+        for name in self.blob.listdir("weights"):
+            m = _VERSION_RE.match(name)
+            if m:
+                out.append((int(m.group(1)), name))
+        return out
+
+    def versions(self) -> list[int]:
+        """Published (manifested) versions, ascending."""
+        return [v for v, name in self._all_dirs() if self.blob.exists(f"weights/{name}/{MANIFEST}")]
+
+    def latest(self) -> int | None:
+        vs = self.versions()
+        return vs[-1] if vs else None
+
+    def fetch(self, version: int) -> dict[str, torch.Tensor]:
+        """The state dict of a published version (FileNotFoundError if not published)."""
+        _, files = read_manifested(self.blob, self._dir(version))
+        return st_load(files[WEIGHTS_FILE])
+
+    def fetch_config(self, version: int) -> dict[str, Any] | None:
+        _, files = read_manifested(self.blob, self._dir(version))
+        return json.loads(files["config.json"]) if "config.json" in files else None
+
+    def fetch_to_dir(self, version: int, local_dir: str) -> str:
+        """Copy a published version into a local HF-format directory; returns it."""
+        import os
+
+        _, files = read_manifested(self.blob, self._dir(version))
+        os.makedirs(local_dir, exist_ok=True)
+        for name, data in files.items():
+            with open(os.path.join(local_dir, name), "wb") as f:
+                f.write(data)
+        return local_dir
+
+    def remove_after(self, version: int) -> list[int]:
+        """Unpublish every version newer than `version` (a resumed trainer rolls back to its
+        checkpoint; weights it published after that must not reach workers). Returns them."""
+        gone = [v for v, _ in self._all_dirs() if v > version]
+        for v in gone:
+            self.blob.rm(f"{self._dir(v)}/{MANIFEST}")
+            self.blob.rm(self._dir(v))
+        return gone
+
+    def _retain(self, just_published: int) -> None:
+        published = self.versions()
+        for v in published[: max(0, len(published) - self.keep_last)]:
+            self.blob.rm(f"{self._dir(v)}/{MANIFEST}")  # invisible first
+            self.blob.rm(self._dir(v))
+        for v, name in self._all_dirs():
+            if v < just_published and v not in published:
+                log.debug("removing unpublished debris weights/%s", name)
+                self.blob.rm(f"weights/{name}")

@@ -1,0 +1,337 @@
+"""The sandbox protocol: templates, exec results, `Sandbox`, `Backend`, and the backend factory.
+
+Every backend runs the same guest agent (`guest/agent.py`) and drives it through an
+`AgentConnection`; `AgentSandbox` implements the whole `Sandbox` protocol on top of that, so a
+backend only has to start the agent (`Backend.create`) and tear it down (`AgentSandbox._destroy`).
+
+`make_backend(name)` returns a backend by name; `qemu` and `firecracker` are imported lazily from
+`slipstream.sandbox.qemu` / `.firecracker`, and a missing module is a `BackendUnavailable` error.
+
+Not covered here: pooling and admission (pool.py), CPU sets (pinning.py), crash journal (journal.py).
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+import inspect
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from slipstream.sandbox.agent_client import AgentConnection, AgentExit
+from slipstream.sandbox.errors import BackendUnavailable, SandboxBroken, SandboxError
+
+if TYPE_CHECKING:
+    from slipstream.config.sandbox import SandboxConfig
+    from slipstream.sandbox.cgroups import Cgroup
+    from slipstream.sandbox.journal import Journal
+
+log = logging.getLogger(__name__)
+
+BACKEND_NAMES = ("process", "bwrap", "qemu", "firecracker")
+PINNING_POLICIES = ("none", "core", "thread", "l3")
+MEMORY_POLICIES = ("local", "interleave")
+
+
+@dataclass(frozen=True)
+class SandboxTemplate:
+    """What every sandbox of a pool looks like. Hashable: the pool keys its warm sets by it."""
+
+    backend: str = "bwrap"
+    image: str | None = None
+    """VM guest image directory (qemu/firecracker); None = the default built image."""
+    vcpus: int = 1
+    memory_mib: int = 512
+    pinning: str = "none"
+    memory_policy: str = "local"
+    create_timeout_s: float = 60.0
+    exec_timeout_s: float = 30.0
+    pids_max: int = 256
+    output_cap_bytes: int = 1 << 20
+    workdir_mib: int = 256
+    """Size of the sandbox's private writable tmpfs (bwrap); counts against memory_mib."""
+    network: bool = False
+    """Must stay False: no backend provides networking and asking for it is an error."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKEND_NAMES:
+            raise ValueError(f"sandbox backend {self.backend!r} is not one of {BACKEND_NAMES}")
+        if self.pinning not in PINNING_POLICIES:
+            raise ValueError(f"sandbox pinning {self.pinning!r} is not one of {PINNING_POLICIES}")
+        if self.memory_policy not in MEMORY_POLICIES:
+            raise ValueError(f"memory_policy {self.memory_policy!r} is not one of {MEMORY_POLICIES}")
+        if self.network:
+            raise ValueError("sandbox network=True is not supported: sandboxes have no network")
+        if self.vcpus < 1 or self.memory_mib < 16 or self.pids_max < 8:
+            raise ValueError(f"bad sandbox sizes: {self}")
+
+    @classmethod
+    def from_config(cls, cfg: SandboxConfig, **overrides: Any) -> SandboxTemplate:
+        """The template described by a `[sandbox]` config section."""
+        fields = {
+            k: getattr(cfg, k) for k in cls.__dataclass_fields__ if k in type(cfg).model_fields
+        }
+        return cls(**{**fields, **overrides})
+
+    def with_(self, **changes: Any) -> SandboxTemplate:
+        return replace(self, **changes)
+
+
+@dataclass
+class ExecResult:
+    """One command's outcome. stdout/stderr are decoded UTF-8 (invalid bytes replaced), each capped
+    at the template's output_cap_bytes (`*_truncated` says so). `exit_code` is negative -N when a
+    signal N killed the command (as in `subprocess`). `peak_memory_bytes` is the cgroup's peak when
+    the backend has a memory cgroup, else the command's max RSS."""
+
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    truncated: bool = False
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    timed_out: bool = False
+    oom_killed: bool = False
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    peak_memory_bytes: int | None = None
+    signal: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out and not self.oom_killed
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class SandboxRecord:
+    """What the crash journal keeps about a live sandbox so that a later process can reap it."""
+
+    sandbox_id: str
+    backend: str
+    pid: int | None = None
+    pid_start_ticks: int | None = None
+    """/proc/PID/stat starttime: guards against killing a recycled pid."""
+    cgroup_paths: list[str] = field(default_factory=list)
+    dirs: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Sandbox(abc.ABC):
+    """A live sandbox. Use from one asyncio task at a time."""
+
+    sandbox_id: str
+    template: SandboxTemplate
+    cpus: tuple[int, ...] | None = None
+    mems: tuple[int, ...] | None = None
+
+    @abc.abstractmethod
+    async def exec(
+        self,
+        argv: Sequence[str],
+        stdin: bytes | str | None = None,
+        files: Mapping[str, bytes | str] | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+        cwd: str | None = None,
+    ) -> ExecResult:
+        """Run argv inside the sandbox (files are written into the work dir first). Raises
+        SandboxBroken when the sandbox died; a failing command is a result, not an error."""
+
+    @abc.abstractmethod
+    async def put_file(self, path: str, data: bytes | str, mode: int | None = None) -> None: ...
+
+    @abc.abstractmethod
+    async def get_file(self, path: str) -> bytes: ...
+
+    @abc.abstractmethod
+    async def reset(self) -> None:
+        """Kill every process the sandbox's commands left and wipe the work dir."""
+
+    @abc.abstractmethod
+    async def ping(self) -> None:
+        """Raise SandboxBroken unless the agent answers."""
+
+    @abc.abstractmethod
+    async def release(self) -> None:
+        """Destroy the sandbox: processes, cgroups, dirs, VM. Idempotent."""
+
+    @abc.abstractmethod
+    def record(self) -> SandboxRecord: ...
+
+
+def _as_bytes(data: bytes | str) -> bytes:
+    return data.encode() if isinstance(data, str) else data
+
+
+class AgentSandbox(Sandbox):
+    """A `Sandbox` whose commands run through a guest agent; optional cgroup adds OOM and peak
+    memory facts. Subclasses implement `_destroy()` (and may extend `record()`)."""
+
+    def __init__(
+        self,
+        sandbox_id: str,
+        template: SandboxTemplate,
+        conn: AgentConnection,
+        *,
+        cgroup: Cgroup | None = None,
+        cpus: tuple[int, ...] | None = None,
+        mems: tuple[int, ...] | None = None,
+        journal: Journal | None = None,
+    ) -> None:
+        self.sandbox_id = sandbox_id
+        self.journal = journal
+        self.template = template
+        self.conn = conn
+        self.cgroup = cgroup
+        self.cpus = cpus
+        self.mems = mems
+        self.released = False
+        self.num_execs = 0
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.sandbox_id} cpus={self.cpus}>"
+
+    async def exec(
+        self,
+        argv: Sequence[str],
+        stdin: bytes | str | None = None,
+        files: Mapping[str, bytes | str] | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+        cwd: str | None = None,
+    ) -> ExecResult:
+        if self.released:
+            raise SandboxError(f"{self.sandbox_id}: exec after release")
+        if not argv:
+            raise ValueError("exec needs a non-empty argv")
+        timeout_s = self.template.exec_timeout_s if timeout_s is None else timeout_s
+        oom_before = self.cgroup.oom_kills() if self.cgroup else 0
+        if self.cgroup:
+            self.cgroup.reset_peak_memory()
+        self.num_execs += 1
+        try:
+            raw: AgentExit = await self.conn.exec(
+                argv,
+                stdin=_as_bytes(stdin) if stdin is not None else b"",
+                env=env,
+                cwd=cwd,
+                timeout_s=timeout_s,
+                output_cap_bytes=self.template.output_cap_bytes,
+                files={k: _as_bytes(v) for k, v in files.items()} if files else None,
+            )
+        except SandboxBroken as e:
+            oom = self.cgroup is not None and self.cgroup.oom_kills() > oom_before
+            raise SandboxBroken(f"{e}{' (the memory cgroup OOM-killed it)' if oom else ''}") from None
+        oom_killed = self.cgroup is not None and self.cgroup.oom_kills() > oom_before
+        peak = self.cgroup.peak_memory_bytes() if self.cgroup else None
+        return ExecResult(
+            exit_code=raw.exit_code,
+            stdout=raw.stdout.decode("utf-8", "replace"),
+            stderr=raw.stderr.decode("utf-8", "replace"),
+            truncated=raw.truncated,
+            stdout_truncated=raw.stdout_truncated,
+            stderr_truncated=raw.stderr_truncated,
+            timed_out=raw.timed_out,
+            oom_killed=oom_killed,
+            wall_s=raw.wall_s,
+            cpu_s=raw.cpu_s,
+            peak_memory_bytes=peak if peak is not None else raw.max_rss_bytes,
+            signal=raw.signal,
+        )
+
+    async def put_file(self, path: str, data: bytes | str, mode: int | None = None) -> None:
+        await self.conn.put_file(path, _as_bytes(data), mode)
+
+    async def get_file(self, path: str) -> bytes:
+        return await self.conn.get_file(path)
+
+    async def reset(self) -> None:
+        await self.conn.reset()
+
+    async def ping(self) -> None:
+        await self.conn.ping()
+
+    async def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        await self._destroy()
+        if self.journal is not None:  # only after everything is gone: a crash before is reaped
+            self.journal.remove(self.sandbox_id)
+
+    @abc.abstractmethod
+    async def _destroy(self) -> None:
+        """Tear down everything this sandbox owns (called once)."""
+
+
+class Backend(abc.ABC):
+    """Creates sandboxes of one kind. `isolating` is False only for `process`."""
+
+    name: str = ""
+    isolating: bool = True
+
+    @abc.abstractmethod
+    async def create(
+        self,
+        template: SandboxTemplate,
+        *,
+        sandbox_id: str,
+        cpus: tuple[int, ...] | None = None,
+        mems: tuple[int, ...] | None = None,
+    ) -> AgentSandbox:
+        """Start a sandbox and return it once its agent said hello. `cpus`/`mems`: the CPU and NUMA
+        node sets chosen by the pool's pinning policy (None = unpinned)."""
+
+    @classmethod
+    def reap(cls, record: SandboxRecord) -> list[str]:
+        """Remove what a crashed owner left of `record`; returns what was done (for logs).
+        The default covers processes, cgroups and dirs (journal.reap_record); VM backends extend."""
+        from slipstream.sandbox.journal import reap_record
+
+        return reap_record(record)
+
+    async def close(self) -> None:
+        """Release backend-wide resources (none by default)."""
+
+
+_LAZY_BACKENDS = {
+    "process": ("slipstream.sandbox.process", "ProcessBackend"),
+    "bwrap": ("slipstream.sandbox.bwrap", "BwrapBackend"),
+    "qemu": ("slipstream.sandbox.qemu", "QemuBackend"),
+    "firecracker": ("slipstream.sandbox.firecracker", "FirecrackerBackend"),
+}
+
+
+def backend_class(name: str) -> type[Backend]:
+    """The backend class for `name`; BackendUnavailable if its module is not there."""
+    if name not in _LAZY_BACKENDS:
+        raise ValueError(f"unknown sandbox backend {name!r}; choose one of {BACKEND_NAMES}")
+    module_name, cls_name = _LAZY_BACKENDS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name == module_name:
+            raise BackendUnavailable(
+                f"sandbox backend {name!r} is not available: module {module_name} is missing"
+            ) from None
+        raise
+    cls = getattr(module, cls_name, None)
+    if cls is None:
+        raise BackendUnavailable(f"sandbox backend {name!r}: {module_name} has no {cls_name}")
+    return cls
+
+
+def make_backend(name: str, **kwargs: Any) -> Backend:
+    """Instantiate the backend called `name` (process, bwrap, qemu, firecracker). Keyword
+    arguments the backend's constructor does not take (e.g. `journal`, `state_dir` for a backend
+    without them) are dropped, so callers can pass the common set."""
+    cls = backend_class(name)
+    params = inspect.signature(cls.__init__).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    return cls(**kwargs)

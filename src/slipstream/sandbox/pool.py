@@ -1,0 +1,374 @@
+"""The host agent's warm pool: one `SandboxPool` per template.
+
+Contract:
+- `start()` reaps orphans recorded in the journal by a crashed earlier owner, then keeps at least
+  `min_idle` warm sandboxes (never more than `max_idle`) with a background refill task that creates
+  at most `create_concurrency` at once, each start delayed by a random jitter (no thundering herd).
+- `acquire(timeout_s)` hands out an idle sandbox after a health check (ping; a failing one is
+  destroyed and the next tried), or creates one inline when none is idle and admission allows, or
+  waits. Admission: the vCPUs of all live sandboxes (idle, in use, being created or destroyed)
+  stay <= online vCPUs x `max_density`, a new sandbox's memory limit fits in MemAvailable minus
+  `memory_reserve_mib`, and the pinning policy has CPUs free. Waiting longer than the timeout raises
+  AdmissionTimeout.
+- `release(sb)`: single use by default — the sandbox is destroyed (in the background) and replaced by
+  the refill; with `reuse=True` it is `reset()` and returned to the idle set.
+- `stop()` destroys every sandbox (idle and handed-out) and leaves no process, cgroup or dir; the
+  journal is empty afterwards.
+
+Not covered: several pools sharing admission (each pool admits against the whole host on its own),
+priority between waiters beyond FIFO-ish wakeups, sandboxes shared between event loops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import random
+import secrets
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from slipstream.sandbox.base import AgentSandbox, Backend, SandboxTemplate, backend_class, make_backend
+from slipstream.sandbox.errors import AdmissionTimeout, BackendUnavailable, SandboxError
+from slipstream.sandbox.journal import Journal, default_state_dir, reap_record
+from slipstream.sandbox.pinning import NoCpusFree, PinningAllocator
+from slipstream.sandbox.topology import Topology, read_topology
+
+log = logging.getLogger(__name__)
+_ids = itertools.count()
+
+
+def mem_available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no MemAvailable in /proc/meminfo")
+
+
+def _percentile(samples: list[float], q: float) -> float | None:
+    if not samples:
+        return None
+    s = sorted(samples)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+@dataclass
+class PoolOptions:
+    min_idle: int = 2
+    max_idle: int = 4
+    max_density: float = 1.0
+    create_concurrency: int = 2
+    jitter_s: float = 0.005
+    reuse: bool = False
+    health_check: bool = True
+    acquire_timeout_s: float = 60.0
+    memory_reserve_mib: int = 256
+    max_live: int | None = None
+    """Extra cap on live sandboxes (None = only the vCPU/memory rules)."""
+
+
+@dataclass
+class PoolStats:
+    live: int
+    idle: int
+    in_use: int
+    creating: int
+    created: int
+    destroyed: int
+    create_failures: int
+    health_failures: int
+    acquires: int
+    acquire_wait_p50_s: float | None
+    acquire_wait_p99_s: float | None
+    vcpu_capacity: float
+    pinning: str
+    notes: list[str] = field(default_factory=list)
+
+
+class SandboxPool:
+    def __init__(
+        self,
+        template: SandboxTemplate,
+        options: PoolOptions | None = None,
+        *,
+        backend: Backend | None = None,
+        state_dir: str | Path | None = None,
+        topology: Topology | None = None,
+    ) -> None:
+        self.template = template
+        self.opts = options or PoolOptions()
+        if self.opts.max_idle < self.opts.min_idle:
+            raise ValueError(f"max_idle={self.opts.max_idle} < min_idle={self.opts.min_idle}")
+        self.state_dir = Path(state_dir) if state_dir else default_state_dir()
+        self.journal = Journal(self.state_dir)
+        self.backend = backend or make_backend(
+            template.backend, state_dir=self.state_dir, journal=self.journal
+        )
+        if getattr(self.backend, "journal", self.journal) is not self.journal:
+            log.warning("pool backend writes another journal; orphan reaping uses %s", self.state_dir)
+        self.topology = topology or read_topology()
+        self.pinning = PinningAllocator(self.topology, template.pinning, template.memory_policy)
+        self.vcpu_capacity = len(self.pinning.cpus) * self.opts.max_density
+        self._idle: deque[AgentSandbox] = deque()
+        self._in_use: set[AgentSandbox] = set()
+        self._creating = 0
+        self._destroying = 0
+        self._live_vcpus = 0
+        self._changed = asyncio.Condition()
+        self._refill_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._create_sem = asyncio.Semaphore(self.opts.create_concurrency)
+        self._waits_s: deque[float] = deque(maxlen=100_000)
+        self._counts = {"created": 0, "destroyed": 0, "create_failures": 0, "health_failures": 0}
+        self._acquires = 0
+        self._stopping = False
+        self.orphans_reaped = 0
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> SandboxPool:
+        self.orphans_reaped = await asyncio.to_thread(self.journal.reap_orphans, _reaper_for)
+        self._refill_task = asyncio.get_running_loop().create_task(self._refill_loop())
+        return self
+
+    async def __aenter__(self) -> SandboxPool:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """Wait until min_idle sandboxes are warm (or admission forbids more)."""
+        async with self._changed:
+            await asyncio.wait_for(
+                self._changed.wait_for(
+                    lambda: len(self._idle) >= self.opts.min_idle
+                    or (self._creating == 0 and self._destroying == 0 and not self._admissible())
+                ),
+                timeout_s,
+            )
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._refill_task:
+            self._refill_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refill_task
+        while self._creating or self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+            await asyncio.sleep(0.001)
+        victims = list(self._idle) + list(self._in_use)
+        if self._in_use:
+            log.warning("pool stop: destroying %d sandboxes still in use", len(self._in_use))
+        self._idle.clear()
+        self._in_use.clear()
+        await asyncio.gather(*(self._destroy(sb) for sb in victims))
+        await self.backend.close()
+
+    # ------------------------------------------------------------ admission
+
+    def _live(self) -> int:
+        return len(self._idle) + len(self._in_use) + self._creating + self._destroying
+
+    def _admissible(self) -> bool:
+        v = self.template.vcpus
+        if self._live_vcpus + v > self.vcpu_capacity + 1e-9:
+            return False
+        if self.opts.max_live is not None and self._live() >= self.opts.max_live:
+            return False
+        if not self.pinning.can_allocate(v):
+            return False
+        need = (self.template.memory_mib + self.opts.memory_reserve_mib) << 20
+        return mem_available_bytes() >= need
+
+    async def _create_one(self) -> AgentSandbox:
+        """Create a sandbox (admission already reserved by the caller: _creating and vcpus)."""
+        cpus = None
+        try:
+            cpus = self.pinning.allocate(self.template.vcpus)
+            sid = f"sb-{os.getpid()}-{next(_ids)}-{secrets.token_hex(3)}"
+            async with self._create_sem:
+                sb = await self.backend.create(
+                    self.template, sandbox_id=sid, cpus=cpus, mems=self.pinning.mems_for(cpus)
+                )
+        except (SandboxError, OSError, NoCpusFree):
+            self.pinning.release(cpus)
+            self._live_vcpus -= self.template.vcpus
+            self._counts["create_failures"] += 1
+            raise
+        finally:
+            self._creating -= 1
+        self._counts["created"] += 1
+        if sb.journal is None:  # backends without journal support: the pool records them
+            sb.journal = self.journal
+            self.journal.write(sb.record())
+        return sb
+
+    def _reserve(self) -> None:
+        self._creating += 1
+        self._live_vcpus += self.template.vcpus
+
+    # ------------------------------------------------------------ refill
+
+    async def _refill_loop(self) -> None:
+        while not self._stopping:
+            async with self._changed:
+                await self._changed.wait_for(self._wants_more)
+                self._reserve()
+                self._spawn(self._refill_one())
+
+    def _wants_more(self) -> bool:
+        return (
+            len(self._idle) + self._creating < self.opts.min_idle
+            and len(self._idle) < self.opts.max_idle
+            and self._admissible()
+        )
+
+    async def _refill_one(self) -> None:
+        try:
+            await asyncio.sleep(random.uniform(0, self.opts.jitter_s))
+            sb = await self._create_one()
+        except (SandboxError, OSError, NoCpusFree) as e:
+            log.warning("pool refill: sandbox creation failed: %s", e)
+            await asyncio.sleep(0.5)  # do not spin on a persistent failure
+            await self._notify()
+            return
+        if self._stopping:
+            await self._destroy(sb)
+            return
+        self._idle.append(sb)
+        await self._notify()
+
+    def _spawn(self, coro: object) -> None:
+        task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    # ------------------------------------------------------------ hand-out
+
+    async def acquire(self, timeout_s: float | None = None) -> AgentSandbox:
+        timeout_s = self.opts.acquire_timeout_s if timeout_s is None else timeout_s
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._stopping:
+                raise SandboxError("pool is stopping")
+            sb = None
+            create = False
+            async with self._changed:
+                if self._idle:
+                    sb = self._idle.popleft()
+                    self._in_use.add(sb)
+                elif self._creating == 0 and self._admissible():
+                    self._reserve()
+                    create = True
+                else:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise AdmissionTimeout(
+                            f"no sandbox within {timeout_s} s: live={self._live()} "
+                            f"vcpus={self._live_vcpus}/{self.vcpu_capacity:g} "
+                            f"free_cpus={len(self.pinning.free)} pinning={self.template.pinning}"
+                        )
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._changed.wait(), remaining)
+                    continue
+            if create:
+                sb = await self._create_one()
+                self._in_use.add(sb)
+            assert sb is not None
+            if self.opts.health_check and not create:
+                try:
+                    await sb.ping()
+                except SandboxError as e:
+                    self._counts["health_failures"] += 1
+                    log.warning("pool: %s failed its health check (%s); replacing it", sb, e)
+                    self._in_use.discard(sb)
+                    self._spawn(self._destroy(sb))
+                    continue
+            self._acquires += 1
+            self._waits_s.append(time.perf_counter() - t0)
+            await self._notify()  # the refill loop may now want a replacement
+            return sb
+
+    async def release(self, sb: AgentSandbox, *, reuse: bool | None = None) -> None:
+        if sb not in self._in_use:
+            raise SandboxError(f"{sb} was not acquired from this pool")
+        reuse = self.opts.reuse if reuse is None else reuse
+        if reuse and not self._stopping and not sb.conn.closed:
+            try:
+                await sb.reset()
+            except SandboxError as e:
+                log.warning("pool: reset of %s failed (%s); destroying it", sb, e)
+            else:
+                self._in_use.discard(sb)
+                if len(self._idle) < self.opts.max_idle:
+                    self._idle.append(sb)
+                    await self._notify()
+                    return
+                self._in_use.add(sb)
+        self._in_use.discard(sb)
+        self._destroying += 1
+        self._spawn(self._destroy(sb, counted=True))
+
+    @contextlib.asynccontextmanager
+    async def sandbox(self, timeout_s: float | None = None) -> AsyncIterator[AgentSandbox]:
+        """`async with pool.sandbox() as sb:` acquire + release."""
+        sb = await self.acquire(timeout_s)
+        try:
+            yield sb
+        finally:
+            await self.release(sb)
+
+    async def _destroy(self, sb: AgentSandbox, counted: bool = False) -> None:
+        if not counted:
+            self._destroying += 1
+        try:
+            await sb.release()
+        except (SandboxError, OSError) as e:
+            log.error("pool: destroying %s failed: %s (left to orphan reaping)", sb, e)
+        finally:
+            self._destroying -= 1
+            self._live_vcpus -= self.template.vcpus
+            self.pinning.release(sb.cpus)
+            self._counts["destroyed"] += 1
+            await self._notify()
+
+    # ------------------------------------------------------------ stats
+
+    def stats(self) -> PoolStats:
+        waits = list(self._waits_s)
+        return PoolStats(
+            live=self._live(),
+            idle=len(self._idle),
+            in_use=len(self._in_use),
+            creating=self._creating,
+            created=self._counts["created"],
+            destroyed=self._counts["destroyed"],
+            create_failures=self._counts["create_failures"],
+            health_failures=self._counts["health_failures"],
+            acquires=self._acquires,
+            acquire_wait_p50_s=_percentile(waits, 0.5),
+            acquire_wait_p99_s=_percentile(waits, 0.99),
+            vcpu_capacity=self.vcpu_capacity,
+            pinning=self.template.pinning,
+            notes=list(self.pinning.notes),
+        )
+
+
+def _reaper_for(backend_name: str):  # type: ignore[no-untyped-def]
+    try:
+        return backend_class(backend_name).reap
+    except (BackendUnavailable, ValueError):
+        return reap_record

@@ -1,0 +1,202 @@
+"""`process` backend: the guest agent as a plain host subprocess with rlimits. NOT isolation.
+
+For development on machines without bubblewrap: commands see the host filesystem, network and
+processes. It logs a loud warning once per process. Limits: RLIMIT_AS = memory_mib (a memory bomb
+gets MemoryError/ENOMEM, not an OOM kill), RLIMIT_CORE = 0, CPU affinity from the pool's pinning.
+
+`SubprocessSandbox` (also used by bwrap) is an agent sandbox whose agent is a host child process:
+destroying it closes the channel (the agent kills its strays and exits), kills the process if it
+lingers, removes its cgroup and dirs.
+
+Not covered: pids limits (RLIMIT_NPROC is per-user and ignored for root), strays that escape the
+agent's process tree after the agent itself was SIGKILLed (no cgroup to find them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import resource
+import shutil
+import signal
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from slipstream.sandbox.agent_client import AgentConnection, agent_source_path
+from slipstream.sandbox.errors import SandboxBroken
+from slipstream.sandbox.base import AgentSandbox, Backend, SandboxRecord, SandboxTemplate
+from slipstream.sandbox.cgroups import Cgroup
+from slipstream.sandbox.journal import Journal, default_state_dir, process_start_ticks
+
+log = logging.getLogger(__name__)
+PR_SET_PDEATHSIG = 1
+_warned = False
+STDERR_TAIL_BYTES = 4096
+
+
+def set_pdeathsig() -> None:
+    """In a forked child: die with SIGKILL when the parent (the pool) dies."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+class SubprocessSandbox(AgentSandbox):
+    """An agent sandbox whose agent runs in a host child process (process, bwrap)."""
+
+    backend_name = "process"
+
+    def __init__(
+        self,
+        *args: object,
+        proc: asyncio.subprocess.Process,
+        dirs: list[str],
+        stderr_tail: bytearray,
+        **kwargs: object,
+    ) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.proc = proc
+        self.dirs = dirs
+        self.stderr_tail = stderr_tail
+
+    def record(self) -> SandboxRecord:
+        return SandboxRecord(
+            sandbox_id=self.sandbox_id,
+            backend=self.backend_name,
+            pid=self.proc.pid,
+            pid_start_ticks=process_start_ticks(self.proc.pid),
+            cgroup_paths=self.cgroup.dirs if self.cgroup else [],
+            dirs=list(self.dirs),
+        )
+
+    async def _destroy(self) -> None:
+        await self.conn.close()
+        try:
+            await asyncio.wait_for(self.proc.wait(), 1.0)
+        except TimeoutError:
+            self.proc.kill()
+            await self.proc.wait()
+        if self.cgroup is not None:
+            await asyncio.to_thread(self.cgroup.kill_and_remove)
+        for d in self.dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+async def _drain_stderr(stream: asyncio.StreamReader, tail: bytearray) -> None:
+    while chunk := await stream.read(65536):
+        tail.extend(chunk)
+        del tail[:-STDERR_TAIL_BYTES]
+
+
+async def start_agent_subprocess(
+    argv: list[str],
+    *,
+    sandbox_id: str,
+    template: SandboxTemplate,
+    preexec_fn: Callable[[], None],
+    pass_fds: tuple[int, ...] = (),
+) -> tuple[asyncio.subprocess.Process, AgentConnection, bytearray]:
+    """Spawn the agent command, keep the last bytes of its stderr, wait for hello."""
+    tail = bytearray()
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        preexec_fn=preexec_fn,
+        pass_fds=pass_fds,
+        env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+    )
+    assert proc.stdout is not None and proc.stdin is not None and proc.stderr is not None
+    drain = asyncio.get_running_loop().create_task(_drain_stderr(proc.stderr, tail))
+    drain.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+    conn = AgentConnection(proc.stdout, proc.stdin, name=sandbox_id)
+    try:
+        await conn.wait_hello(template.create_timeout_s)
+    except SandboxBroken as e:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+        await asyncio.wait_for(drain, 2.0)
+        raise SandboxBroken(
+            f"{e}; exit {proc.returncode}; stderr: {bytes(tail).decode(errors='replace')[-1500:]!r}"
+        ) from None
+    return proc, conn, tail
+
+
+class ProcessBackend(Backend):
+    """Plain subprocess + rlimits. Development only: isolates nothing."""
+
+    name = "process"
+    isolating = False
+
+    def __init__(
+        self, state_dir: str | Path | None = None, journal: Journal | None = None, **_: object
+    ) -> None:
+        self.state_dir = Path(state_dir) if state_dir else default_state_dir()
+        self.journal = journal
+        self.python = sys.executable
+
+    async def create(
+        self,
+        template: SandboxTemplate,
+        *,
+        sandbox_id: str,
+        cpus: tuple[int, ...] | None = None,
+        mems: tuple[int, ...] | None = None,
+    ) -> SubprocessSandbox:
+        global _warned
+        if not _warned:
+            _warned = True
+            log.warning(
+                "sandbox backend 'process' is NOT isolation: commands run as this user on the host "
+                "with full filesystem and network access. Use it for development only."
+            )
+        work = Path(tempfile.mkdtemp(prefix=f"{sandbox_id}-", dir=self._work_root()))
+        record = SandboxRecord(sandbox_id=sandbox_id, backend=self.name, dirs=[str(work)])
+        if self.journal:
+            self.journal.write(record)
+        memory_bytes = template.memory_mib << 20
+
+        def preexec() -> None:
+            set_pdeathsig()
+            resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
+        argv = [self.python, "-I", "-S", agent_source_path(), "--workdir", str(work)]
+        try:
+            proc, conn, tail = await start_agent_subprocess(
+                argv, sandbox_id=sandbox_id, template=template, preexec_fn=preexec
+            )
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            if self.journal:
+                self.journal.remove(sandbox_id)
+            raise
+        sb = SubprocessSandbox(
+            sandbox_id,
+            template,
+            conn,
+            cpus=cpus,
+            mems=mems,
+            journal=self.journal,
+            proc=proc,
+            dirs=[str(work)],
+            stderr_tail=tail,
+        )
+        if self.journal:
+            self.journal.write(sb.record())
+        return sb
+
+    def _work_root(self) -> Path:
+        root = self.state_dir / "work"
+        root.mkdir(parents=True, exist_ok=True)
+        return root
+
+
+__all__ = ["Cgroup", "ProcessBackend", "SubprocessSandbox", "start_agent_subprocess"]

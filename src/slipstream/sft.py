@@ -1,0 +1,221 @@
+"""Supervised warm start: train the MoE policy on a task's demonstrations, save an HF checkpoint.
+
+Shape legend: B batch, T tokens (prompt + completion - 1, right-padded), V vocab.
+
+    result = run_sft(cfg)          # cfg: SlipstreamConfig; returns SFTResult
+
+Each sequence is `<bos> prompt demonstration <eos>`; the loss is next-token cross-entropy on the
+completion tokens only (demonstration and EOS), averaged over those tokens in the batch, plus the
+model's (already weighted) router auxiliary loss. AdamW, linear warm-up then cosine decay to
+`lr * min_lr_ratio`, global-norm gradient clipping. Step s trains on train tasks
+[s*B, (s+1)*B), so a run is reproducible from (run.seed, task.seed).
+
+Writes: <run.output_dir>/sft/metrics.jsonl (JSON lines), <run.output_dir>/sft/checkpoint/
+(config.json + safetensors + tokenizer.json + tokenizer_config.json + sft_summary.json).
+
+Not covered: gradient accumulation, multi-device training, resuming a half-finished SFT run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+
+from slipstream.config import SlipstreamConfig
+from slipstream.config.run import RunConfig
+from slipstream.model.tokenizer import Tokenizer
+from slipstream.observe.metrics import MetricsWriter, fmt_rate, make_progress
+from slipstream.tasks import Task, TaskSet, get_taskset
+
+log = logging.getLogger(__name__)
+SUMMARY_FILE = "sft_summary.json"
+
+
+@dataclass
+class SFTResult:
+    checkpoint_dir: str
+    steps: int
+    final_loss: float
+    """Mean completion-token loss over the last `log_every` steps (nan when steps == 0)."""
+    wall_s: float
+    tokens_per_s: float
+    """Non-pad tokens through forward+backward per second (whole run)."""
+
+
+def resolve_device(run: RunConfig) -> torch.device:
+    if run.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if run.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("run.device = 'cuda' but torch sees no CUDA device")
+    return torch.device(run.device)
+
+
+def setup_torch(run: RunConfig) -> tuple[torch.device, torch.dtype]:
+    """Threads, seeds, device and dtype for a job, from [run]."""
+    if run.num_threads:
+        torch.set_num_threads(run.num_threads)
+    torch.manual_seed(run.seed)
+    random.seed(run.seed)
+    return resolve_device(run), getattr(torch, run.dtype)
+
+
+def sft_dir(cfg: SlipstreamConfig) -> Path:
+    return Path(cfg.run.output_dir) / "sft"
+
+
+def checkpoint_complete(directory: str | Path) -> bool:
+    """A finished SFT checkpoint: model config, weights and tokenizer, summary written last."""
+    d = Path(directory)
+    return (d / "config.json").is_file() and (d / "tokenizer.json").is_file() and (
+        d / SUMMARY_FILE
+    ).is_file()
+
+
+def build_model(cfg: SlipstreamConfig, tokenizer: Tokenizer, device: torch.device, dtype: torch.dtype):
+    """A fresh model from [model] (vocab_size 0 -> the tokenizer's), or `model.init_from` weights."""
+    from slipstream.model import MoEForCausalLM, load_pretrained
+
+    if cfg.model.init_from:
+        model = load_pretrained(cfg.model.init_from, device=device, dtype=dtype)
+    else:
+        model_cfg = cfg.model.model_copy(deep=True)
+        if model_cfg.vocab_size == 0:
+            model_cfg.vocab_size = tokenizer.vocab_size
+        model = MoEForCausalLM(model_cfg).to(device=device, dtype=dtype)
+    if model.config.vocab_size < tokenizer.vocab_size:
+        raise ValueError(
+            f"model vocab_size {model.config.vocab_size} < tokenizer vocab_size {tokenizer.vocab_size}"
+        )
+    return model
+
+
+def collate(
+    taskset: TaskSet, tasks: list[Task], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids_BT, target_ids_BT, loss_mask_BT): right-padded; the mask marks target positions
+    that are completion tokens (what the loss is taken on)."""
+    pad = taskset.tokenizer.pad_id
+    rows = []
+    for task in tasks:
+        prompt = taskset.prompt_ids(task)
+        seq = prompt + taskset.completion_ids(taskset.demonstration(task))
+        rows.append((seq, len(prompt)))
+    T = max(len(seq) for seq, _ in rows) - 1
+    inputs_BT = torch.full((len(rows), T), pad, dtype=torch.long)
+    targets_BT = torch.full((len(rows), T), pad, dtype=torch.long)
+    mask_BT = torch.zeros((len(rows), T), dtype=torch.bool)
+    for b, (seq, prompt_len) in enumerate(rows):
+        n = len(seq) - 1
+        inputs_BT[b, :n] = torch.tensor(seq[:-1])
+        targets_BT[b, :n] = torch.tensor(seq[1:])
+        mask_BT[b, prompt_len - 1 : n] = True  # target j is token j+1: completion starts at prompt_len
+    return inputs_BT.to(device), targets_BT.to(device), mask_BT.to(device)
+
+
+def lr_at(step: int, cfg_sft) -> float:
+    """Linear warm-up over warmup_steps, then cosine from lr to lr * min_lr_ratio at the last step."""
+    peak = cfg_sft.lr
+    if step < cfg_sft.warmup_steps:
+        return peak * (step + 1) / cfg_sft.warmup_steps
+    decay_steps = max(1, cfg_sft.steps - cfg_sft.warmup_steps)
+    progress = min(1.0, (step - cfg_sft.warmup_steps) / decay_steps)
+    floor = peak * cfg_sft.min_lr_ratio
+    return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def run_sft(cfg: SlipstreamConfig, console: Console | None = None) -> SFTResult:
+    """Train on demonstrations per [sft] and save the checkpoint; see the module docstring."""
+    console = console or Console()
+    device, dtype = setup_torch(cfg.run)
+    taskset = get_taskset(cfg.task)
+    model = build_model(cfg, taskset.tokenizer, device, dtype)
+    model.train()
+    sc = cfg.sft
+    # Norms and biases are not decayed (standard practice for transformers).
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": sc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=sc.lr,
+        betas=(0.9, 0.95),
+        fused=device.type == "cuda",
+    )
+    out_dir = sft_dir(cfg)
+    ckpt_dir = out_dir / "checkpoint"
+    console.print(
+        f"[bold]sft[/] task={cfg.task.name} params={model.num_parameters() / 1e6:.2f}M "
+        f"(active {model.num_parameters(active=True) / 1e6:.2f}M) device={device} dtype={cfg.run.dtype} "
+        f"steps={sc.steps} batch={sc.batch_size}"
+    )
+    start = time.perf_counter()
+    total_tokens = 0
+    window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, start
+    final_loss = float("nan")
+    with MetricsWriter(out_dir / "metrics.jsonl") as metrics, make_progress(console) as progress:
+        bar = progress.add_task("sft", total=sc.steps, stats="")
+        for step in range(sc.steps):
+            lr = lr_at(step, sc)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            tasks = taskset.train_batch(step * sc.batch_size, sc.batch_size)
+            inputs_BT, targets_BT, mask_BT = collate(taskset, tasks, device)
+            out = model(inputs_BT, token_mask_BT=inputs_BT != taskset.tokenizer.pad_id)
+            ce_BT = F.cross_entropy(
+                out.logits_BTV.flatten(0, 1), targets_BT.flatten(), reduction="none"
+            ).view_as(targets_BT)
+            loss = (ce_BT * mask_BT).sum() / mask_BT.sum()
+            optimizer.zero_grad(set_to_none=True)
+            (loss + out.aux_loss).backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), sc.grad_clip)
+            optimizer.step()
+
+            num_tokens = int((inputs_BT != taskset.tokenizer.pad_id).sum())
+            total_tokens += num_tokens
+            window_loss += loss.item()
+            window_steps += 1
+            window_tokens += num_tokens
+            if (step + 1) % sc.log_every == 0 or step + 1 == sc.steps:
+                now = time.perf_counter()
+                final_loss = window_loss / window_steps
+                tok_s = window_tokens / max(now - window_start, 1e-9)
+                metrics.log(
+                    step=step + 1,
+                    loss=final_loss,
+                    aux_loss=float(out.aux_loss.item()),
+                    lr=lr,
+                    grad_norm=float(grad_norm.item()),
+                    tokens_per_s=tok_s,
+                    elapsed_s=now - start,
+                )
+                progress.update(bar, stats=f"loss {final_loss:.3f}  {fmt_rate(tok_s)} tok/s")
+                window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, now
+            progress.advance(bar)
+    wall_s = time.perf_counter() - start
+    result = SFTResult(str(ckpt_dir), sc.steps, final_loss, wall_s, total_tokens / max(wall_s, 1e-9))
+    save_checkpoint(model, taskset.tokenizer, ckpt_dir, result, cfg)
+    console.print(
+        f"[bold]sft done[/] loss {final_loss:.4f} in {wall_s:.1f}s "
+        f"({fmt_rate(result.tokens_per_s)} tok/s) -> {ckpt_dir}"
+    )
+    return result
+
+
+def save_checkpoint(model, tokenizer: Tokenizer, directory: Path, result: SFTResult, cfg) -> None:
+    """HF-format model + tokenizer; the summary goes last so its presence marks completeness."""
+    from slipstream.model import save_pretrained
+
+    directory.mkdir(parents=True, exist_ok=True)
+    summary = directory / SUMMARY_FILE
+    summary.unlink(missing_ok=True)
+    save_pretrained(model, directory)
+    tokenizer.save(directory)
+    summary.write_text(json.dumps({"result": asdict(result), "config": cfg.model_dump(mode="json")}, indent=1))

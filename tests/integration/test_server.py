@@ -1,0 +1,246 @@
+"""The HTTP server (uvicorn on a loopback socket) driven by the HTTP client engine: the same
+behavioural checks as the in-process engine, SGLang response shapes, hot-swap from disk, and bad
+requests answered with 4xx while the server keeps serving."""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from slipstream.config.engine import EngineConfig
+from slipstream.engine import (
+    Engine,
+    EngineHTTPError,
+    GenerateRequest,
+    HTTPEngine,
+    NativeEngine,
+    SamplingParams,
+)
+from slipstream.model import save_pretrained
+from slipstream.model.tokenizer import CharTokenizer
+
+uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
+
+_CHECKS = Path(__file__).resolve().parents[1] / "unit" / "test_engine_checks.py"
+_spec = importlib.util.spec_from_file_location("engine_checks", _CHECKS)
+checks = importlib.util.module_from_spec(_spec)
+sys.modules["engine_checks"] = checks
+_spec.loader.exec_module(checks)
+
+torch.set_num_threads(1)
+
+
+class Server:
+    """uvicorn in a thread, bound to a socket we opened on 127.0.0.1 (no port race)."""
+
+    def __init__(self, app) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
+
+    def __enter__(self) -> Server:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return checks.tiny_model()
+
+
+@pytest.fixture(scope="module")
+def served(model, tmp_path_factory):
+    from slipstream.engine.server import create_app
+
+    ckpt = tmp_path_factory.mktemp("ckpt")
+    save_pretrained(model, ckpt)
+    cfg = EngineConfig(kv_cache_tokens=8 * 128, max_seq_len=128, max_batch_size=8)
+    engine = NativeEngine(model, cfg, tokenizer=CharTokenizer())
+    with Server(create_app(engine, CharTokenizer(), model_path=str(ckpt))) as server:
+        client = HTTPEngine(
+            server.url, max_concurrency=8, timeout_s=60, max_retries=1, backoff_s=0.05
+        )
+        yield server, client, engine, ckpt
+        client.close()
+    engine.close()
+
+
+def test_client_satisfies_protocol(served):
+    assert isinstance(served[1], Engine)
+
+
+def test_http_greedy_equals_reference(served, model):
+    checks.check_greedy_matches_reference(served[1], model)
+
+
+def test_http_logprobs_match_recompute(served, model):
+    checks.check_logprobs_match_recompute(served[1], model)
+
+
+def test_http_seeds(served):
+    checks.check_seeds(served[1])
+
+
+def test_http_agenerate_concurrent(served, model):
+    import asyncio
+
+    client = served[1]
+    reqs = [
+        GenerateRequest(p, SamplingParams(temperature=0, max_new_tokens=6))
+        for p in checks.prompts(5)
+    ]
+
+    async def go():
+        return await asyncio.gather(*(client.agenerate([r]) for r in reqs))
+
+    for r, (c,) in zip(reqs, asyncio.run(go()), strict=True):
+        assert c.token_ids == checks.reference_greedy(model, r.prompt_ids, 6, set())
+
+
+def test_sglang_response_shape(served):
+    server = served[0]
+    body = {
+        "text": "!#",  # char ids 5 and 7: inside the tiny vocabulary
+        "sampling_params": {"max_new_tokens": 5, "temperature": 0.5, "n": 2, "sampling_seed": 3},
+        "return_logprob": True,
+        "rid": "r1",
+    }
+    out = httpx.post(server.url + "/generate", json=body, timeout=30).json()
+    assert isinstance(out, list) and len(out) == 2
+    for i, o in enumerate(out):
+        meta = o["meta_info"]
+        assert meta["id"] == f"r1_{i}" and meta["prompt_tokens"] == 2
+        assert (
+            meta["completion_tokens"] == len(o["output_ids"]) == len(meta["output_token_logprobs"])
+        )
+        assert meta["finish_reason"]["type"] in ("stop", "length")
+        assert [x[1] for x in meta["output_token_logprobs"]] == o["output_ids"]
+        assert all(isinstance(x[2], str) for x in meta["output_token_logprobs"])
+        assert meta["output_token_versions"] == [0] * len(o["output_ids"])
+        assert o["text"] == CharTokenizer().decode(o["output_ids"])
+    single = httpx.post(
+        server.url + "/generate",
+        json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 3}},
+        timeout=30,
+    ).json()
+    assert isinstance(single, dict) and "output_token_logprobs" not in single["meta_info"]
+    assert single["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+    info = httpx.get(server.url + "/get_model_info").json()
+    assert info["is_generation"] is True and info["weight_version"] == "0"
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/health_generate", timeout=30).status_code == 200
+    assert httpx.post(server.url + "/flush_cache").status_code == 200
+
+
+def test_openai_completions(served, model):
+    server = served[0]
+    body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "logprobs": 0}
+    out = httpx.post(server.url + "/v1/completions", json=body, timeout=30).json()
+    assert out["object"] == "text_completion" and out["usage"]["completion_tokens"] == 4
+    choice = out["choices"][0]
+    assert choice["token_ids"] == checks.reference_greedy(model, [5, 6, 7], 4, set())
+    assert choice["finish_reason"] == "length" and choice["logprobs"]["token_logprobs"] == [0.0] * 4
+    oa = HTTPEngine(server.url, api="openai")
+    try:
+        reqs = [
+            GenerateRequest(
+                [5, 6, 7], SamplingParams(temperature=0.8, max_new_tokens=6, seed=4, n=2)
+            )
+        ]
+        via_openai = oa.generate(reqs)
+        via_native = served[1].generate(reqs)
+        assert [c.token_ids for c in via_openai] == [c.token_ids for c in via_native]
+    finally:
+        oa.close()
+
+
+@pytest.mark.parametrize(
+    "path,body,needle",
+    [
+        (
+            "/generate",
+            {"input_ids": [5], "sampling_params": {"max_new_tokens": 2, "bogus": 1}},
+            "bogus",
+        ),
+        (
+            "/generate",
+            {"input_ids": [5], "sampling_params": {"max_new_tokens": -1}},
+            "max_new_tokens",
+        ),
+        ("/generate", {"input_ids": [5] * 200}, "does not fit"),
+        (
+            "/generate",
+            {"input_ids": [5], "sampling_params": {"frequency_penalty": 0.5}},
+            "frequency_penalty",
+        ),
+        ("/generate", {"input_ids": [5], "sampling_params": {"top_p": 0}}, "top_p"),
+        ("/generate", {"input_ids": [5], "surprise": True}, "surprise"),
+        ("/generate", {"sampling_params": {}}, "exactly one"),
+        ("/v1/completions", {"prompt": "a", "max_tokens": -3}, "max_new_tokens"),
+        ("/update_weights_from_disk", {"model_path": "/nonexistent"}, "not a directory"),
+    ],
+)
+def test_bad_requests_get_4xx_and_server_keeps_serving(served, path, body, needle):
+    server, client = served[0], served[1]
+    resp = httpx.post(server.url + path, json=body, timeout=30)
+    assert 400 <= resp.status_code < 500, resp.text
+    assert needle in resp.text
+    assert client.generate([GenerateRequest([5, 6], SamplingParams(max_new_tokens=2))])[0].token_ids
+
+
+def test_client_error_is_clear_and_not_retried(served):
+    with pytest.raises(EngineHTTPError, match="does not fit") as e:
+        served[1].generate([GenerateRequest([5] * 300)])
+    assert e.value.status_code == 400
+
+
+def test_client_retries_then_fails_on_connection_errors():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    client = HTTPEngine(f"http://127.0.0.1:{port}", max_retries=2, backoff_s=0.01, timeout_s=5)
+    try:
+        with pytest.raises(EngineHTTPError, match="after 3 attempts"):
+            client.generate([GenerateRequest([5])])
+    finally:
+        client.close()
+
+
+def test_http_hot_swap_from_disk(served, tmp_path):
+    server, client, engine, ckpt = served
+    new = checks.tiny_model(seed=5)
+    save_pretrained(new, tmp_path / "v7")
+    cfg = EngineConfig(kv_cache_tokens=8 * 128, max_seq_len=128, max_batch_size=8)
+    with NativeEngine(new, cfg) as fresh:
+        expected = fresh.generate(checks.hot_swap_requests())
+    try:
+        checks.check_hot_swap(
+            client, lambda: client.update_weights(7, str(tmp_path / "v7")), expected, 7
+        )
+        assert httpx.get(server.url + "/get_model_info").json()["weight_version"] == "7"
+    finally:
+        client.update_weights(0, str(ckpt))  # restore for other tests

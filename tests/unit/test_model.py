@@ -1,0 +1,221 @@
+"""The MoE policy model on its own: expert paths, KV cache, router losses, checkpoints, dtypes."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from slipstream.model import (
+    KVCache,
+    ModelConfig,
+    MoEForCausalLM,
+    StaticKVCache,
+    causal_attend,
+    load_balancing_loss,
+    load_pretrained,
+    router_z_loss,
+    save_pretrained,
+)
+from slipstream.model.moe import SparseMoeBlock
+
+VOCAB = 40
+
+
+def _model(**kw) -> MoEForCausalLM:
+    torch.manual_seed(0)
+    base = dict(vocab_size=VOCAB, hidden_size=64, head_dim=16, mlp_only_layers=[1])
+    return MoEForCausalLM(ModelConfig(**{**base, **kw})).eval()
+
+
+def _ids(batch: int = 2, seq: int = 12) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("impl", ["loop", "grouped_mm"])
+@pytest.mark.parametrize(("experts", "top_k"), [(8, 2), (16, 4), (4, 4)])
+def test_expert_paths_agree_forward_and_backward(impl, experts, top_k):
+    torch.manual_seed(0)
+    block = SparseMoeBlock(64, experts, top_k, 32, norm_topk_prob=top_k > 2, impl="grouped")
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(3, 20, 64, requires_grad=True)
+    g = torch.randn(3, 20, 64)
+
+    def run(which: str):
+        block.impl = which
+        x.grad = None
+        block.zero_grad()
+        out, logits = block(x)
+        (out * g).sum().backward()
+        return out.detach(), x.grad.clone(), [p.grad.clone() for p in block.parameters()]
+
+    ref_out, ref_gx, ref_gp = run("grouped")
+    out, gx, gp = run(impl)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gx, ref_gx, atol=1e-5, rtol=1e-5)
+    for a, b in zip(gp, ref_gp, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_unused_experts_and_bad_impl():
+    block = SparseMoeBlock(16, 4, 1, 8, norm_topk_prob=True)
+    torch.nn.init.normal_(block.experts.gate_up_proj)
+    torch.nn.init.normal_(block.experts.down_proj)
+    with torch.no_grad():
+        block.gate.weight.zero_()
+        block.gate.weight[2] = 1.0  # positive inputs all go to expert 2
+    x = torch.rand(1, 5, 16) + 0.1
+    out_grouped, _ = block(x)
+    block.impl = "loop"
+    torch.testing.assert_close(block(x)[0], out_grouped)
+    with pytest.raises(ValueError, match="moe_impl"):
+        SparseMoeBlock(16, 4, 1, 8, norm_topk_prob=True, impl="fast")
+
+
+def test_incremental_decoding_matches_full_forward():
+    model = _model()
+    ids = _ids(seq=14)
+    with torch.no_grad():
+        full = model(ids).logits_BTV
+        cache = StaticKVCache.for_model(model, batch_size=2, max_len=32)
+        steps = [model(ids[:, :5], cache=cache).logits_BTV]
+        steps.append(model(ids[:, 5:9], cache=cache).logits_BTV)  # chunk after a prefix: masked
+        for t in range(9, 14):
+            steps.append(model(ids[:, t : t + 1], cache=cache).logits_BTV)
+    assert cache.length == 14
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+    cache.truncate(9)
+    with torch.no_grad():
+        redo = model(ids[:, 9:11], cache=cache).logits_BTV
+    torch.testing.assert_close(redo, full[:, 9:11], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="overflow"):
+        model(_ids(seq=40)[:, :30], cache=cache)
+
+
+class _RecordingCache:
+    """A minimal third-party cache: no storage, records what the model hands over."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
+
+    def attend(self, layer_idx, q_BHTD, k_BKTD, v_BKTD):
+        self.calls.append((layer_idx, tuple(q_BHTD.shape), tuple(k_BKTD.shape)))
+        return causal_attend(q_BHTD, k_BKTD, v_BKTD)
+
+
+def test_cache_protocol_seam():
+    model = _model(num_attention_heads=4, num_key_value_heads=2)
+    cache = _RecordingCache()
+    assert isinstance(cache, KVCache)
+    ids = _ids(seq=6)
+    with torch.no_grad():
+        out = model(ids, cache=cache).logits_BTV
+        torch.testing.assert_close(out, model(ids).logits_BTV)
+    assert cache.calls == [(i, (2, 4, 6, 16), (2, 2, 6, 16)) for i in range(4)]
+
+
+def test_default_positions_follow_cache_length():
+    model = _model()
+
+    class _Len:
+        length = torch.tensor([0, 3])
+
+    pos = model.default_position_ids(2, 2, _Len(), torch.device("cpu"))
+    assert pos.tolist() == [[0, 1], [3, 4]]
+    assert model.default_position_ids(1, 3, None, torch.device("cpu")).tolist() == [[0, 1, 2]]
+
+
+def test_load_balancing_and_z_loss_hand_computed():
+    ln3 = math.log(3.0)
+    spread = torch.tensor([[ln3, 0.0], [0.0, ln3]])  # probs .75/.25 and .25/.75, argmax 0 and 1
+    same = torch.tensor([[ln3, 0.0], [ln3, 0.0]])  # both tokens pick expert 0
+    # E * sum_e frac_e * meanprob_e
+    assert load_balancing_loss([spread], 2, 1).item() == pytest.approx(2 * (0.5 * 0.5 * 2))
+    assert load_balancing_loss([same], 2, 1).item() == pytest.approx(2 * (1.0 * 0.75))
+    # layers are pooled (HF): spread + same -> frac (.75,.25), meanprob (.625,.375)
+    pooled = 2 * (0.75 * 0.625 + 0.25 * 0.375)
+    assert load_balancing_loss([spread, same], 2, 1).item() == pytest.approx(pooled)
+    masked = load_balancing_loss([spread], 2, 1, token_mask_N=torch.tensor([True, False]))
+    assert masked.item() == pytest.approx(2 * 0.75)
+    assert router_z_loss([spread]).item() == pytest.approx(math.log(4.0) ** 2)
+    assert router_z_loss([torch.zeros(3, 8)]).item() == pytest.approx(math.log(8.0) ** 2)
+
+
+def test_model_aux_loss_combines_coefficients():
+    model = _model(router_aux_loss_coef=0.01, router_z_loss_coef=0.001)
+    out = model(_ids())
+    cfg = model.config
+    assert len(out.router_logits) == 3  # layers 0, 2, 3 (1 is dense)
+    lb = load_balancing_loss(out.router_logits, cfg.num_experts, cfg.num_experts_per_tok)
+    z = router_z_loss(out.router_logits)
+    torch.testing.assert_close(out.aux_loss, 0.01 * lb + 0.001 * z)
+    torch.testing.assert_close(out.load_balance_loss, lb.detach())
+    out.aux_loss.backward()
+    assert model.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
+
+
+def test_sharded_save_load_round_trip(tmp_path):
+    model = _model(shared_expert_intermediate_size=24, tie_word_embeddings=True)
+    names = dict(model.named_parameters())
+    assert "model.layers.0.mlp.shared_expert.up_proj.weight" in names
+    assert "model.layers.0.mlp.shared_expert_gate.weight" in names
+    save_pretrained(model, tmp_path, max_shard_bytes=64 * 1024)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) > 1 and all((tmp_path / s).is_file() for s in shards)
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in index["weight_map"]
+    assert "lm_head.weight" not in index["weight_map"]  # tied
+    loaded = load_pretrained(tmp_path)
+    assert loaded.config.shared_expert_intermediate_size == 24
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits_BTV, model(ids).logits_BTV)
+    # a second, unsharded save into the same directory replaces the shards
+    save_pretrained(loaded, tmp_path)
+    assert not (tmp_path / "model.safetensors.index.json").exists()
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model.safetensors"]
+
+
+def test_bf16_forward_and_backward():
+    model = _model().to(torch.bfloat16)
+    ids = _ids()
+    out = model(ids)
+    assert out.logits_BTV.dtype == torch.float32
+    assert torch.isfinite(out.logits_BTV).all()
+    ref = _model()(ids).logits_BTV
+    assert (out.logits_BTV - ref).abs().max() < 0.1
+    (out.logits_BTV.logsumexp(-1).mean() + out.aux_loss).backward()
+    assert model.model.embed_tokens.weight.grad.dtype == torch.bfloat16
+
+
+def test_gradient_checkpointing_same_grads():
+    model = _model().train()
+    ids = _ids()
+    model(ids).logits_BTV.square().mean().backward()
+    ref = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model.gradient_checkpointing = True
+    model(ids).logits_BTV.square().mean().backward()
+    for a, b in zip(model.parameters(), ref, strict=True):
+        torch.testing.assert_close(a.grad, b)
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="vocab_size"):
+        MoEForCausalLM(ModelConfig())
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        MoEForCausalLM(ModelConfig(vocab_size=8, num_attention_heads=4, num_key_value_heads=3))
+
+
+def test_logits_to_keep_and_config_not_mutated():
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=64, head_dim=16)
+    model = MoEForCausalLM(cfg).eval()
+    model.set_moe_impl("loop")
+    assert cfg.moe_impl == "grouped" and model.config.moe_impl == "loop"
+    ids = _ids()
+    with torch.no_grad():
+        full = model(ids).logits_BTV
+        last = model(ids, logits_to_keep=3).logits_BTV
+    assert last.shape == (2, 3, VOCAB)
+    torch.testing.assert_close(last, full[:, -3:])

@@ -1,0 +1,186 @@
+"""WeightStore on file:// and on s3:// against a real moto S3 server on loopback (a subprocess),
+including the server dying mid-publish."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from slipstream.rl.weights import WeightStore
+
+
+def sd(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(4, 3, generator=g)
+    return {"a.weight": w, "b.weight": torch.randn(5, generator=g), "tied": w}
+
+
+def check_roundtrip(store: WeightStore) -> None:
+    assert store.latest() is None
+    for v in range(5):
+        store.publish(v, sd(v), config={"hidden_size": 3})
+    assert store.versions() == [2, 3, 4]  # keep_last = 3
+    got = store.fetch(3)
+    assert torch.equal(got["a.weight"], sd(3)["a.weight"]) and torch.equal(got["tied"], sd(3)["tied"])
+    assert store.fetch_config(4) == {"hidden_size": 3}
+    with pytest.raises(FileNotFoundError):
+        store.fetch(0)
+
+
+def test_file_store_roundtrip_and_partial_publish_invisible(tmp_path: Path) -> None:
+    store = WeightStore(f"file://{tmp_path}/store", keep_last=3)
+    check_roundtrip(store)
+    # A publish that died after the weights but before the manifest: files without manifest.
+    store.blob.put("weights/v00000005/model.safetensors", b"partial")
+    assert store.latest() == 4
+    store.publish(5, sd(5))  # same version again: overwrites the debris
+    assert store.latest() == 5 and torch.equal(store.fetch(5)["b.weight"], sd(5)["b.weight"])
+    out = store.fetch_to_dir(5, str(tmp_path / "hf"))
+    assert (Path(out) / "model.safetensors").is_file()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proxy:
+    """TCP forwarder in front of the S3 server; `kill()` drops every connection and the listener
+    at once, which the client sees exactly like the server process dying (moto keeps its state in
+    memory, so killing moto itself would also erase the debris this test wants to look at)."""
+
+    def __init__(self, port: int, target: int) -> None:
+        self.port, self.target = port, target
+        self.socks: list[socket.socket] = []
+        self.lock = threading.Lock()
+        self.listener = socket.create_server(("127.0.0.1", port), reuse_port=False)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            with self.lock:
+                self.socks += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def kill(self) -> None:
+        # shutdown() first: close() alone does not wake a thread blocked in accept() on Linux,
+        # and the socket would keep listening.
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.listener.close()
+        with self.lock:
+            for s in self.socks:
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                    s.close()
+                except OSError:
+                    pass
+
+
+@pytest.fixture
+def moto() -> Iterator[int]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("moto_server did not start") from None
+            time.sleep(0.1)
+    yield port
+    proc.kill()
+    proc.wait()
+
+
+def s3_options(port: int) -> dict:
+    return {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-west-2"},
+        "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2, "read_timeout": 5},
+        "skip_instance_cache": True,
+    }
+
+
+def make_bucket(port: int) -> None:
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**s3_options(port))
+    fs.mkdir("bucket")
+
+
+def test_s3_store_roundtrip(moto: int) -> None:
+    make_bucket(moto)
+    check_roundtrip(WeightStore("s3://bucket/run1", keep_last=3, storage_options=s3_options(moto)))
+
+
+def test_s3_server_killed_mid_publish(moto: int) -> None:
+    make_bucket(moto)
+    proxy_port = free_port()
+    proxy = Proxy(proxy_port, moto)
+    writer = WeightStore("s3://bucket/run", keep_last=3, storage_options=s3_options(proxy_port))
+    reader = WeightStore("s3://bucket/run", keep_last=3, storage_options=s3_options(moto))
+    writer.publish(1, sd(1))
+
+    real_put = writer.blob.put
+
+    def put_then_die(rel: str, data: bytes) -> None:
+        real_put(rel, data)
+        if rel.endswith("model.safetensors"):
+            proxy.kill()  # the server "dies" after the weights, before the manifest
+
+    writer.blob.put = put_then_die  # type: ignore[method-assign]
+    with pytest.raises(Exception) as info:  # noqa: B017 - botocore/aiohttp raise various types
+        writer.publish(2, sd(2))
+    print("publish failed with", repr(info.value))
+    # The weights object of version 2 is on the server, its manifest is not: invisible.
+    assert reader.blob.exists("weights/v00000002/model.safetensors")
+    assert reader.versions() == [1] and reader.latest() == 1
+    assert torch.equal(reader.fetch(1)["a.weight"], sd(1)["a.weight"])
+    # The server comes back (same port); the next publish succeeds and overwrites the debris.
+    proxy2 = Proxy(proxy_port, moto)
+    writer2 = WeightStore("s3://bucket/run", keep_last=3, storage_options=s3_options(proxy_port))
+    writer2.publish(2, sd(2))
+    writer2.publish(3, sd(3))
+    assert reader.versions() == [1, 2, 3]
+    assert torch.equal(reader.fetch(2)["b.weight"], sd(2)["b.weight"])
+    proxy2.kill()

@@ -1,0 +1,156 @@
+"""Built-in tasks: determinism, disjoint splits, verifier correctness, and hostile model output."""
+
+from __future__ import annotations
+
+import pytest
+
+from slipstream.config.task import TaskConfig
+from slipstream.tasks import Task, get_taskset
+from slipstream.tasks.countdown import solve
+from slipstream.tasks.expr import ExprError, parse_expression
+
+NAMES = ["arithmetic", "countdown"]
+
+HOSTILE = {
+    "empty": "",
+    "whitespace": "   \n\t ",
+    "one megabyte": "7" * 1_000_000,
+    "one megabyte of parens": "(" * 500_000 + ")" * 500_000,
+    "power tower": "9**9**9",
+    "division by zero": "1/0",
+    "division by zero expr": "5/(3-3)",
+    "deep parentheses": "(" * 100 + "1" + ")" * 100,
+    "non-ascii digits": "١٢٣",
+    "non-ascii": "8*3+5 ✓",
+    "nul bytes": "\x00" * 100,
+    "python code": "__import__('os').system('true')",
+    "huge literal": "1" * 50,
+    "huge product": "999999*999999*999999*999999",
+    "float": "1e308",
+    "unary minus": "-5",
+    "dangling operator": "3+",
+    "unbalanced": "((3+4)",
+}
+
+
+def _cfg(name: str, **kw) -> TaskConfig:
+    kw.setdefault("num_heldout", 100)
+    return TaskConfig(name=name, **kw)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_deterministic_for_seed_and_different_across_seeds(name: str) -> None:
+    a, b = get_taskset(_cfg(name)), get_taskset(_cfg(name))
+    assert [t.prompt for t in a.heldout()] == [t.prompt for t in b.heldout()]
+    assert [a.train(i) for i in range(50)] == [b.train(i) for i in range(50)]
+    assert a.train(7) == a.train(7 + a.num_train)  # wraps at num_train
+    c = get_taskset(_cfg(name, seed=99))
+    assert [t.prompt for t in c.train_batch(0, 20)] != [t.prompt for t in a.train_batch(0, 20)]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_splits_are_disjoint_and_heldout_distinct(name: str) -> None:
+    ts = get_taskset(_cfg(name))
+    heldout = ts.heldout()
+    assert len(heldout) == 100
+    held_keys = {t.key for t in heldout}
+    assert len(held_keys) == 100
+    train_keys = {ts.train(i).key for i in range(3000)}
+    assert not held_keys & train_keys
+    assert len({t.task_id for t in heldout}) == 100
+
+
+def test_split_disjoint_on_small_problem_space() -> None:
+    # 1-digit addition has 100 problems: many collisions, so disjointness is really exercised.
+    ts = get_taskset(_cfg("arithmetic", max_digits=1, ops=["+"], num_heldout=5, heldout_fraction=0.2))
+    held = {t.key for t in ts.heldout()}
+    train = {ts.train(i).key for i in range(2000)}
+    assert len(train) > 50 and not held & train
+    with pytest.raises(RuntimeError, match="distinct held-out problems"):
+        get_taskset(_cfg("arithmetic", max_digits=1, ops=["+"], num_heldout=90)).heldout()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_demonstrations_verify_and_tokenize(name: str) -> None:
+    ts = get_taskset(_cfg(name))
+    for task in ts.train_batch(0, 200) + ts.heldout()[:50]:
+        demo = ts.demonstration(task)
+        assert ts.verify(task, demo) == (1.0, "correct")
+        assert ts.verify(task, f"  {demo}\n") == (1.0, "correct")
+        ids = ts.prompt_ids(task) + ts.completion_ids(demo)
+        assert ids[0] == ts.tokenizer.bos_id and ids[-1] == ts.tokenizer.eos_id
+        assert ts.tokenizer.decode(ids) == task.prompt + demo
+        assert Task.from_dict(task.to_dict()) == task
+
+
+def test_arithmetic_verifier() -> None:
+    ts = get_taskset(_cfg("arithmetic", ops=["-"]))
+    task = next(t for t in ts.train_batch(0, 100) if t.meta["answer"] < 0)
+    answer = task.meta["answer"]
+    assert ts.verify(task, str(answer)).reward == 1.0
+    reward, reason = ts.verify(task, str(answer + 1))
+    assert reward == 0.0 and reason.startswith("wrong answer")
+    assert ts.verify(task, str(-answer)).reward == 0.0
+    assert ts.verify(task, f"{answer} {answer}") == (0.0, f"not an integer: '{answer} {answer}'")
+    assert task.prompt == f"{task.meta['a']}-{task.meta['b']}="
+
+
+def test_countdown_verifier() -> None:
+    ts = get_taskset(_cfg("countdown"))
+    task = Task("t", "p", "k", {"numbers": [3, 8, 5, 12], "target": 29, "witness": "8*3+5"})
+    assert ts.verify(task, "8*3+5") == (1.0, "correct")
+    assert ts.verify(task, "(12-8)*5+3*3").reward == 0.0  # 3 used twice
+    assert "not given" in ts.verify(task, "(12-8)*5+3*3").reason
+    assert ts.verify(task, "29").reward == 0.0  # 29 not given
+    assert ts.verify(task, "12+8+5+3").reason == "wrong value: 28 != 29"
+    assert ts.verify(task, "(5*12-3)/8*8/3+10").reward == 0.0  # 10 not given
+    # Exact rational arithmetic: 12/8 is not truncated.
+    half = Task("t", "p", "k", {"numbers": [3, 12, 8, 1], "target": 3, "witness": ""})
+    assert ts.verify(half, "12/8*(3-1)") == (1.0, "correct")
+
+
+def test_solver_finds_shortest_and_reports_unsolvable() -> None:
+    assert solve([3, 8, 5, 12], 24) in {"3*8", "8*3"}
+    expr = solve([1, 2, 3, 4], 24)
+    assert expr is not None and parse_expression(expr).value == 24
+    assert solve([1, 1], 97) is None
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("label", list(HOSTILE))
+def test_hostile_outputs_score_zero_with_reason(name: str, label: str) -> None:
+    ts = get_taskset(_cfg(name))
+    task = ts.heldout()[0]
+    reward, reason = ts.verify(task, HOSTILE[label])
+    assert reward == 0.0
+    assert isinstance(reason, str) and reason and reason != "correct"
+
+
+def test_expr_parser_limits_and_reasons() -> None:
+    cases = {
+        "9**9**9": "power",
+        "1/0": "division by zero",
+        "(" * 20 + "1" + ")" * 20: "nested deeper",
+        "x" * 300: "too long",
+        "2*π": "non-ASCII",
+        "1.5": "'.' not allowed",
+        "1234567890": "longer than",
+        "99999999*99999999": "magnitude",
+        "1+": "ends early",
+        "(1": "missing ')'",
+        "1)": "unexpected ')'",
+        "": "empty",
+        "-1": "unexpected '-'",
+    }
+    for text, fragment in cases.items():
+        with pytest.raises(ExprError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+            parse_expression(text)
+    parsed = parse_expression(" (1 + 2) * 3 - 8 / 4 ")
+    assert parsed.value == 7 and parsed.numbers == (1, 2, 3, 8, 4)
+
+
+def test_unknown_task_name_fails_loudly(monkeypatch) -> None:
+    cfg = _cfg("arithmetic")
+    object.__setattr__(cfg, "name", "nonexistent")  # bypass validation to reach the registry
+    with pytest.raises(ValueError, match="nonexistent"):
+        get_taskset(cfg)
