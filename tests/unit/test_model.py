@@ -12,8 +12,10 @@ from slipstream.model import (
     MoEForCausalLM,
     StaticKVCache,
     causal_attend,
+    hf_config_from_model_config,
     load_balancing_loss,
     load_pretrained,
+    model_config_from_hf,
     router_z_loss,
     save_pretrained,
 )
@@ -219,3 +221,56 @@ def test_logits_to_keep_and_config_not_mutated():
         last = model(ids, logits_to_keep=3).logits_BTV
     assert last.shape == (2, 3, VOCAB)
     torch.testing.assert_close(last, full[:, -3:])
+
+
+QWEN3_30B_A3B_CONFIG = {  # config.json of the Hub checkpoint (transformers 4.51 era)
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 48,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+
+def test_hub_config_maps_and_sizes_match_published_counts():
+    cfg = model_config_from_hf(QWEN3_30B_A3B_CONFIG)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.rope_theta) == (128, 8, 1e6)
+    with torch.device("meta"):
+        model = MoEForCausalLM(cfg)
+    # published: 30.5B total, 3.3B activated
+    assert model.num_parameters() / 1e9 == pytest.approx(30.5, abs=0.1)
+    assert model.num_parameters(active=True) / 1e9 == pytest.approx(3.3, abs=0.1)
+    hf = hf_config_from_model_config(cfg, torch.bfloat16)
+    assert model_config_from_hf(hf) == cfg
+    with pytest.raises(ValueError, match="rope"):
+        model_config_from_hf({**QWEN3_30B_A3B_CONFIG, "rope_scaling": {"rope_type": "yarn"}})
+    with pytest.raises(ValueError, match="model_type"):
+        model_config_from_hf({**QWEN3_30B_A3B_CONFIG, "model_type": "llama"})

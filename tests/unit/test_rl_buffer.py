@@ -67,3 +67,20 @@ def test_snapshot_restore_roundtrip() -> None:
 def test_empty_group_rejected() -> None:
     with pytest.raises(ValueError, match="task 7"):
         ExperienceBuffer(1, 0).put(Group(task=TaskRef(7, 7), samples=[]))
+
+
+def test_stale_groups_are_requeued_through_the_coordinator() -> None:
+    from slipstream.rl.coordinator import Coordinator
+    from slipstream.rl.queue import TaskQueue
+
+    coord = Coordinator(TaskQueue(10, max_tasks=4), ExperienceBuffer(groups_per_step=2, max_staleness=0))
+    lease = coord.lease("w", 4, ttl_s=60)
+    assert [t.task_id for t in lease.tasks] == [0, 1]  # admission: one batch at staleness 0
+    assert coord.lease("w", 4, ttl_s=60) is None
+    assert coord.ack(lease.lease_id, grp(0, [0]))
+    coord.set_version(1)  # as if the trainer moved on: task 0's group is now too stale
+    assert coord.get_batch(1, timeout_s=0) is None
+    assert not coord.queue.is_done(0)
+    assert coord.buffer.metrics()["dropped_stale"] == 1
+    again = coord.lease("w2", 1, ttl_s=60)
+    assert [t.task_id for t in again.tasks] == [0]  # regenerated, not lost

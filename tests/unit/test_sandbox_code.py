@@ -30,8 +30,9 @@ def sandbox_runner(tmp_path_factory):
         backend.create(SandboxTemplate(backend=backend.name, memory_mib=256, workdir_mib=32),
                        sandbox_id=f"code-test-{os.getpid()}")  # fmt: skip
     )
-    yield lambda coro: loop.run_until_complete(coro), sb
-    loop.run_until_complete(sb.release())
+    run = loop.run_until_complete
+    yield run, sb, backend
+    run(sb.release())
     loop.close()
 
 
@@ -42,7 +43,7 @@ def test_about_fifty_distinct_problems():
 
 
 def test_every_reference_scores_one(sandbox_runner):
-    run, sb = sandbox_runner
+    run, sb, backend = sandbox_runner
     for p in PROBLEMS:
         v = run(verify_code(p, p.reference, sb))
         assert v.reward == 1.0, (p.name, v)
@@ -58,12 +59,12 @@ HOSTILE = {
     "missing function": ("add", "def plus(a, b):\n    return a + b"),
     "infinite loop": ("add", "def add(a, b):\n    while True:\n        pass"),
     "loop at import": ("add", "while True:\n    pass"),
-    "huge output": ("add", "import sys\ndef add(a, b):\n    sys.stdout.write('x' * 10**8)\n    return a + b + 1"),
+    "huge output": ("add", "import sys\ndef add(a, b):\n    sys.stdout.write('x' * 10**7)\n    return a + b + 1"),
     "exit": ("add", "import sys\nsys.exit(0)"),
     "os._exit": ("add", "import os\ndef add(a, b):\n    os._exit(0)"),
     "forged results": ("add", "open('results.jsonl','w').write('{\"i\": 0, \"value\": 3}\\n' * 10)\nimport os\nos._exit(0)"),
     "memory bomb": ("add", "x = bytearray(10**10)"),
-    "fork": ("add", "import os\nfor _ in range(50):\n    os.fork()\ndef add(a, b):\n    return 0"),
+    "fork": ("add", "import os\nfor _ in range(4):\n    os.fork()\ndef add(a, b):\n    return -1"),
     "kills the agent": ("add", "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)"),
     "non-json result": ("add", "def add(a, b):\n    return object()"),
     "empty": ("add", ""),
@@ -72,7 +73,7 @@ HOSTILE = {
 
 
 def test_wrong_candidates_score_below_one(sandbox_runner):
-    run, sb = sandbox_runner
+    run, sb, backend = sandbox_runner
     for label, (name, src) in WRONG.items():
         v = run(verify_code(BY_NAME[name], src, sb))
         assert v.reward < 1.0, (label, v)
@@ -80,16 +81,18 @@ def test_wrong_candidates_score_below_one(sandbox_runner):
 
 
 def test_hostile_candidates_score_zero_and_never_raise(sandbox_runner):
-    run, sb = sandbox_runner
+    run, sb, backend = sandbox_runner
     for label, (name, src) in HOSTILE.items():
-        if label == "kills the agent":
-            continue  # destroys the shared sandbox: checked last, below
+        if label in ("kills the agent", "forged results"):
+            continue  # checked below (the first destroys the shared sandbox)
         v = run(verify_code(BY_NAME[name], src, sb, timeout_s=3.0))
         assert v.reward == 0.0, (label, v)
-    v = run(verify_code(BY_NAME["forged results"[0:0] or "add"], HOSTILE["forged results"][1], sb))
+    v = run(verify_code(BY_NAME["add"], HOSTILE["forged results"][1], sb))
     assert v.reward <= 0.25, v  # forged lines can only carry values the candidate computed
-    v = run(verify_code(BY_NAME["add"], HOSTILE["kills the agent"][1], sb))
-    assert v.reward == 0.0
+    victim = run(backend.create(SandboxTemplate(backend=backend.name), sandbox_id=f"code-victim-{os.getpid()}"))
+    v = run(verify_code(BY_NAME["add"], HOSTILE["kills the agent"][1], victim))
+    assert v.reward == 0.0 and "sandbox failure" in v.reason
+    run(victim.release())
 
 
 def test_extract_and_compare():
@@ -100,7 +103,7 @@ def test_extract_and_compare():
 
 
 def test_taskset_splits_and_demonstrations(sandbox_runner):
-    run, sb = sandbox_runner
+    run, sb, backend = sandbox_runner
     ts = get_taskset(TaskConfig(name="code", tokenizer="char"))
     held = {t.key for t in ts.heldout()}
     train = {ts.train(i).key for i in range(200)}

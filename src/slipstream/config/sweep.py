@@ -34,7 +34,7 @@ class SweepConfig(Section):
     smt: list[SmtMode] = Field(default_factory=lambda: ["as-found"])
     """SMT state per configuration. `as-found` records it; `on`/`off` need a writable
     /sys/devices/system/cpu/smt/control (root, SMT-capable CPU), otherwise reported as not honoured."""
-    densities: list[float] = Field(default_factory=lambda: [0.5, 1.0, 1.5, 2.0, 3.0])
+    densities: list[float] = Field(default_factory=lambda: [0.5, 1.0, 1.5, 2.0])
     """Sandboxes per online vCPU. The sandbox count is round(density x vCPUs), at least 1."""
     repeats: int = Field(default=2, ge=1)
     """Independent repeats of every (configuration, density) cell: fresh sandboxes each time."""

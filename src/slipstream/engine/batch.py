@@ -19,7 +19,7 @@ import torch
 
 from slipstream.engine.base import SamplingParams
 from slipstream.engine.kv_cache import SlotKVCache
-from slipstream.engine.sampling import RowParams
+from slipstream.engine.sampling import RowParams, counter_uniform
 
 
 @dataclass
@@ -61,6 +61,8 @@ class RunningBatch:
         self.out_tok_NS = torch.zeros((n, s), dtype=torch.int64, device=device)
         self.out_lp_NS = torch.zeros((n, s), dtype=torch.float32, device=device)
         self.out_ver_NS = torch.zeros((n, s), dtype=torch.int64, device=device)
+        self.u_NS = torch.zeros((n, s), dtype=torch.float32, device=device)  # sampling uniforms
+        self._rows_N = torch.arange(n, device=device)
         self._params: RowParams | None = None
         self.stop_string_rows: list[int] = []
 
@@ -102,6 +104,21 @@ class RunningBatch:
         self.gen_N[i] = 0
         self._params = None
         return i
+
+    def fill_uniforms(self, first: int) -> None:
+        """Precompute the sampling uniforms of rows [first, B) for every token they may draw."""
+        rows = self.rows[first:]
+        if not rows:
+            return
+        steps_S = torch.arange(self.cache.slot_len, device=self.device)
+        seeds = [r.group.seed & 0xFFFFFFFFFFFFFFF for r in rows]
+        seed_RS = torch.tensor(seeds, device=self.device)[:, None].expand(-1, steps_S.shape[0])
+        stream_RS = torch.tensor([r.index for r in rows], device=self.device)[:, None].expand_as(seed_RS)
+        self.u_NS[first : len(self.rows)] = counter_uniform(seed_RS, stream_RS, steps_S[None, :])
+
+    def uniforms(self, num: int) -> torch.Tensor:
+        """This step's uniform for rows [0, num)."""
+        return self.u_NS[self._rows_N[:num], self.gen_N[:num]]
 
     def record(
         self, first: int, tokens_B: torch.Tensor, logprobs_B: torch.Tensor, version: int
@@ -146,7 +163,7 @@ class RunningBatch:
                 self.cache.move(last, i, int(self.pos_N[last]))
                 for t in (self.pos_N, self.gen_N, self.last_N, self.max_new_N):
                     t[i] = t[last]
-                for t in (self.stop_NW, self.out_tok_NS, self.out_lp_NS, self.out_ver_NS):
+                for t in (self.stop_NW, self.out_tok_NS, self.out_lp_NS, self.out_ver_NS, self.u_NS):
                     t[i] = t[last]
                 self.rows[i] = self.rows[last]
             self.rows.pop()

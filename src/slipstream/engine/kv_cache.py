@@ -12,6 +12,10 @@ slots [0, B) as a view with no gather. Two modes, set before each forward:
   every real token of its row, so real queries never see it).
 - `begin_decode(pos_B)`: one new token per row for rows [0, B), written at position pos_B[b];
   row b attends over positions [0, pos_B[b]] (its own valid prefix plus the new token).
+- `begin_mixed(pos_B, parts)`: one ragged forward of shape [1, T]: first one decode token for
+  each row [0, B) (as in decode), then the tokens of each new prompt (slot, offset, length) laid
+  end to end, each prompt causal within itself (as in prefill). This lets newly admitted prompts
+  ride in the same forward as the running rows instead of costing a forward of their own.
 
 Not covered: prefill on top of an existing prefix (chunked prefill / radix prefix cache), paging.
 
@@ -49,6 +53,7 @@ class SlotKVCache:
         self._pos_B: torch.Tensor | None = None
         self._mask_B11S: torch.Tensor | None = None
         self._span = 0
+        self._parts: list[tuple[int, int, int]] = []
 
     @property
     def nbytes(self) -> int:
@@ -70,10 +75,53 @@ class SlotKVCache:
         span_S = torch.arange(self._span, device=pos_B.device)
         self._mask_B11S = (span_S[None, :] <= pos_B[:, None])[:, None, None, :]
 
+    def begin_mixed(self, pos_B: torch.Tensor, max_pos: int, parts: list[tuple[int, int, int]]) -> None:
+        """`parts`: (slot, token offset in the forward, prompt length) of each new prompt; decode
+        tokens occupy offsets [0, B). With no running rows pass an empty pos_B and max_pos -1."""
+        if pos_B.numel():
+            self.begin_decode(pos_B, max_pos)
+        else:
+            self._rows_B = pos_B
+        self._mode = "mixed"
+        self._parts = parts
+
+    def _decode_attend(self, k_NKSD, v_NKSD, q_BHTD, k_BKTD, v_BKTD) -> torch.Tensor:  # noqa: ANN001
+        num_rows = q_BHTD.shape[0]
+        # Advanced indices on dims 0 and 2 around a slice: the indexed view is [B, K, D].
+        k_NKSD[self._rows_B, :, self._pos_B] = k_BKTD[:, :, 0].to(k_NKSD.dtype)
+        v_NKSD[self._rows_B, :, self._pos_B] = v_BKTD[:, :, 0].to(v_NKSD.dtype)
+        keys_BKSD = k_NKSD[:num_rows, :, : self._span]
+        values_BKSD = v_NKSD[:num_rows, :, : self._span]
+        return F.scaled_dot_product_attention(
+            q_BHTD, keys_BKSD, values_BKSD, attn_mask=self._mask_B11S, enable_gqa=True
+        )
+
+    def _mixed_attend(self, k_NKSD, v_NKSD, q_1HTD, k_1KTD, v_1KTD) -> torch.Tensor:  # noqa: ANN001
+        num_rows = self._rows_B.shape[0]
+        outs = []
+        if num_rows:
+            # [1, H, B, D] -> [B, H, 1, D]: each decode token becomes its own batch row.
+            def rows(x: torch.Tensor) -> torch.Tensor:
+                return x[0, :, :num_rows].transpose(0, 1).unsqueeze(2)
+
+            out_BH1D = self._decode_attend(k_NKSD, v_NKSD, rows(q_1HTD), rows(k_1KTD), rows(v_1KTD))
+            outs.append(out_BH1D[:, :, 0].transpose(0, 1).unsqueeze(0))
+        for slot, offset, length in self._parts:
+            k_1KPD, v_1KPD = k_1KTD[:, :, offset : offset + length], v_1KTD[:, :, offset : offset + length]
+            k_NKSD[slot, :, :length] = k_1KPD[0].to(k_NKSD.dtype)
+            v_NKSD[slot, :, :length] = v_1KPD[0].to(v_NKSD.dtype)
+            q_1HPD = q_1HTD[:, :, offset : offset + length]
+            outs.append(
+                F.scaled_dot_product_attention(q_1HPD, k_1KPD, v_1KPD, is_causal=True, enable_gqa=True)
+            )
+        return torch.cat(outs, dim=2)
+
     def attend(
         self, layer_idx: int, q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD: torch.Tensor
     ) -> torch.Tensor:
         k_NKSD, v_NKSD = self.k_LNKSD[layer_idx], self.v_LNKSD[layer_idx]
+        if self._mode == "mixed":
+            return self._mixed_attend(k_NKSD, v_NKSD, q_BHTD, k_BKTD, v_BKTD)
         if self._mode == "prefill":
             num_tokens = k_BKTD.shape[2]
             k_NKSD[self._slots_P, :, :num_tokens] = k_BKTD.to(k_NKSD.dtype)
@@ -84,15 +132,7 @@ class SlotKVCache:
         if self._mode == "decode":
             if q_BHTD.shape[2] != 1:
                 raise ValueError(f"decode takes one token per row, got {q_BHTD.shape[2]}")
-            num_rows = q_BHTD.shape[0]
-            # Advanced indices on dims 0 and 2 around a slice: the indexed view is [B, K, D].
-            k_NKSD[self._rows_B, :, self._pos_B] = k_BKTD[:, :, 0].to(k_NKSD.dtype)
-            v_NKSD[self._rows_B, :, self._pos_B] = v_BKTD[:, :, 0].to(v_NKSD.dtype)
-            keys_BKSD = k_NKSD[:num_rows, :, : self._span]
-            values_BKSD = v_NKSD[:num_rows, :, : self._span]
-            return F.scaled_dot_product_attention(
-                q_BHTD, keys_BKSD, values_BKSD, attn_mask=self._mask_B11S, enable_gqa=True
-            )
+            return self._decode_attend(k_NKSD, v_NKSD, q_BHTD, k_BKTD, v_BKTD)
         raise RuntimeError("SlotKVCache.attend called before begin_prefill/begin_decode")
 
     def copy_prefix(self, src_slot: int, dst_slots: torch.Tensor, length: int) -> None:

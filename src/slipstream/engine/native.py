@@ -94,6 +94,11 @@ class NativeEngine:
         self._pending_update: tuple[int, WeightSource, concurrent.futures.Future] | None = None
         self._seed_rng = torch.Generator().manual_seed(int(time.time_ns() % (1 << 62)))
         self._closed = False
+        # Counters for benchmarks and profiles: mean decode batch = decode_rows / decode_steps;
+        # forward_s / step_s = share of engine-thread time spent inside model forwards.
+        self.stats: dict[str, float] = dict.fromkeys(
+            ("decode_steps", "decode_rows", "prefill_tokens", "forward_s", "step_s"), 0
+        )
         self._thread = threading.Thread(target=self._loop, name="slipstream-engine", daemon=True)
         self._thread.start()
 
@@ -282,58 +287,67 @@ class NativeEngine:
         future.set_result(None)
 
     def _step(self, admitted: list[Group]) -> None:
+        t0 = time.perf_counter()
         if admitted:
-            self._prefill(admitted)
-        if len(self.batch):
-            self._decode()
+            self._mixed_step(admitted)
+        elif len(self.batch):
+            self._decode_step()
+        self.stats["step_s"] += time.perf_counter() - t0
 
-    def _prefill(self, groups: list[Group]) -> None:
-        batch, version = self.batch, self._version
-        lens_P = [len(g.prompt_ids) for g in groups]
-        first_rows: list[int] = []
-        for g in groups:
-            stop_ids = frozenset(g.params.stop_token_ids) | (
-                frozenset() if g.params.ignore_eos else self.eos_token_ids
-            )
-            for i in range(g.params.n):
-                row = batch.add(Row(g, i, stop_ids), len(g.prompt_ids))
-                if i == 0:
-                    first_rows.append(row)
-        ids_PT = torch.zeros((len(groups), max(lens_P)), dtype=torch.int64)
-        for p, g in enumerate(groups):
-            ids_PT[p, : lens_P[p]] = torch.tensor(g.prompt_ids)
-        ids_PT = ids_PT.to(self.device)
-        slots_P = torch.tensor(first_rows, device=self.device)
-        batch.cache.begin_prefill(slots_P)
-        logits_PTV = self.model(ids_PT, cache=batch.cache).logits_BTV
-        last_P = torch.tensor(lens_P, device=self.device) - 1
-        logits_PV = logits_PTV[torch.arange(len(groups), device=self.device), last_P]
-        # Prefix sharing: copy each prompt's KV from the group's first slot to its other slots.
-        group_of_row: list[int] = []
-        for p, (g, first) in enumerate(zip(groups, first_rows, strict=True)):
-            dst = torch.arange(first + 1, first + g.params.n, device=self.device)
-            batch.cache.copy_prefix(first, dst, lens_P[p])
-            group_of_row += [p] * g.params.n
-        start = first_rows[0]
-        rows = torch.arange(start, len(batch), device=self.device)
-        rp = batch.params().select(rows)
-        logits_RV = logits_PV[torch.tensor(group_of_row, device=self.device)]
-        tokens_R, logprobs_R = sample(logits_RV, rp, batch.gen_N[start : len(batch)])
-        batch.record(start, tokens_R, logprobs_R, version)
-        self._finish_done(start, tokens_R)
+    def _forward(self, ids_BT: torch.Tensor, pos_BT: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        logits_BTV = self.model(ids_BT, position_ids_BT=pos_BT, cache=self.batch.cache).logits_BTV
+        self.stats["forward_s"] += time.perf_counter() - t0
+        return logits_BTV
 
-    def _decode(self) -> None:
+    def _decode_step(self) -> None:
+        """One token for every running row: a [B, 1] forward."""
         batch = self.batch
         num = len(batch)
         pos_B = batch.pos_N[:num]
         batch.cache.begin_decode(pos_B, int(pos_B.max()))
-        logits_BV = self.model(
-            batch.last_N[:num, None], position_ids_BT=pos_B[:, None], cache=batch.cache
-        ).logits_BTV[:, -1]
+        logits_BV = self._forward(batch.last_N[:num, None], pos_B[:, None])[:, -1]
+        self.stats["decode_steps"] += 1
+        self.stats["decode_rows"] += num
         batch.pos_N[:num] += 1
-        tokens_B, logprobs_B = sample(logits_BV, batch.params(), batch.gen_N[:num])
+        tokens_B, logprobs_B = sample(logits_BV, batch.params(), batch.uniforms(num))
         batch.record(0, tokens_B, logprobs_B, self._version)
         self._finish_done(0, tokens_B)
+
+    def _mixed_step(self, groups: list[Group]) -> None:
+        """One ragged [1, T] forward: a decode token for every running row, then each admitted
+        prompt once (group prefix sharing: its KV is then copied to the group's other slots)."""
+        batch, dev = self.batch, self.device
+        num_running = len(batch)
+        parts: list[tuple[int, int, int]] = []  # (first slot, token offset, prompt length)
+        offset = num_running
+        for g in groups:
+            stop_ids = frozenset(g.params.stop_token_ids) | (
+                frozenset() if g.params.ignore_eos else self.eos_token_ids
+            )
+            rows = [batch.add(Row(g, i, stop_ids), len(g.prompt_ids)) for i in range(g.params.n)]
+            parts.append((rows[0], offset, len(g.prompt_ids)))
+            offset += len(g.prompt_ids)
+        pos_B = batch.pos_N[:num_running]
+        ids = [batch.last_N[:num_running]] + [torch.tensor(g.prompt_ids, device=dev) for g in groups]
+        pos = [pos_B] + [torch.arange(length, device=dev) for _, _, length in parts]
+        max_pos = int(pos_B.max()) if num_running else -1
+        batch.cache.begin_mixed(pos_B, max_pos, parts)
+        logits_TV = self._forward(torch.cat(ids)[None], torch.cat(pos)[None])[0]
+        self.stats["decode_steps"] += 1 if num_running else 0
+        self.stats["decode_rows"] += num_running
+        self.stats["prefill_tokens"] += offset - num_running
+        batch.pos_N[:num_running] += 1
+        # Logits per row: running rows' own, then each new row gets its prompt's last position.
+        pick = list(range(num_running))
+        for g, (first, off, length) in zip(groups, parts, strict=True):
+            batch.cache.copy_prefix(first, torch.arange(first + 1, first + g.params.n, device=dev), length)
+            pick += [off + length - 1] * g.params.n
+        logits_RV = logits_TV[torch.tensor(pick, device=dev)]
+        batch.fill_uniforms(num_running)
+        tokens_R, logprobs_R = sample(logits_RV, batch.params(), batch.uniforms(len(batch)))
+        batch.record(0, tokens_R, logprobs_R, self._version)
+        self._finish_done(0, tokens_R)
 
     def _finish_done(self, first: int, tokens_B: torch.Tensor) -> None:
         batch = self.batch

@@ -64,6 +64,7 @@ class RowParams:
     seed_B: torch.Tensor  # int64
     stream_B: torch.Tensor  # int64: sample index within the request
     all_greedy: bool
+    any_greedy: bool
     needs_filter: bool  # any row with top-k/top-p/min-p filtering (else the sort is skipped)
 
     @classmethod
@@ -97,29 +98,15 @@ class RowParams:
             seed_B=t([s & 0xFFFFFFFFFFFFFFF for s in seeds], torch.int64),
             stream_B=t(list(streams), torch.int64),
             all_greedy=all(greedy),
+            any_greedy=any(greedy),
             needs_filter=needs_filter,
-        )
-
-    def select(self, rows: torch.Tensor) -> RowParams:
-        """The parameters of a subset of rows (index tensor), for prefill."""
-        greedy = self.greedy_B[rows]
-        return RowParams(
-            temperature_B=self.temperature_B[rows],
-            top_k_B=self.top_k_B[rows],
-            top_p_B=self.top_p_B[rows],
-            min_p_B=self.min_p_B[rows],
-            greedy_B=greedy,
-            seed_B=self.seed_B[rows],
-            stream_B=self.stream_B[rows],
-            all_greedy=bool(greedy.all()),
-            needs_filter=self.needs_filter,
         )
 
 
 def processed_logprobs(logits_BV: torch.Tensor, rp: RowParams) -> torch.Tensor:
     """log of the distribution each row samples from (float32, -inf where filtered out)."""
     scaled_BV = logits_BV.float() / rp.temperature_B[:, None]
-    if not rp.needs_filter and not bool(rp.greedy_B.any()):
+    if not rp.needs_filter and not rp.any_greedy:
         return torch.log_softmax(scaled_BV, dim=-1)
     sorted_BV, order_BV = scaled_BV.sort(dim=-1, descending=True)
     probs_BV = torch.softmax(sorted_BV, dim=-1)
@@ -134,26 +121,28 @@ def processed_logprobs(logits_BV: torch.Tensor, rp: RowParams) -> torch.Tensor:
 
 
 def sample(
-    logits_BV: torch.Tensor, rp: RowParams, step_B: torch.Tensor
+    logits_BV: torch.Tensor, rp: RowParams, u_B: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row. Returns (token_ids_B int64, behaviour logprobs_B float32).
 
-    `step_B` is each row's token index within its sample (0 for the first new token)."""
+    `u_B` is each row's uniform for this token: counter_uniform(seed, sample index, token index),
+    which the running batch precomputes for a whole sample when the row joins."""
     argmax_B = logits_BV.argmax(dim=-1)
     if rp.all_greedy:
         return argmax_B, torch.zeros(argmax_B.shape, dtype=torch.float32, device=argmax_B.device)
     lp_BV = processed_logprobs(logits_BV, rp)
     cdf_BV = lp_BV.exp().cumsum(dim=-1)
-    u_B = counter_uniform(rp.seed_B, rp.stream_B, step_B)
     target_B1 = (u_B * cdf_BV[:, -1]).unsqueeze(1)
     token_B = torch.searchsorted(cdf_BV, target_B1, right=True).squeeze(1)
     token_B = token_B.clamp_(max=logits_BV.shape[-1] - 1)
-    token_B = torch.where(rp.greedy_B, argmax_B, token_B)
+    if rp.any_greedy:
+        token_B = torch.where(rp.greedy_B, argmax_B, token_B)
     logprob_B = lp_BV.gather(1, token_B[:, None]).squeeze(1)
     # Rounding at the very top of the CDF can land on a filtered token: fall back to the argmax.
     bad_B = torch.isneginf(logprob_B)
     if bool(bad_B.any()):
         token_B = torch.where(bad_B, argmax_B, token_B)
         logprob_B = lp_BV.gather(1, token_B[:, None]).squeeze(1)
-    logprob_B = torch.where(rp.greedy_B, torch.zeros_like(logprob_B), logprob_B)
+    if rp.any_greedy:
+        logprob_B = torch.where(rp.greedy_B, torch.zeros_like(logprob_B), logprob_B)
     return token_B, logprob_B

@@ -39,8 +39,8 @@ _ARCH_FIELDS = (
 
 
 def _reject(hf: dict[str, Any], key: str, ok: Any, why: str) -> None:
-    value = hf.get(key, ok)
-    if value != ok and value is not None and not (ok is False and value is None):
+    value = hf.get(key)
+    if value is not None and value != ok:
         raise ValueError(f"config.json {key}={value!r} is not supported: {why}")
 
 

@@ -99,6 +99,13 @@ class Controller:
         from slipstream.model import load_pretrained
         from slipstream.tasks import get_taskset
 
+        if cfg.trainer.deterministic:
+            if cfg.trainer.mode != "sync":
+                raise ValueError(
+                    f"trainer.deterministic needs trainer.mode = 'sync' (got {cfg.trainer.mode!r}): "
+                    "in the other modes which weights produced which tokens depends on timing"
+                )
+            cfg.rollout.seeded = True  # workers get the config after this (launcher spec)
         self.cfg = cfg
         self.on_record = on_record or (lambda r: None)
         self.evaluate = evaluate

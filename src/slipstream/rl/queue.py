@@ -203,6 +203,15 @@ class TaskQueue:
         with self._lock:
             return set(self._done)
 
+    def lease_holders(self) -> dict[str, int]:
+        """worker_id -> number of tasks it holds under live leases."""
+        with self._lock:
+            self._reap()
+            out: dict[str, int] = {}
+            for st in self._leases.values():
+                out[st.worker_id] = out.get(st.worker_id, 0) + len(st.task_ids)
+            return out
+
     def num_in_flight(self) -> int:
         with self._lock:
             self._reap()

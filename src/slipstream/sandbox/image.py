@@ -28,7 +28,6 @@ import shutil
 import subprocess
 import tempfile
 import time
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -241,7 +240,9 @@ def _python_layout(python: Path) -> dict[str, str]:
         "'dynload':os.path.join(sysconfig.get_path('platstdlib'),'lib-dynload'),"
         "'version':'%d.%d'%sys.version_info[:2],'prefix':sys.prefix}))"
     )
-    out = subprocess.run([str(python), "-I", "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [str(python), "-I", "-c", code], capture_output=True, text=True, check=True
+    )
     return json.loads(out.stdout)
 
 
@@ -365,9 +366,7 @@ def _inputs(cache_root: Path) -> dict[str, object]:
     python = _guest_python()
     layout = _python_layout(python)
     dynload = Path(layout["dynload"])
-    dynload_mods = sorted(
-        p for p in dynload.glob("*.so") if not DYNLOAD_EXCLUDE.match(p.name)
-    )
+    dynload_mods = sorted(p for p in dynload.glob("*.so") if not DYNLOAD_EXCLUDE.match(p.name))
     if not AGENT_SOURCE.is_file():
         raise RuntimeError(f"guest agent {AGENT_SOURCE} is missing")
     return {
@@ -411,7 +410,9 @@ def _assemble(inp: dict[str, object], out_dir: Path) -> dict[str, object]:
         cpio.dir(d)
     busybox: Path = inp["busybox"]  # type: ignore[assignment]
     cpio.file("bin/busybox", busybox.read_bytes(), 0o755)
-    applets = subprocess.run([str(busybox), "--list-full"], capture_output=True, text=True, check=True)
+    applets = subprocess.run(
+        [str(busybox), "--list-full"], capture_output=True, text=True, check=True
+    )
     for applet in applets.stdout.split():
         if applet not in ("sbin/init", "bin/sh", "linuxrc"):
             cpio.symlink(applet, "/bin/busybox")
@@ -499,45 +500,3 @@ def build_image(cache_dir: Path | str | None = None, force: bool = False) -> Ima
             shutil.rmtree(tmp, ignore_errors=True)
         log.info("guest image %s built in %.1f s", final, manifest["build_s"])
         return paths
-
-
-def ensure_vmlinux(paths: ImagePaths) -> Path:
-    """The uncompressed ELF kernel Firecracker loads, extracted once from the bzImage."""
-    out = paths.vmlinux
-    if not out.exists():
-        data = extract_vmlinux(paths.kernel.read_bytes())
-        tmp = out.with_suffix(".tmp")
-        tmp.write_bytes(data)
-        os.rename(tmp, out)
-    return out
-
-
-def extract_vmlinux(bzimage: bytes) -> bytes:
-    """The ELF kernel inside a bzImage (what the kernel's scripts/extract-vmlinux does): the setup
-    header's payload_offset/payload_length locate the compressed stream; gzip and xz are decoded
-    in-process, LZ4 (Debian's cloud kernels) with the `lz4` tool (Debian package lz4)."""
-    import lzma
-    import struct
-
-    if bzimage[0x202:0x206] != b"HdrS":
-        raise RuntimeError("not a bzImage: no HdrS setup header")
-    setup_sects = bzimage[0x1F1] or 4
-    payload_offset, payload_length = struct.unpack_from("<II", bzimage, 0x248)
-    start = (setup_sects + 1) * 512 + payload_offset
-    payload = bzimage[start : start + payload_length]
-    if payload.startswith(b"\x1f\x8b"):
-        data = gzip.decompress(payload)
-    elif payload.startswith(b"\xfd7zXZ\x00"):
-        data = lzma.LZMADecompressor().decompress(payload)
-    elif payload.startswith(b"\x02\x21\x4c\x18"):  # LZ4 legacy frame, as the kernel writes it
-        if shutil.which("lz4") is None:
-            raise RuntimeError("the kernel is LZ4-compressed: install the Debian package lz4")
-        # The kernel appends the uncompressed size after the frame; lz4 stops there with an error
-        # after writing the whole payload, so the ELF check below is what decides.
-        done = subprocess.run(["lz4", "-dc"], input=payload, capture_output=True)
-        data = done.stdout
-    else:
-        raise RuntimeError(f"unsupported bzImage payload (magic {payload[:6].hex()})")
-    if not data.startswith(b"\x7fELF"):
-        raise RuntimeError("decompressed bzImage payload is not an ELF kernel")
-    return data

@@ -106,7 +106,9 @@ def _test_boot(image: ImagePaths, qemu_binary: str, timeout_s: float) -> tuple[b
         argv = qemu_argv(image, run_dir, memory_mib=256, vcpus=1, accel="kvm",
                          name="slipstream-kvm-probe", qemu_binary=qemu_binary)  # fmt: skip
         with open(run_dir / "qemu.log", "wb") as qemu_log:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=qemu_log, stderr=qemu_log)
+            proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=qemu_log, stderr=qemu_log
+            )
         conn, _ = listener.accept()
         with conn:
             conn.settimeout(max(timeout_s - (time.perf_counter() - t0), 0.1))

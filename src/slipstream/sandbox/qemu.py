@@ -32,7 +32,8 @@ from slipstream.sandbox.agent_client import AgentConnection
 from slipstream.sandbox.base import AgentSandbox, Backend, SandboxRecord, SandboxTemplate
 from slipstream.sandbox.errors import BackendUnavailable, SandboxBroken
 from slipstream.sandbox.image import ImagePaths, build_image
-from slipstream.sandbox.journal import process_start_ticks
+from slipstream.sandbox.journal import Journal, process_start_ticks
+from slipstream.sandbox.process import set_pdeathsig
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,13 @@ class MicroVM:
 
     def __init__(self, proc: asyncio.subprocess.Process, conn: AgentConnection, run_dir: Path,
                  boot_s: float, accel: str) -> None:  # fmt: skip
-        self.proc, self.conn, self.run_dir, self.boot_s, self.accel = proc, conn, run_dir, boot_s, accel
+        self.proc, self.conn, self.run_dir, self.boot_s, self.accel = (
+            proc,
+            conn,
+            run_dir,
+            boot_s,
+            accel,
+        )
         self.start_ticks = process_start_ticks(proc.pid)
 
     async def stop(self) -> None:
@@ -145,10 +152,13 @@ async def boot_microvm(
     hello_timeout_s: float,
     preexec_fn=None,  # noqa: ANN001 - a fork-safe callable run in the child (cgroup entry, affinity)
     qemu_binary: str = QEMU_BINARY,
+    on_run_dir=None,  # noqa: ANN001 - called with the run dir before QEMU starts (journal)
 ) -> MicroVM:
     """Start QEMU and wait for the agent's hello. On failure QEMU is killed, the run dir removed,
     and SandboxBroken quotes QEMU's stderr and the guest console."""
     run_dir = Path(tempfile.mkdtemp(prefix=RUN_DIR_PREFIX))
+    if on_run_dir is not None:
+        on_run_dir(run_dir)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(run_dir / "ctl.sock"))
     listener.listen(1)
@@ -183,7 +193,9 @@ async def boot_microvm(
     return MicroVM(proc, conn, run_dir, time.perf_counter() - t0, accel)
 
 
-async def _connect(proc: asyncio.subprocess.Process, listener: socket.socket, name: str) -> AgentConnection:
+async def _connect(
+    proc: asyncio.subprocess.Process, listener: socket.socket, name: str
+) -> AgentConnection:
     """Accept QEMU's connection to the control socket, unless QEMU exits first."""
     loop = asyncio.get_running_loop()
     accept = asyncio.ensure_future(loop.sock_accept(listener))
@@ -201,10 +213,11 @@ async def _connect(proc: asyncio.subprocess.Process, listener: socket.socket, na
 class QemuSandbox(AgentSandbox):
     """A sandbox in a QEMU microVM. `boot_s` is its cold boot time (QEMU start -> agent hello)."""
 
-    def __init__(self, sandbox_id: str, template: SandboxTemplate, vm: MicroVM, cgroup, cpus, mems) -> None:  # noqa: ANN001
+    def __init__(self, sandbox_id: str, template: SandboxTemplate, vm: MicroVM, cgroup, cpus, mems,
+                 journal: Journal | None) -> None:  # noqa: ANN001  # fmt: skip
         # The QEMU cgroup is not handed to AgentSandbox: its peak memory would be QEMU's (guest RAM
         # included), not the command's; exec reports the agent's max RSS instead.
-        super().__init__(sandbox_id, template, vm.conn, cpus=cpus, mems=mems)
+        super().__init__(sandbox_id, template, vm.conn, cpus=cpus, mems=mems, journal=journal)
         self.vm = vm
         self.qemu_cgroup = cgroup
         self.boot_s = vm.boot_s
@@ -235,13 +248,15 @@ class QemuBackend(Backend):
     isolating = True
 
     def __init__(self, accel: str | None = None, cache_dir: str | Path | None = None,
-                 use_cgroups: bool = True, qemu_binary: str = QEMU_BINARY) -> None:  # fmt: skip
+                 use_cgroups: bool = True, qemu_binary: str = QEMU_BINARY,
+                 journal: Journal | None = None) -> None:  # fmt: skip
         if accel not in (None, "kvm", "tcg"):
             raise ValueError(f"qemu accel {accel!r} is not one of kvm, tcg, None (auto)")
         self.accel = accel
         self.cache_dir = cache_dir
         self.use_cgroups = use_cgroups
         self.qemu_binary = qemu_binary
+        self.journal = journal
         self.fallbacks: list[str] = []
         self.boot_times_s: list[float] = []
         self._default_image: ImagePaths | None = None
@@ -256,7 +271,9 @@ class QemuBackend(Backend):
     async def _setup(self, template: SandboxTemplate) -> ImagePaths:
         async with self._init_lock:
             if shutil.which(self.qemu_binary) is None:
-                raise BackendUnavailable(f"{self.qemu_binary} not found (Debian package qemu-system-x86)")
+                raise BackendUnavailable(
+                    f"{self.qemu_binary} not found (Debian package qemu-system-x86)"
+                )
             if template.image is not None:
                 image = image_from_dir(template.image)
             else:
@@ -277,7 +294,9 @@ class QemuBackend(Backend):
                     self._cgroups = CgroupManager.detect()
                 except OSError as e:
                     self.use_cgroups = False
-                    self._fallback(f"no cgroups ({e}); QEMU gets CPU affinity only, no memory limit")
+                    self._fallback(
+                        f"no cgroups ({e}); QEMU gets CPU affinity only, no memory limit"
+                    )
             return image
 
     async def create(self, template: SandboxTemplate, *, sandbox_id: str,
@@ -285,7 +304,7 @@ class QemuBackend(Backend):
                      mems: tuple[int, ...] | None = None) -> QemuSandbox:  # fmt: skip
         image = await self._setup(template)
         cgroup = None
-        preexec = None
+        enter = None
         if self._cgroups is not None:
             from slipstream.sandbox.cgroups import CgroupLimits
 
@@ -294,25 +313,40 @@ class QemuBackend(Backend):
                 pids_max=QEMU_PIDS_MAX, vcpus=template.vcpus, cpus=cpus, mems=mems,
             )  # fmt: skip
             cgroup = await asyncio.to_thread(self._cgroups.create, f"qemu-{sandbox_id}", limits)
-            preexec = cgroup.enter_fn()
-        elif cpus:
-            cpu_set = set(cpus)
+            enter = cgroup.enter_fn()
+        cpu_set = set(cpus) if cpus else None
 
-            def preexec() -> None:
+        def preexec() -> None:
+            if enter is not None:
+                enter()
+            set_pdeathsig()  # QEMU dies with its owner; the journal covers a crash in between
+            if cpu_set:
                 os.sched_setaffinity(0, cpu_set)
+
+        def journal_early(run_dir: Path) -> None:
+            if self.journal is not None:  # before QEMU exists: a crash from here on is reaped
+                self.journal.write(SandboxRecord(
+                    sandbox_id=sandbox_id, backend=self.name,
+                    cgroup_paths=cgroup.dirs if cgroup is not None else [], dirs=[str(run_dir)],
+                ))  # fmt: skip
 
         try:
             vm = await boot_microvm(
                 image, memory_mib=template.memory_mib, vcpus=template.vcpus, accel=self.accel or "tcg",
                 name=f"slipstream-{sandbox_id}", hello_timeout_s=template.create_timeout_s,
-                preexec_fn=preexec, qemu_binary=self.qemu_binary,
+                preexec_fn=preexec, qemu_binary=self.qemu_binary, on_run_dir=journal_early,
             )  # fmt: skip
         except BaseException:
             if cgroup is not None:
                 await asyncio.to_thread(cgroup.kill_and_remove)
+            if self.journal is not None:
+                self.journal.remove(sandbox_id)
             raise
         self.boot_times_s.append(vm.boot_s)
-        return QemuSandbox(sandbox_id, template, vm, cgroup, cpus, mems)
+        sb = QemuSandbox(sandbox_id, template, vm, cgroup, cpus, mems, self.journal)
+        if self.journal is not None:
+            self.journal.write(sb.record())
+        return sb
 
 
 def image_from_dir(path: str | Path) -> ImagePaths:
@@ -340,6 +374,7 @@ def probe(boot: bool = False) -> tuple[bool, str]:
     accel = "kvm" if kvm_ok else "tcg"
     note = "KVM" if kvm_ok else f"TCG emulation (KVM: {kvm_reason})"
     if boot:
+
         async def once() -> float:
             vm = await boot_microvm(image, memory_mib=256, vcpus=1, accel=accel, name="slipstream-probe",
                                     hello_timeout_s=60.0)  # fmt: skip

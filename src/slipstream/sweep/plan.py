@@ -318,5 +318,8 @@ def format_plan(plan: Plan, cfg: SweepConfig) -> str:
     if plan.notes:
         lines.append("notes:")
         lines += [f"  {n}" for n in plan.notes]
-    lines.append(f"estimated duration: {plan.estimated_s:.0f} s (~{plan.estimated_s / 60:.1f} min)")
+    lines.append(
+        f"estimated duration: {plan.estimated_s:.0f} s (~{plan.estimated_s / 60:.1f} min) on a quiet "
+        "host; a loaded host stretches it"
+    )
     return "\n".join(lines)

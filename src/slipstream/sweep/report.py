@@ -148,6 +148,14 @@ def render_report(agg: dict, prov: dict, plot_files: list[str]) -> str:
             f"| {r['verdict']} |"
         )
     lines.append("")
+    if noise.get("cv") is not None and noise["cv"] > 0.10:
+        lines += [
+            f"**Caveat:** the idle-host noise check found CV {noise['cv']:.1%} before the sweep: "
+            "other load on the host inflates the tails, most visibly at low density (where the "
+            "baseline is measured), which makes the recommendation optimistic. Rerun on a quiet "
+            "host before acting on it.",
+            "",
+        ]
 
     group_sizes = [str(g) for g in cfg["group_sizes"]]
     lines += [

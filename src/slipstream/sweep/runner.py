@@ -64,7 +64,8 @@ def assign(
 ) -> list[tuple[tuple[int, ...] | None, tuple[int, ...] | None]]:
     """(cpus, mems) per sandbox. Round-robin over the policy's units; `local` memory is the nodes
     of the sandbox's CPUs (None when unpinned: the kernel's first-touch default), `interleave`
-    is every node with memory."""
+    is every node with memory (the sandbox layer applies it as cpuset.mems; it does not set an
+    MPOL_INTERLEAVE policy). None on a one-node host, like `sandbox.pinning.PinningAllocator`."""
     all_nodes = tuple(n for n, (_, mem) in topo.numa_nodes.items() if mem > 0) or tuple(
         topo.numa_nodes
     )
@@ -72,7 +73,9 @@ def assign(
     out = []
     for i in range(num_sandboxes):
         cpus = units[i % len(units)] if units else None
-        if memory == "interleave":
+        if len(all_nodes) <= 1:  # as the sandbox pool does: cpuset.mems left alone on one node
+            mems = None
+        elif memory == "interleave":
             mems = all_nodes
         elif cpus is not None:
             mems = tuple(sorted({n for c in cpus if (n := topo.node_of_cpu(c)) is not None}))

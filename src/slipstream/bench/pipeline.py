@@ -1,0 +1,151 @@
+"""`slipstream bench pipeline`: sync vs async RL pipeline throughput in one run, same machine, same
+start checkpoint, same config except `trainer.mode`.
+
+Verification latency is drawn per sample from a lognormal (median --verify-p50-s, p99/p50 =
+--verify-p99-over-p50, default 5: the spread sandboxed test suites show) and added before the
+task's real verifier runs. Per mode the benchmark runs the real job (trainer in this process,
+rollout worker processes, WeightStore on local disk) for --steps steps and reports:
+- samples/s: trained samples / wall time of the RL loop (evaluation excluded);
+- trainer idle fraction: time the trainer waited for a batch / wall time;
+- final reward: mean batch reward of the last third of the steps, and held-out pass@1 after.
+
+figure = async samples/s, baseline = sync samples/s, limit = the goal ratio (1.5x). Writes JSON
+with provenance to benchmarks/results/pipeline.json (or --out).
+
+Not covered: multi-host runs, GPU engines, equal-reward runs of different lengths (both modes run
+the same number of steps; rewards are reported side by side).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from slipstream.cli import add_config_args
+
+GOAL_RATIO = 1.5
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("pipeline", help="RL pipeline samples/s and trainer idle: sync vs async",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    add_config_args(p)
+    p.add_argument("--steps", type=int, default=12, help="trainer steps per mode")
+    p.add_argument("--modes", default="sync,async", help="comma list (first is the baseline)")
+    p.add_argument("--max-staleness", type=int, default=2, help="async staleness bound")
+    p.add_argument("--verify-p50-s", type=float, default=0.25, help="median verifier latency")
+    p.add_argument("--verify-p99-over-p50", type=float, default=5.0, help="latency tail ratio")
+    p.add_argument("--workers", type=int, default=2, help="rollout worker processes")
+    p.add_argument("--init", default=None, help="start checkpoint (default: model.init_from, "
+                   "else <run.output_dir>/sft/checkpoint if complete, else a random init)")  # fmt: skip
+    p.add_argument("--out", default="benchmarks/results/pipeline.json", help="JSON output path")
+    p.set_defaults(func=run)
+
+
+def _start_checkpoint(cfg: Any, init: str | None, tmp: Path) -> tuple[str, str]:
+    from slipstream.sft import checkpoint_complete, sft_dir
+
+    if init:
+        return init, "given"
+    if cfg.model.init_from:
+        return cfg.model.init_from, "model.init_from"
+    sft = sft_dir(cfg) / "checkpoint"
+    if checkpoint_complete(sft):
+        return str(sft), "sft checkpoint"
+    import torch
+
+    from slipstream.model import MoEForCausalLM, save_pretrained
+    from slipstream.tasks import get_taskset
+
+    logging.warning("bench pipeline: no SFT checkpoint at %s; using a random init (rewards ~0)", sft)
+    ts = get_taskset(cfg.task)
+    torch.manual_seed(cfg.run.seed)
+    model = MoEForCausalLM(cfg.model.model_copy(update={"vocab_size": ts.tokenizer.vocab_size}))
+    return str(save_pretrained(model, tmp / "init")), "random init"
+
+
+def run_mode(cfg: Any, init: str) -> dict[str, Any]:
+    from slipstream.launch.local import LocalLauncher
+    from slipstream.rl.controller import Controller
+
+    controller = Controller(cfg, init)
+    launcher = LocalLauncher(cfg, controller.coord)
+    launcher.start()
+    try:
+        result = controller.run()
+    finally:
+        launcher.stop()
+    tail = result.records[-max(1, len(result.records) // 3) :]
+    return {
+        "mode": cfg.trainer.mode,
+        "max_staleness": controller.max_staleness,
+        "steps": result.steps,
+        "wall_s": result.wall_s,
+        "samples_per_s": result.samples_per_s,
+        "trainer_idle_frac": result.trainer_idle_frac,
+        "final_reward": sum(r["reward_mean"] for r in tail) / len(tail),
+        "pass_at_1_before": result.pass_at_1_before,
+        "pass_at_1_after": result.pass_at_1_after,
+        "staleness_hist": controller.coord.buffer.metrics()["staleness_hist"],
+        "dropped_stale": controller.coord.buffer.metrics()["dropped_stale"],
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from slipstream.config import load_config
+    from slipstream.observe.provenance import collect_provenance
+
+    logging.basicConfig(level=logging.WARNING)
+    modes = args.modes.split(",")
+    results = []
+    with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp_s:
+        tmp = Path(tmp_s)
+        base = load_config(args.config, args.overrides)
+        init, init_kind = _start_checkpoint(base, args.init, tmp)
+        for mode in modes:
+            overrides = [
+                *args.overrides, f"trainer.mode={mode}", f"trainer.steps={args.steps}",
+                f"buffer.max_staleness={args.max_staleness}", f"rollout.num_workers={args.workers}",
+                "rollout.verify_latency=lognormal", f"rollout.verify_latency_p50_s={args.verify_p50_s}",
+                f"rollout.verify_latency_p99_over_p50={args.verify_p99_over_p50}",
+                f"run.output_dir={tmp / mode}", f"store.url={tmp / mode / 'store'}",
+                "trainer.checkpoint_every=0", "trainer.eval_every=0",
+            ]  # fmt: skip
+            cfg = load_config(args.config, overrides)
+            t0 = time.monotonic()
+            results.append(run_mode(cfg, init))
+            print(f"{mode}: {results[-1]['samples_per_s']:.2f} samples/s, idle "
+                  f"{results[-1]['trainer_idle_frac']:.0%} ({time.monotonic() - t0:.0f} s)")  # fmt: skip
+    base_r, fig_r = results[0], results[-1]
+    ratio = fig_r["samples_per_s"] / base_r["samples_per_s"]
+    record = {
+        "benchmark": "pipeline",
+        "figure": {"name": f"{fig_r['mode']} samples/s", "value": fig_r["samples_per_s"]},
+        "baseline": {"name": f"{base_r['mode']} samples/s", "value": base_r["samples_per_s"]},
+        "limit": {"name": "goal ratio figure/baseline", "value": GOAL_RATIO},
+        "ratio": ratio,
+        "meets_goal": ratio >= GOAL_RATIO,
+        "modes": results,
+        "verify_latency": {"distribution": "lognormal", "p50_s": args.verify_p50_s,
+                           "p99_over_p50": args.verify_p99_over_p50},  # fmt: skip
+        "start_checkpoint": {"path": init, "kind": init_kind},
+        "config": base.model_dump(mode="json"),
+        "provenance": collect_provenance(),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1))
+    print(f"\n{'mode':<8} {'samples/s':>10} {'idle':>6} {'final reward':>13} {'pass@1 after':>13}")
+    for r in results:
+        p1 = r["pass_at_1_after"]
+        print(f"{r['mode']:<8} {r['samples_per_s']:>10.2f} {r['trainer_idle_frac']:>6.0%} "
+              f"{r['final_reward']:>13.3f} {'-' if p1 is None else f'{p1:.3f}':>13}")  # fmt: skip
+    print(f"\nfigure {fig_r['mode']} {fig_r['samples_per_s']:.2f} samples/s | baseline "
+          f"{base_r['mode']} {base_r['samples_per_s']:.2f} | ratio {ratio:.2f}x | goal >= "
+          f"{GOAL_RATIO}x: {'met' if ratio >= GOAL_RATIO else 'NOT met'}\nwrote {out}")  # fmt: skip
+    return 0
