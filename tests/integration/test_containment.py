@@ -98,14 +98,18 @@ def test_no_network_egress_even_to_host_loopback(harness, sb):
     port = srv.getsockname()[1]
     try:
         socket.create_connection(("127.0.0.1", port), timeout=2).close()  # reachable from the host
-        r = py(harness, sb, f"""
+        r = py(
+            harness,
+            sb,
+            f"""
             import socket
             s = socket.socket(); s.settimeout(3)
             try:
                 s.connect(("127.0.0.1", {port})); print("CONNECTED")
             except OSError as e:
                 print("refused", e)
-        """)
+        """,
+        )
         assert r.exit_code == 0, r
         assert "CONNECTED" not in r.stdout and "refused" in r.stdout
     finally:
@@ -114,7 +118,9 @@ def test_no_network_egress_even_to_host_loopback(harness, sb):
 
 def test_cannot_read_host_secrets_or_home(harness, sb):
     here = os.path.abspath(__file__)
-    r = harness.run(sb.exec(["sh", "-c", f"cat /etc/shadow; ls /root; ls /home; cat {here}; echo done"]))
+    r = harness.run(
+        sb.exec(["sh", "-c", f"cat /etc/shadow; ls /root; ls /home; cat {here}; echo done"])
+    )
     assert "done" in r.stdout
     assert "root:" not in r.stdout and "def test_" not in r.stdout
     assert r.stdout.strip() == "done", r.stdout
@@ -126,13 +132,17 @@ def test_cannot_write_outside(harness, sb, tmp_path):
         for p in /usr/evil /etc/evil /evil {marker}; do
             (echo x > $p) 2>/dev/null && echo "wrote $p" || echo "denied $p"
         done"""]))  # fmt: skip
-    assert "wrote /usr/evil" not in r.stdout and "wrote /etc/evil" not in r.stdout, r.stdout
+    if harness.name == "bwrap":  # a VM may write its own root; only the host matters there
+        assert "wrote /usr/evil" not in r.stdout and "wrote /etc/evil" not in r.stdout, r.stdout
     assert not marker.exists()  # whatever the sandbox sees at that path is not the host's
     assert not os.path.exists("/usr/evil") and not os.path.exists("/evil")
 
 
 def test_fork_bomb_hits_pids_limit(harness, sb):
-    r = py(harness, sb, """
+    r = py(
+        harness,
+        sb,
+        """
         import os, time
         n = 0
         try:
@@ -142,7 +152,9 @@ def test_fork_bomb_hits_pids_limit(harness, sb):
                 n += 1
         except OSError as e:
             print("stopped after", n, type(e).__name__)
-    """, timeout_s=30)
+    """,
+        timeout_s=30,
+    )
     assert "stopped after" in r.stdout, r
     forked = int(r.stdout.split()[2])
     assert forked < harness.template.pids_max
@@ -152,11 +164,16 @@ def test_fork_bomb_hits_pids_limit(harness, sb):
 
 
 def test_memory_bomb_is_oom_killed(harness, sb):
-    r = py(harness, sb, """
+    r = py(
+        harness,
+        sb,
+        """
         blocks = []
         while True:
             blocks.append(bytearray(16 << 20))
-    """, timeout_s=60)
+    """,
+        timeout_s=60,
+    )
     assert r.exit_code == -9, r
     if harness.name == "bwrap":
         assert r.oom_killed and r.peak_memory_bytes >= 64 << 20
@@ -196,7 +213,10 @@ def test_killing_the_agent_breaks_only_the_sandbox(harness, sb):
 
 
 def test_ptrace_and_mount_are_denied(harness, sb):
-    r = py(harness, sb, """
+    r = py(
+        harness,
+        sb,
+        """
         import ctypes, os
         libc = ctypes.CDLL(None, use_errno=True)
         pid = os.getppid()
@@ -204,11 +224,14 @@ def test_ptrace_and_mount_are_denied(harness, sb):
         print("traceme", libc.ptrace(0, 0, 0, 0), ctypes.get_errno())
         print("mount", libc.mount(b"none", b"/tmp", b"tmpfs", 0, None), ctypes.get_errno())
         print("unshare", libc.unshare(0x10000000), ctypes.get_errno())
-    """)
+    """,
+    )
     assert r.exit_code == 0, r
     for line in r.stdout.splitlines():
         name, ret, err = line.split()
-        assert ret == "-1" and int(err) in (1, 13), line  # EPERM / EACCES
+        assert ret == "-1", line
+        if harness.name == "bwrap":  # seccomp/capabilities; a VM guest may fail otherwise (ENOSPC)
+            assert int(err) in (1, 13), line  # EPERM / EACCES
     r = harness.run(sb.exec(["sh", "-c", "mount -t tmpfs none /sandbox 2>&1; echo rc=$?"]))
     assert "rc=0" not in r.stdout
 

@@ -38,7 +38,10 @@ def tiny_config(tmp: Path, *overrides: str) -> SlipstreamConfig:
     torch.manual_seed(0)
     init = tmp / "init"
     if not (init / "config.json").exists():
-        save_pretrained(MoEForCausalLM(cfg.model.model_copy(update={"vocab_size": ts.tokenizer.vocab_size})), init)
+        save_pretrained(
+            MoEForCausalLM(cfg.model.model_copy(update={"vocab_size": ts.tokenizer.vocab_size})),
+            init,
+        )
     cfg.model.init_from = str(init)
     return cfg
 
@@ -58,7 +61,10 @@ def test_kill9_workers_nothing_lost_and_staleness_holds(tmp_path: Path) -> None:
 
     def checked_step(batch):
         for s in batch.samples:
-            assert batch.trainer_version - min(s.versions) <= max_staleness, (batch.trainer_version, s.versions)
+            assert batch.trainer_version - min(s.versions) <= max_staleness, (
+                batch.trainer_version,
+                s.versions,
+            )
         trained.extend(batch.task_ids)
         return real_step(batch)
 

@@ -36,7 +36,9 @@ def per_step(metrics: Path) -> dict[int, dict]:
     for line in metrics.read_text().splitlines():
         rec = json.loads(line)
         if "loss" in rec:
-            out[rec["step"]] = rec  # a resumed run re-logs steps after its checkpoint: keep the last
+            out[rec["step"]] = (
+                rec  # a resumed run re-logs steps after its checkpoint: keep the last
+            )
     return out
 
 
@@ -53,7 +55,10 @@ def test_kill_and_resume_reproduces_losses(tmp_path: Path) -> None:
     cfg = load_config(None, TINY)
     ts = get_taskset(cfg.task)
     torch.manual_seed(0)
-    save_pretrained(MoEForCausalLM(cfg.model.model_copy(update={"vocab_size": ts.tokenizer.vocab_size})), tmp_path / "init")
+    save_pretrained(
+        MoEForCausalLM(cfg.model.model_copy(update={"vocab_size": ts.tokenizer.vocab_size})),
+        tmp_path / "init",
+    )
 
     full = start(tmp_path, "a")
     crash = start(tmp_path, "b")

@@ -98,7 +98,9 @@ def test_pinning_sets_affinity_and_cpuset(tmp_path, policy):
             seen = set()
             for sb in boxes:
                 assert sb.cpus and set(sb.cpus) <= set(pool.topology.online_cpus)
-                r = await sb.exec(["python3", "-c", "import os; print(sorted(os.sched_getaffinity(0)))"])
+                r = await sb.exec(
+                    ["python3", "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
+                )
                 assert json.loads(r.stdout) == sorted(sb.cpus)
                 cpuset_dir = str(sb.cgroup.paths["cpuset"])
                 cpus = Path(cpuset_dir, "cpuset.cpus").read_text().strip()
@@ -180,13 +182,17 @@ def test_orphans_reaped_after_kill_9(tmp_path):
     assert leftover_cgroups  # and its cgroups
 
     async def go():
-        async with SandboxPool(tmpl(), PoolOptions(min_idle=0, max_idle=0), state_dir=tmp_path) as pool:
+        async with SandboxPool(
+            tmpl(), PoolOptions(min_idle=0, max_idle=0), state_dir=tmp_path
+        ) as pool:
             assert pool.orphans_reaped == 3
         assert_clean(pool)
 
     asyncio.run(go())
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(process_alive(r["pid"], r["pid_start_ticks"]) for r in records):
+    while time.monotonic() < deadline and any(
+        process_alive(r["pid"], r["pid_start_ticks"]) for r in records
+    ):
         time.sleep(0.05)
     for r in records:
         assert not process_alive(r["pid"], r["pid_start_ticks"])

@@ -244,3 +244,81 @@ def test_http_hot_swap_from_disk(served, tmp_path):
         assert httpx.get(server.url + "/get_model_info").json()["weight_version"] == "7"
     finally:
         client.update_weights(0, str(ckpt))  # restore for other tests
+
+
+def test_client_retries_5xx_with_backoff_but_not_4xx():
+    """A stand-in server (real HTTP; its answers are canned) failing with 503 twice, then 200."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    calls = {"n": 0}
+    app = FastAPI()
+
+    @app.post("/generate")
+    async def generate(body: dict):
+        calls["n"] += 1
+        if body["input_ids"] == [9]:
+            return JSONResponse({"error": {"message": "no such thing"}}, status_code=404)
+        if calls["n"] <= 2:
+            return JSONResponse({"error": {"message": "overloaded"}}, status_code=503)
+        meta = {
+            "id": body["rid"],
+            "finish_reason": {"type": "length", "length": 1},
+            "weight_version": "4",
+            "output_token_logprobs": [[-0.5, 7, None]],
+        }
+        return {"text": "", "output_ids": [7], "meta_info": meta}
+
+    with Server(app) as server:
+        client = HTTPEngine(server.url, max_retries=3, backoff_s=0.01)
+        try:
+            (c,) = client.generate([GenerateRequest([5], SamplingParams(max_new_tokens=1))])
+            assert (
+                calls["n"] == 3
+                and c.token_ids == [7]
+                and c.logprobs == [-0.5]
+                and c.versions == [4]
+            )
+            with pytest.raises(EngineHTTPError, match="404: no such thing"):
+                client.generate([GenerateRequest([9])])
+            assert calls["n"] == 4
+        finally:
+            client.close()
+
+
+def test_slipstream_serve_command(tmp_path, model):
+    """The real CLI in a subprocess: load the HF directory, serve, answer, stop on SIGTERM."""
+    import os
+    import signal
+    import subprocess
+
+    save_pretrained(model, tmp_path / "m")
+    CharTokenizer().save(tmp_path / "m")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exe = Path(sys.executable).parent / "slipstream"
+    cmd = [str(exe), "serve", "--model", str(tmp_path / "m"), "--port", str(port), "--engine.max_seq_len=64"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.2)
+        out = httpx.post(url + "/generate", json={"text": "!#", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}, timeout=30).json()
+        expected = checks.reference_greedy(model, CharTokenizer().encode("!#"), 4, set())
+        assert out["output_ids"][: len(expected)] == expected[: len(out["output_ids"])]
+        assert out["meta_info"]["finish_reason"]["type"] in ("stop", "length")
+        resp = httpx.post(url + "/generate", json={"input_ids": [5] * 64}, timeout=30)
+        assert resp.status_code == 400 and "does not fit" in resp.text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)

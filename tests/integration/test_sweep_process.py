@@ -113,3 +113,47 @@ def test_failed_and_timed_out_sandboxes_are_samples(tmp_path: Path) -> None:
         assert rec["recommended"] is None
     assert "doomed" in _rows(failing)[0]["detail"]
     assert all(float(r["latency_s"]) < 3.0 for r in _rows(slow))
+
+
+def _bwrap_works() -> str | None:
+    """None if a bwrap sandbox starts here, else why not (the sweep itself would record every
+    sample as a `create` failure, which is right for a sweep but not what this test checks)."""
+    import asyncio
+
+    from slipstream.sandbox.base import SandboxTemplate, make_backend
+    from slipstream.sandbox.errors import SandboxError
+
+    async def probe() -> None:
+        backend = make_backend("bwrap")
+        try:
+            box = await backend.create(SandboxTemplate(backend="bwrap"), sandbox_id="sweep-probe")
+            await box.release()
+        finally:
+            await backend.close()
+
+    try:
+        asyncio.run(probe())
+    except SandboxError as e:
+        return str(e)
+    return None
+
+
+def test_short_bwrap_sweep(tmp_path: Path) -> None:
+    why = _bwrap_works()
+    if why is not None:
+        pytest.skip(f"bwrap sandboxes cannot start here: {why}")
+    cfg = SweepConfig(
+        backends=["bwrap"],
+        pinnings=["core"],
+        densities=[1.0],
+        repeats=1,
+        iterations=2,
+        min_samples_per_cell=0,
+        workload="verify",
+        noise_check_runs=0,
+        bootstrap_resamples=20,
+    )
+    run_dir = run_sweep(cfg, tmp_path / "bwrap", show_progress=False)
+    rows = _rows(run_dir)
+    assert rows and all(r["ok"] == "1" for r in rows), [r["detail"] for r in rows][:3]
+    assert {r["backend"] for r in rows} == {"bwrap"}

@@ -267,3 +267,41 @@ def test_mid_flight_abort_policy(model):
         eng.update_weights(1, tiny_model(seed=1).state_dict())
         c = fut.result(timeout=60)[0]
         assert c.finish_reason == "abort" and set(c.versions) == {0}
+
+
+def test_processed_logprobs_matches_reference_filters():
+    from test_engine_checks import reference_logprob
+
+    from slipstream.engine import RowParams, processed_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    logits_BV = torch.randn(5, 40, generator=g) * 3
+    params = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.5, top_p=0.7),
+        SamplingParams(temperature=1.5, top_k=3),
+        SamplingParams(temperature=0.8, min_p=0.2),
+        SamplingParams(temperature=0.0),
+    ]
+    lp_BV = processed_logprobs(logits_BV, RowParams.build(params, 40))
+    for b, p in enumerate(params):
+        support = torch.isfinite(lp_BV[b]).nonzero().flatten().tolist()
+        assert abs(float(lp_BV[b].exp().sum()) - 1) < 1e-5
+        for tok in support:
+            if p.temperature == 0:
+                assert support == [int(logits_BV[b].argmax())]
+            else:
+                assert abs(float(lp_BV[b, tok]) - reference_logprob(logits_BV[b], p, tok)) < 1e-5
+    assert len(torch.isfinite(lp_BV[2]).nonzero()) == 3
+
+
+def test_close_aborts_running_and_waiting(model):
+    eng = make_engine(model, slot_len=512, slots=1)
+    running = eng.submit(_long_request())
+    _wait_for_tokens(eng, 2)
+    waiting = eng.submit(_long_request(seed=1))
+    eng.close()
+    assert running.result(timeout=30)[0].finish_reason == "abort"
+    assert waiting.result(timeout=30)[0].finish_reason == "abort"
+    with pytest.raises(RuntimeError, match="closed"):
+        eng.submit(_long_request())

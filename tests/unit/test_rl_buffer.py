@@ -9,7 +9,10 @@ from slipstream.rl.types import Group, Sample, TaskRef
 
 
 def grp(task_id: int, versions: list[int], rewards: tuple[float, ...] = (0.0, 1.0)) -> Group:
-    samples = [Sample([1], [5] * len(versions), [-0.5] * len(versions), list(versions), reward=r) for r in rewards]
+    samples = [
+        Sample([1], [5] * len(versions), [-0.5] * len(versions), list(versions), reward=r)
+        for r in rewards
+    ]
     return Group(task=TaskRef(task_id, task_id), samples=samples)
 
 
@@ -73,7 +76,9 @@ def test_stale_groups_are_requeued_through_the_coordinator() -> None:
     from slipstream.rl.coordinator import Coordinator
     from slipstream.rl.queue import TaskQueue
 
-    coord = Coordinator(TaskQueue(10, max_tasks=4), ExperienceBuffer(groups_per_step=2, max_staleness=0))
+    coord = Coordinator(
+        TaskQueue(10, max_tasks=4), ExperienceBuffer(groups_per_step=2, max_staleness=0)
+    )
     lease = coord.lease("w", 4, ttl_s=60)
     assert [t.task_id for t in lease.tasks] == [0, 1]  # admission: one batch at staleness 0
     assert coord.lease("w", 4, ttl_s=60) is None

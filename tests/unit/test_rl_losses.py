@@ -93,12 +93,18 @@ def test_gae_hand_values_with_padding() -> None:
     assert ret[0].tolist() == pytest.approx([0.725, 0.85, 1.0])
     assert adv[1].tolist() == pytest.approx([0.5, 0.6, 0.0])
     # gamma < 1 discounts: one step, reward 1 at the end, V = 0 -> A_0 = gamma * lam * 1
-    adv, _ = gae(torch.tensor([[0.0, 1.0]]), torch.zeros(1, 2), torch.ones(1, 2), gamma=0.9, lam=1.0)
+    adv, _ = gae(
+        torch.tensor([[0.0, 1.0]]), torch.zeros(1, 2), torch.ones(1, 2), gamma=0.9, lam=1.0
+    )
     assert adv[0].tolist() == pytest.approx([0.9, 1.0])
 
 
 def test_clipped_value_loss_hand_value() -> None:
     loss = clipped_value_loss(
-        torch.tensor([[1.0]]), torch.tensor([[0.0]]), torch.tensor([[2.0]]), torch.ones(1, 1), clip=0.2
+        torch.tensor([[1.0]]),
+        torch.tensor([[0.0]]),
+        torch.tensor([[2.0]]),
+        torch.ones(1, 1),
+        clip=0.2,
     )
     assert loss.item() == pytest.approx(0.5 * (0.2 - 2.0) ** 2)

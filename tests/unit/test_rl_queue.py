@@ -83,7 +83,9 @@ class QueueMachine(RuleBasedStateMachine):
         super().__init__()
         self.clock = Clock()
         self.sunk: list[int] = []
-        self.q = TaskQueue(7, max_tasks=12, sink=lambda g: self.sunk.append(g.task.task_id), clock=self.clock)
+        self.q = TaskQueue(
+            7, max_tasks=12, sink=lambda g: self.sunk.append(g.task.task_id), clock=self.clock
+        )
         self.leases = []
 
     @rule(n=st.integers(1, 5), ttl=st.floats(0.5, 5))

@@ -21,10 +21,20 @@ from slipstream.rl.types import Batch, Group, Sample, TaskRef
 def tiny_model(seed: int = 0, aux: float = 0.001) -> MoEForCausalLM:
     torch.manual_seed(seed)
     return MoEForCausalLM(
-        ModelConfig(vocab_size=16, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                    num_key_value_heads=1, head_dim=8, intermediate_size=32, moe_intermediate_size=16,
-                    num_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
-                    router_aux_loss_coef=aux)  # fmt: skip
+        ModelConfig(
+            vocab_size=16,
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            intermediate_size=32,
+            moe_intermediate_size=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=32,
+            router_aux_loss_coef=aux,
+        )  # fmt: skip
     )
 
 
@@ -58,7 +68,15 @@ def test_rewarded_completion_gains_probability(loss: str) -> None:
     after = logp_of(model, [1, 2], 5) - logp_of(model, [1, 2], 7)
     assert after > before + 0.5
     assert trainer.version == 8
-    for key in ("loss", "pg_loss", "clip_frac", "is_ratio_mean", "is_truncated_frac", "grad_norm", "kl"):
+    for key in (
+        "loss",
+        "pg_loss",
+        "clip_frac",
+        "is_ratio_mean",
+        "is_truncated_frac",
+        "grad_norm",
+        "kl",
+    ):
         assert key in metrics
     if loss == "ppo":
         assert "value_loss" in metrics

@@ -29,7 +29,9 @@ def check_roundtrip(store: WeightStore) -> None:
         store.publish(v, sd(v), config={"hidden_size": 3})
     assert store.versions() == [2, 3, 4]  # keep_last = 3
     got = store.fetch(3)
-    assert torch.equal(got["a.weight"], sd(3)["a.weight"]) and torch.equal(got["tied"], sd(3)["tied"])
+    assert torch.equal(got["a.weight"], sd(3)["a.weight"]) and torch.equal(
+        got["tied"], sd(3)["tied"]
+    )
     assert store.fetch_config(4) == {"hidden_size": 3}
     with pytest.raises(FileNotFoundError):
         store.fetch(0)

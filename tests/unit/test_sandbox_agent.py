@@ -97,7 +97,11 @@ def test_output_cap_truncates_and_drains(tmp_path):
     async def go():
         proc, conn = await _agent(tmp_path)
         r = await conn.exec(
-            ["python3", "-c", "import sys; sys.stdout.write('x'*5_000_000); print('e', file=sys.stderr)"],
+            [
+                "python3",
+                "-c",
+                "import sys; sys.stdout.write('x'*5_000_000); print('e', file=sys.stderr)",
+            ],
             output_cap_bytes=1000,
         )
         assert r.exit_code == 0 and r.stdout == b"x" * 1000

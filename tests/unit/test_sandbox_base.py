@@ -85,7 +85,9 @@ def test_cgroup_v2_on_a_fake_tree(tmp_path):
         mgr = CgroupManager.detect(root)
         assert mgr.version == 2
         assert "+memory" in (root / "cgroup.subtree_control").read_text()
-        cg = mgr.create("sb1", CgroupLimits(memory_bytes=64 << 20, pids_max=32, vcpus=2, cpus=(2, 3)))
+        cg = mgr.create(
+            "sb1", CgroupLimits(memory_bytes=64 << 20, pids_max=32, vcpus=2, cpus=(2, 3))
+        )
     finally:
         type(root).mkdir = orig_mkdir
     d = root / "slipstream" / "sb1"
@@ -112,7 +114,9 @@ def test_journal_orphans_only_for_dead_owners(tmp_path):
         "from slipstream.sandbox.journal import Journal; from slipstream.sandbox.base import SandboxRecord;"
         f"Journal({str(tmp_path)!r}).write(SandboxRecord(sandbox_id='dead', backend='nope', dirs=[{str(leftover)!r}]))"
     )
-    subprocess.run([sys.executable, "-c", code, os.path.dirname(base.__file__) + "/../.."], check=True)
+    subprocess.run(
+        [sys.executable, "-c", code, os.path.dirname(base.__file__) + "/../.."], check=True
+    )
     orphans = j.orphans()
     assert [o["sandbox_id"] for o in orphans] == ["dead"]
     from slipstream.sandbox.journal import reap_record

@@ -27,8 +27,10 @@ def sandbox_runner(tmp_path_factory):
         backend = make_backend("process", state_dir=state)
     loop = asyncio.new_event_loop()
     sb = loop.run_until_complete(
-        backend.create(SandboxTemplate(backend=backend.name, memory_mib=256, workdir_mib=32),
-                       sandbox_id=f"code-test-{os.getpid()}")  # fmt: skip
+        backend.create(
+            SandboxTemplate(backend=backend.name, memory_mib=256, workdir_mib=32),
+            sandbox_id=f"code-test-{os.getpid()}",
+        )  # fmt: skip
     )
     run = loop.run_until_complete
     yield run, sb, backend
@@ -59,10 +61,16 @@ HOSTILE = {
     "missing function": ("add", "def plus(a, b):\n    return a + b"),
     "infinite loop": ("add", "def add(a, b):\n    while True:\n        pass"),
     "loop at import": ("add", "while True:\n    pass"),
-    "huge output": ("add", "import sys\ndef add(a, b):\n    sys.stdout.write('x' * 10**7)\n    return a + b + 1"),
+    "huge output": (
+        "add",
+        "import sys\ndef add(a, b):\n    sys.stdout.write('x' * 10**7)\n    return a + b + 1",
+    ),
     "exit": ("add", "import sys\nsys.exit(0)"),
     "os._exit": ("add", "import os\ndef add(a, b):\n    os._exit(0)"),
-    "forged results": ("add", "open('results.jsonl','w').write('{\"i\": 0, \"value\": 3}\\n' * 10)\nimport os\nos._exit(0)"),
+    "forged results": (
+        "add",
+        "open('results.jsonl','w').write('{\"i\": 0, \"value\": 3}\\n' * 10)\nimport os\nos._exit(0)",
+    ),
     "memory bomb": ("add", "x = bytearray(10**10)"),
     "fork": ("add", "import os\nfor _ in range(4):\n    os.fork()\ndef add(a, b):\n    return -1"),
     "kills the agent": ("add", "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)"),
@@ -89,14 +97,21 @@ def test_hostile_candidates_score_zero_and_never_raise(sandbox_runner):
         assert v.reward == 0.0, (label, v)
     v = run(verify_code(BY_NAME["add"], HOSTILE["forged results"][1], sb))
     assert v.reward <= 0.25, v  # forged lines can only carry values the candidate computed
-    victim = run(backend.create(SandboxTemplate(backend=backend.name), sandbox_id=f"code-victim-{os.getpid()}"))
+    victim = run(
+        backend.create(
+            SandboxTemplate(backend=backend.name), sandbox_id=f"code-victim-{os.getpid()}"
+        )
+    )
     v = run(verify_code(BY_NAME["add"], HOSTILE["kills the agent"][1], victim))
     assert v.reward == 0.0 and "sandbox failure" in v.reason
     run(victim.release())
 
 
 def test_extract_and_compare():
-    assert extract_code("blah\n```python\ndef f():\n    return 1\n```\nmore") == "def f():\n    return 1\n"
+    assert (
+        extract_code("blah\n```python\ndef f():\n    return 1\n```\nmore")
+        == "def f():\n    return 1\n"
+    )
     assert extract_code("def f(): pass") == "def f(): pass"
     assert same_value(1.0, 1.0000000000001) and not same_value(True, 1) and not same_value(1, "1")
     assert same_value({"a": [1, 2.0]}, {"a": [1, 2.0]}) and not same_value([1], [1, 2])

@@ -46,10 +46,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--models", default="quickstart,larger", help="comma list of: " + ",".join(MODELS))
+    p.add_argument(
+        "--models", default="quickstart,larger", help="comma list of: " + ",".join(MODELS)
+    )
     p.add_argument("--workloads", default="8x8,32x8", help="comma list of PROMPTSxGROUP")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--max-batch-size", type=int, default=64, help="engine rows / HF chunk / limit batch")
+    p.add_argument(
+        "--max-batch-size", type=int, default=64, help="engine rows / HF chunk / limit batch"
+    )
     p.add_argument("--vocab", type=int, default=40)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--device", default="cpu")
@@ -78,7 +82,9 @@ def _prompts(num: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
 
 
-def _run_native(model: Any, prompts: list[list[int]], group: int, args: argparse.Namespace, slot_len: int) -> dict[str, Any]:
+def _run_native(
+    model: Any, prompts: list[list[int]], group: int, args: argparse.Namespace, slot_len: int
+) -> dict[str, Any]:
     from slipstream.config.engine import EngineConfig
     from slipstream.engine import GenerateRequest, NativeEngine, SamplingParams
 
@@ -115,7 +121,9 @@ def _run_native(model: Any, prompts: list[list[int]], group: int, args: argparse
     }
 
 
-def _run_hf(model: Any, prompts: list[list[int]], group: int, args: argparse.Namespace) -> dict[str, Any]:
+def _run_hf(
+    model: Any, prompts: list[list[int]], group: int, args: argparse.Namespace
+) -> dict[str, Any]:
     import torch
     import transformers
 
@@ -123,7 +131,11 @@ def _run_hf(model: Any, prompts: list[list[int]], group: int, args: argparse.Nam
 
     with tempfile.TemporaryDirectory() as tmp:
         save_pretrained(model, tmp)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).to(args.device).eval()
+        hf = (
+            transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
+            .to(args.device)
+            .eval()
+        )
     chunk = max(1, args.max_batch_size // group)
     gen_kw = dict(
         do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=args.max_new_tokens,
@@ -152,26 +164,41 @@ def _run_hf(model: Any, prompts: list[list[int]], group: int, args: argparse.Nam
                 lengths.append(n)
         wall = time.perf_counter() - t0
     tokens = sum(lengths)
-    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "mean_len": tokens / len(lengths)}
+    return {
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "mean_len": tokens / len(lengths),
+    }
 
 
-def _run_limit(model: Any, batch_size: int, prompt_len: int, steps: int, device: str) -> dict[str, Any]:
+def _run_limit(
+    model: Any, batch_size: int, prompt_len: int, steps: int, device: str
+) -> dict[str, Any]:
     import torch
 
     from slipstream.model import StaticKVCache
 
     cache = StaticKVCache.for_model(model, batch_size, prompt_len + steps + 1)
-    ids = torch.randint(3, model.config.vocab_size, (batch_size, prompt_len), device=device)
+    vocab = model.config.vocab_size
+    ids = torch.randint(3, vocab, (batch_size, prompt_len), device=device)
+    # Random tokens per step (pregenerated): rows must route to different experts, as real
+    # samples do; a constant token would send every row to the same top-k experts.
+    feed = torch.randint(3, vocab, (steps, batch_size, 1), device=device)
     with torch.inference_mode():
         for _ in range(2):  # the first pass warms up; the second is timed
             cache.reset()
             model(ids, cache=cache)
-            tok = torch.full((batch_size, 1), 5, dtype=torch.long, device=device)
             t0 = time.perf_counter()
-            for _ in range(steps):
-                model(tok, cache=cache)
+            for step in range(steps):
+                model(feed[step], cache=cache)
             wall = time.perf_counter() - t0
-    return {"batch": batch_size, "steps": steps, "wall_s": wall, "tokens_per_s": batch_size * steps / wall}
+    return {
+        "batch": batch_size,
+        "steps": steps,
+        "wall_s": wall,
+        "tokens_per_s": batch_size * steps / wall,
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -210,8 +237,11 @@ def run(args: argparse.Namespace) -> int:
                 "hf_generate": hf,
                 "limit_raw_decode": limit,
                 "limit_at_mean_occupancy": limit_occ,
-                "native_over_limit_at_mean_occupancy": native["tokens_per_s"] / limit_occ["tokens_per_s"],
-                "native_over_hf": None if hf is None else native["tokens_per_s"] / hf["tokens_per_s"],
+                "native_over_limit_at_mean_occupancy": native["tokens_per_s"]
+                / limit_occ["tokens_per_s"],
+                "native_over_hf": None
+                if hf is None
+                else native["tokens_per_s"] / hf["tokens_per_s"],
                 "native_over_limit": native["tokens_per_s"] / limit["tokens_per_s"],
             }
             rows.append(row)

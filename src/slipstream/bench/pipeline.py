@@ -62,7 +62,9 @@ def _start_checkpoint(cfg: Any, init: str | None, tmp: Path) -> tuple[str, str]:
     from slipstream.model import MoEForCausalLM, save_pretrained
     from slipstream.tasks import get_taskset
 
-    logging.warning("bench pipeline: no SFT checkpoint at %s; using a random init (rewards ~0)", sft)
+    logging.warning(
+        "bench pipeline: no SFT checkpoint at %s; using a random init (rewards ~0)", sft
+    )
     ts = get_taskset(cfg.task)
     torch.manual_seed(cfg.run.seed)
     model = MoEForCausalLM(cfg.model.model_copy(update={"vocab_size": ts.tokenizer.vocab_size}))
@@ -131,8 +133,11 @@ def run(args: argparse.Namespace) -> int:
         "ratio": ratio,
         "meets_goal": ratio >= GOAL_RATIO,
         "modes": results,
-        "verify_latency": {"distribution": "lognormal", "p50_s": args.verify_p50_s,
-                           "p99_over_p50": args.verify_p99_over_p50},  # fmt: skip
+        "verify_latency": {
+            "distribution": "lognormal",
+            "p50_s": args.verify_p50_s,
+            "p99_over_p50": args.verify_p99_over_p50,
+        },  # fmt: skip
         "start_checkpoint": {"path": init, "kind": init_kind},
         "config": base.model_dump(mode="json"),
         "provenance": collect_provenance(),

@@ -6,7 +6,7 @@ import argparse
 import importlib
 
 # Benchmark modules under slipstream.bench, in the order `--help` lists them.
-BENCHMARKS = ["engine", "pipeline", "sandbox", "moe_experts"]
+BENCHMARKS = ["engine", "pipeline", "sandbox", "moe_experts", "moe_dispatch"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -11,7 +11,9 @@ from slipstream.config import load_config
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("ckpt", help="list weight versions / checkpoints in the store, export weights")
+    p = sub.add_parser(
+        "ckpt", help="list weight versions / checkpoints in the store, export weights"
+    )
     csub = p.add_subparsers(dest="ckpt_command", metavar="ACTION", required=True)
     ls = csub.add_parser("list", help="published weight versions and resumable checkpoints")
     add_config_args(ls)

@@ -78,6 +78,7 @@ FLAG_FIELDS = {
     "densities": "densities",
     "repeats": "repeats",
     "iterations": "iterations",
+    "min_samples": "min_samples_per_cell",
     "workload": "workload",
     "workload_cmd": "workload_cmd",
     "workload_scale": "workload_scale",
@@ -139,7 +140,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--repeats", type=int, help=f"fresh-sandbox repeats per cell (default {d.repeats})"
     )
     m.add_argument(
-        "--iterations", type=int, help=f"samples per sandbox per repeat (default {d.iterations})"
+        "--iterations",
+        type=int,
+        help=f"minimum samples per sandbox per repeat (default {d.iterations})",
+    )
+    m.add_argument(
+        "--min-samples",
+        type=int,
+        help=f"raise iterations at low density until a cell has this many samples (default "
+        f"{d.min_samples_per_cell} = 10 x G=16; 0 = off)",
     )
     w = run.add_argument_group("workload")
     w.add_argument(

@@ -18,8 +18,9 @@ from slipstream.engine.base import (
     SamplingParams,
 )
 from slipstream.engine.http_client import EngineHTTPError, HTTPEngine
-from slipstream.engine.native import NativeEngine, load_weights_into
+from slipstream.engine.native import NativeEngine
 from slipstream.engine.sampling import RowParams, processed_logprobs
+from slipstream.engine.weights import load_weights_into
 
 
 def build_engine(config: Any, model: Any = None, tokenizer: Any = None, version: int = 0) -> Engine:

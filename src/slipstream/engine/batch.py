@@ -78,8 +78,6 @@ class RunningBatch:
         if self._params is None:
             self._params = RowParams.build(
                 [r.group.params for r in self.rows],
-                [r.group.seed for r in self.rows],
-                [r.index for r in self.rows],
                 self.vocab_size,
                 self.device,
             )
@@ -113,7 +111,9 @@ class RunningBatch:
         steps_S = torch.arange(self.cache.slot_len, device=self.device)
         seeds = [r.group.seed & 0xFFFFFFFFFFFFFFF for r in rows]
         seed_RS = torch.tensor(seeds, device=self.device)[:, None].expand(-1, steps_S.shape[0])
-        stream_RS = torch.tensor([r.index for r in rows], device=self.device)[:, None].expand_as(seed_RS)
+        stream_RS = torch.tensor([r.index for r in rows], device=self.device)[:, None].expand_as(
+            seed_RS
+        )
         self.u_NS[first : len(self.rows)] = counter_uniform(seed_RS, stream_RS, steps_S[None, :])
 
     def uniforms(self, num: int) -> torch.Tensor:
@@ -163,7 +163,13 @@ class RunningBatch:
                 self.cache.move(last, i, int(self.pos_N[last]))
                 for t in (self.pos_N, self.gen_N, self.last_N, self.max_new_N):
                     t[i] = t[last]
-                for t in (self.stop_NW, self.out_tok_NS, self.out_lp_NS, self.out_ver_NS, self.u_NS):
+                for t in (
+                    self.stop_NW,
+                    self.out_tok_NS,
+                    self.out_lp_NS,
+                    self.out_ver_NS,
+                    self.u_NS,
+                ):
                     t[i] = t[last]
                 self.rows[i] = self.rows[last]
             self.rows.pop()

@@ -7,20 +7,17 @@ shape [L, N, K, S, D]: N slots of S positions each, allocated once (the engine's
 The engine keeps its running rows compacted (batch row i lives in slot i), so a decode step reads
 slots [0, B) as a view with no gather. Two modes, set before each forward:
 
-- `begin_prefill(slots_P)`: fresh prompts, right-padded to a common length T, written to
-  positions [0, T) of the given slots; attention is causal within the chunk (padding sits after
-  every real token of its row, so real queries never see it).
 - `begin_decode(pos_B)`: one new token per row for rows [0, B), written at position pos_B[b];
   row b attends over positions [0, pos_B[b]] (its own valid prefix plus the new token).
 - `begin_mixed(pos_B, parts)`: one ragged forward of shape [1, T]: first one decode token for
   each row [0, B) (as in decode), then the tokens of each new prompt (slot, offset, length) laid
-  end to end, each prompt causal within itself (as in prefill). This lets newly admitted prompts
+  end to end, each written to positions [0, length) of its slot and causal within itself. This lets newly admitted prompts
   ride in the same forward as the running rows instead of costing a forward of their own.
 
 Not covered: prefill on top of an existing prefix (chunked prefill / radix prefix cache), paging.
 
-Legend: L layers, N slots, K kv heads, H query heads, S slot length, D head dim, B rows, P prompts,
-T tokens in this forward.
+Legend: L layers, N slots, K kv heads, H query heads, S slot length, D head dim, B rows,
+T tokens in this forward, P tokens of one prompt.
 """
 
 from __future__ import annotations
@@ -48,7 +45,6 @@ class SlotKVCache:
         self.num_slots = num_slots
         self.slot_len = slot_len
         self._mode = ""
-        self._slots_P: torch.Tensor | None = None
         self._rows_B: torch.Tensor | None = None
         self._pos_B: torch.Tensor | None = None
         self._mask_B11S: torch.Tensor | None = None
@@ -58,10 +54,6 @@ class SlotKVCache:
     @property
     def nbytes(self) -> int:
         return self.k_LNKSD.nbytes + self.v_LNKSD.nbytes
-
-    def begin_prefill(self, slots_P: torch.Tensor) -> None:
-        self._mode = "prefill"
-        self._slots_P = slots_P
 
     def begin_decode(self, pos_B: torch.Tensor, max_pos: int) -> None:
         """`max_pos` = int(pos_B.max()), passed in so the caller controls the host sync."""
@@ -75,7 +67,9 @@ class SlotKVCache:
         span_S = torch.arange(self._span, device=pos_B.device)
         self._mask_B11S = (span_S[None, :] <= pos_B[:, None])[:, None, None, :]
 
-    def begin_mixed(self, pos_B: torch.Tensor, max_pos: int, parts: list[tuple[int, int, int]]) -> None:
+    def begin_mixed(
+        self, pos_B: torch.Tensor, max_pos: int, parts: list[tuple[int, int, int]]
+    ) -> None:
         """`parts`: (slot, token offset in the forward, prompt length) of each new prompt; decode
         tokens occupy offsets [0, B). With no running rows pass an empty pos_B and max_pos -1."""
         if pos_B.numel():
@@ -107,12 +101,17 @@ class SlotKVCache:
             out_BH1D = self._decode_attend(k_NKSD, v_NKSD, rows(q_1HTD), rows(k_1KTD), rows(v_1KTD))
             outs.append(out_BH1D[:, :, 0].transpose(0, 1).unsqueeze(0))
         for slot, offset, length in self._parts:
-            k_1KPD, v_1KPD = k_1KTD[:, :, offset : offset + length], v_1KTD[:, :, offset : offset + length]
+            k_1KPD, v_1KPD = (
+                k_1KTD[:, :, offset : offset + length],
+                v_1KTD[:, :, offset : offset + length],
+            )
             k_NKSD[slot, :, :length] = k_1KPD[0].to(k_NKSD.dtype)
             v_NKSD[slot, :, :length] = v_1KPD[0].to(v_NKSD.dtype)
             q_1HPD = q_1HTD[:, :, offset : offset + length]
             outs.append(
-                F.scaled_dot_product_attention(q_1HPD, k_1KPD, v_1KPD, is_causal=True, enable_gqa=True)
+                F.scaled_dot_product_attention(
+                    q_1HPD, k_1KPD, v_1KPD, is_causal=True, enable_gqa=True
+                )
             )
         return torch.cat(outs, dim=2)
 
@@ -122,18 +121,11 @@ class SlotKVCache:
         k_NKSD, v_NKSD = self.k_LNKSD[layer_idx], self.v_LNKSD[layer_idx]
         if self._mode == "mixed":
             return self._mixed_attend(k_NKSD, v_NKSD, q_BHTD, k_BKTD, v_BKTD)
-        if self._mode == "prefill":
-            num_tokens = k_BKTD.shape[2]
-            k_NKSD[self._slots_P, :, :num_tokens] = k_BKTD.to(k_NKSD.dtype)
-            v_NKSD[self._slots_P, :, :num_tokens] = v_BKTD.to(v_NKSD.dtype)
-            return F.scaled_dot_product_attention(
-                q_BHTD, k_BKTD, v_BKTD, is_causal=True, enable_gqa=True
-            )
         if self._mode == "decode":
             if q_BHTD.shape[2] != 1:
                 raise ValueError(f"decode takes one token per row, got {q_BHTD.shape[2]}")
             return self._decode_attend(k_NKSD, v_NKSD, q_BHTD, k_BKTD, v_BKTD)
-        raise RuntimeError("SlotKVCache.attend called before begin_prefill/begin_decode")
+        raise RuntimeError("SlotKVCache.attend called before begin_decode/begin_mixed")
 
     def copy_prefix(self, src_slot: int, dst_slots: torch.Tensor, length: int) -> None:
         """Copy the first `length` positions of one slot into others (group prefix sharing)."""

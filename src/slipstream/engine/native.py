@@ -1,14 +1,17 @@
 """slipstream's in-process inference engine: continuous batching over a preallocated slot KV cache.
 
 One engine thread owns the model and the cache and loops: apply a pending weight update, drop
-aborted rows, admit waiting requests that fit in free slots (prefill), then one decode forward for
-every live row. Requests therefore join and leave the running batch at every step.
+aborted rows, admit waiting requests that fit in free slots, then run one forward: a [B, 1] decode
+of every live row, or, when requests were admitted, one ragged [1, T] forward holding the live
+rows' decode tokens followed by the new prompts (their prefill rides in the same forward).
+Requests therefore join and leave the running batch at every step; per step the engine adds a
+handful of tensor ops (sampling, bookkeeping) and one host sync to the model forward.
 
 - KV budget: `kv_cache_tokens` tokens split into slots of `max_seq_len` tokens (prompt + completion);
   at most min(max_batch_size, kv_cache_tokens // max_seq_len) sequences run at once. A group of n
   samples is admitted only when n slots are free (groups are never split).
 - Group prefix sharing: the prompt of an n-sample request is prefilled once into the first slot of
-  the group and its KV copied into the other n-1 slots.
+  the group and its KV copied into the other n-1 slots (a group is admitted whole, never split).
 - Sampling: see `sampling.py` (per-row parameters, counter-based per-request seeds).
 - Weights: `update_weights(version, source)` takes a state dict or an HF-format directory. Policy
   (`weight_update_policy`): "finish_old" waits for the running rows to finish (new requests queue),
@@ -27,8 +30,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -38,10 +40,9 @@ from slipstream.engine.base import Completion, GenerateRequest
 from slipstream.engine.batch import Group, Row, RunningBatch
 from slipstream.engine.kv_cache import SlotKVCache
 from slipstream.engine.sampling import sample
+from slipstream.engine.weights import WeightSource, load_weights_into
 
 log = logging.getLogger(__name__)
-
-WeightSource = Mapping[str, torch.Tensor] | str | Path
 
 
 class NativeEngine:
@@ -116,9 +117,7 @@ class NativeEngine:
     def max_seq_len(self) -> int:
         return self.batch.cache.slot_len
 
-    def submit(
-        self, request: GenerateRequest, on_done: Callable[[list[Completion]], None] | None = None
-    ) -> concurrent.futures.Future:
+    def submit(self, request: GenerateRequest) -> concurrent.futures.Future:
         """Queue one request; the future resolves to its n completions. Raises ValueError at once
         for a request that can never run (prompt too long, n larger than the engine's slots)."""
         self.validate(request)
@@ -127,8 +126,6 @@ class NativeEngine:
         def deliver(completions: list[Completion]) -> None:
             if not future.done():
                 future.set_result(completions)
-            if on_done is not None:
-                on_done(completions)
 
         def fail(error: Exception) -> None:
             if not future.done():
@@ -237,6 +234,10 @@ class NativeEngine:
                     for g in self._waiting:
                         self._finish_empty(g, "abort")
                     self._waiting.clear()
+                    self._finish_rows(list(range(len(self.batch))), "abort")
+                    if self._pending_update is not None:
+                        self._pending_update[2].set_exception(RuntimeError("engine closed"))
+                        self._pending_update = None
                     return
                 admitted = self._schedule()
             try:
@@ -280,7 +281,7 @@ class NativeEngine:
         self._pending_update = None
         try:
             load_weights_into(self.model, source)
-        except Exception as e:  # noqa: BLE001 - handed to the caller of update_weights
+        except (ValueError, OSError, RuntimeError) as e:  # handed to the caller of update_weights
             future.set_exception(e)
             return
         self._version = version
@@ -329,7 +330,9 @@ class NativeEngine:
             parts.append((rows[0], offset, len(g.prompt_ids)))
             offset += len(g.prompt_ids)
         pos_B = batch.pos_N[:num_running]
-        ids = [batch.last_N[:num_running]] + [torch.tensor(g.prompt_ids, device=dev) for g in groups]
+        ids = [batch.last_N[:num_running]] + [
+            torch.tensor(g.prompt_ids, device=dev) for g in groups
+        ]
         pos = [pos_B] + [torch.arange(length, device=dev) for _, _, length in parts]
         max_pos = int(pos_B.max()) if num_running else -1
         batch.cache.begin_mixed(pos_B, max_pos, parts)
@@ -341,7 +344,9 @@ class NativeEngine:
         # Logits per row: running rows' own, then each new row gets its prompt's last position.
         pick = list(range(num_running))
         for g, (first, off, length) in zip(groups, parts, strict=True):
-            batch.cache.copy_prefix(first, torch.arange(first + 1, first + g.params.n, device=dev), length)
+            batch.cache.copy_prefix(
+                first, torch.arange(first + 1, first + g.params.n, device=dev), length
+            )
             pick += [off + length - 1] * g.params.n
         logits_RV = logits_TV[torch.tensor(pick, device=dev)]
         batch.fill_uniforms(num_running)
@@ -421,18 +426,3 @@ class NativeEngine:
             self.batch.remove(list(range(len(self.batch))))
         for g in groups.values():
             g.fail(RuntimeError(f"engine step failed: {type(error).__name__}: {error}"))
-
-
-def load_weights_into(model: torch.nn.Module, source: WeightSource) -> None:
-    """Copy weights into `model` in place (parameter identity kept): a state dict with HF names
-    (per-expert or fused layout; `model.state_dict()` qualifies) or an HF-format directory.
-    Strict: missing or unexpected names and wrong shapes raise ValueError naming them."""
-    from slipstream.model import load_hf_state_dict, read_safetensors_dir
-
-    if isinstance(source, str | Path):
-        if not Path(source).is_dir():
-            raise ValueError(f"update_weights: {source} is not a directory")
-        state = read_safetensors_dir(source)
-    else:
-        state = dict(source)
-    load_hf_state_dict(model, state)  # type: ignore[arg-type]

@@ -54,15 +54,14 @@ def counter_uniform(
 
 @dataclass
 class RowParams:
-    """Per-row sampling parameters as tensors (built once per batch change, not per step)."""
+    """Per-row sampling parameters as tensors (built once per batch change, not per step).
+    Build one for a trainer-side recomputation with `RowParams.build([params] * B, vocab_size)`."""
 
     temperature_B: torch.Tensor  # float32; greedy rows hold 1.0
     top_k_B: torch.Tensor  # int64; ALL_TOKENS -> V; greedy rows hold 1
     top_p_B: torch.Tensor  # float32
     min_p_B: torch.Tensor  # float32
     greedy_B: torch.Tensor  # bool
-    seed_B: torch.Tensor  # int64
-    stream_B: torch.Tensor  # int64: sample index within the request
     all_greedy: bool
     any_greedy: bool
     needs_filter: bool  # any row with top-k/top-p/min-p filtering (else the sort is skipped)
@@ -71,8 +70,6 @@ class RowParams:
     def build(
         cls,
         params: Sequence[SamplingParams],
-        seeds: Sequence[int],
-        streams: Sequence[int],
         vocab_size: int,
         device: torch.device | str = "cpu",
     ) -> RowParams:
@@ -95,8 +92,6 @@ class RowParams:
             top_p_B=t([p.top_p for p in params], torch.float32),
             min_p_B=t([p.min_p for p in params], torch.float32),
             greedy_B=t(greedy, torch.bool),
-            seed_B=t([s & 0xFFFFFFFFFFFFFFF for s in seeds], torch.int64),
-            stream_B=t(list(streams), torch.int64),
             all_greedy=all(greedy),
             any_greedy=any(greedy),
             needs_filter=needs_filter,

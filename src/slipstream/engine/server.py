@@ -70,7 +70,9 @@ def create_app(engine: NativeEngine, tokenizer: Any = None, model_path: str = ""
         return tokenizer.decode([tok]) if tokenizer is not None else None
 
     async def run(requests: list[GenerateRequest]) -> list[list[Completion]]:
-        futures = [engine.submit(r) for r in requests]  # ValueError -> 400 before anything runs
+        for r in requests:  # ValueError -> 400 before any of them runs
+            engine.validate(r)
+        futures = [engine.submit(r) for r in requests]
         return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
 
     @app.get("/health")

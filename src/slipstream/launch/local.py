@@ -48,8 +48,8 @@ class LocalLauncher:
         self.log_dir = self.launch_dir / "logs"
 
     def start(self) -> None:
-        from slipstream.rl.coordinator import serve
         from slipstream.rl.controller import store_url
+        from slipstream.rl.coordinator import serve
 
         authkey = secrets.token_bytes(16)
         address = serve(self.coord, authkey)
@@ -80,7 +80,12 @@ class LocalLauncher:
                 for i, p in list(self.procs.items()):
                     stopping = self._stopping.is_set() or self.coord.stopping()
                     if p.poll() is not None and not stopping and self.restart:
-                        log.warning("rollout worker %d (pid %d) exited with %s; restarting", i, p.pid, p.returncode)
+                        log.warning(
+                            "rollout worker %d (pid %d) exited with %s; restarting",
+                            i,
+                            p.pid,
+                            p.returncode,
+                        )
                         self.num_restarts += 1
                         self._spawn(i)
 
@@ -170,8 +175,8 @@ def build_worker(spec: dict[str, Any], worker_id: str, coord: Any = None):
 
     from slipstream.engine.native import NativeEngine
     from slipstream.model import load_pretrained
-    from slipstream.rl.coordinator import connect
     from slipstream.rl.controller import storage_options
+    from slipstream.rl.coordinator import connect
     from slipstream.rl.verifier import InProcessVerifier, LatencyInjector
     from slipstream.rl.weights import WeightStore
     from slipstream.rl.worker import RolloutWorker
@@ -188,10 +193,14 @@ def build_worker(spec: dict[str, Any], worker_id: str, coord: Any = None):
             raise TimeoutError(f"no weights published in {spec['store_url']} within 120 s")
         time.sleep(0.1)
     with tempfile.TemporaryDirectory() as tmp:
-        model = load_pretrained(store.fetch_to_dir(version, tmp), dtype=getattr(torch, cfg.run.dtype))
+        model = load_pretrained(
+            store.fetch_to_dir(version, tmp), dtype=getattr(torch, cfg.run.dtype)
+        )
     taskset = get_taskset(cfg.task)
     engine_cfg = cfg.engine.model_copy(
-        update={"weight_update_policy": "continue_new" if cfg.rollout.partial_rollouts else "finish_old"}
+        update={
+            "weight_update_policy": "continue_new" if cfg.rollout.partial_rollouts else "finish_old"
+        }
     )
     engine = NativeEngine(model, engine_cfg, tokenizer=taskset.tokenizer, version=version)
     verifier: Any = InProcessVerifier(taskset)
@@ -209,7 +218,9 @@ def worker_main(argv: list[str]) -> int:
     p.add_argument("--spec", required=True)
     p.add_argument("--worker-id", required=True)
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.worker_id} %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s {args.worker_id} %(levelname)s %(message)s"
+    )
     spec = json.loads(Path(args.spec).read_text())
     worker, engine = build_worker(spec, args.worker_id)
     signal.signal(signal.SIGTERM, lambda *_: worker.request_stop())
@@ -230,5 +241,7 @@ if __name__ == "__main__":
         logging.basicConfig(level=logging.WARNING)
         run_local(load_config(sys.argv[2], sys.argv[3:]), display=False)
         raise SystemExit(0)
-    raise SystemExit("usage: python -m slipstream.launch.local worker --spec FILE --worker-id ID "
-                     "(the job itself: slipstream run -c FILE)")
+    raise SystemExit(
+        "usage: python -m slipstream.launch.local worker --spec FILE --worker-id ID "
+        "(the job itself: slipstream run -c FILE)"
+    )

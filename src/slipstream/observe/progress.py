@@ -42,7 +42,9 @@ class RLProgress:
 
     def _table(self) -> Table:
         s = self.state
-        t = Table(title=f"slipstream RL ({s.get('mode', '')})", show_header=True, header_style="bold")
+        t = Table(
+            title=f"slipstream RL ({s.get('mode', '')})", show_header=True, header_style="bold"
+        )
         for col in ("step", "reward", "pass@1 (start -> now)", "samples/s", "staleness mean/max",
                     "queue pending/leased", "buffered", "trainer idle"):  # fmt: skip
             t.add_column(col, justify="right")

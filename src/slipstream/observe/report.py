@@ -19,7 +19,10 @@ def plot_reward_curve(records: list[dict[str, Any]], path: str | Path) -> Path:
     ax.plot(steps, rewards, lw=1, alpha=0.5, label="batch reward")
     w = max(1, len(rewards) // 10)
     if len(rewards) >= w > 1:
-        smooth = [sum(rewards[max(0, i - w + 1) : i + 1]) / len(rewards[max(0, i - w + 1) : i + 1]) for i in range(len(rewards))]
+        smooth = [
+            sum(rewards[max(0, i - w + 1) : i + 1]) / len(rewards[max(0, i - w + 1) : i + 1])
+            for i in range(len(rewards))
+        ]
         ax.plot(steps, smooth, lw=2, label=f"moving mean ({w} steps)")
     evals = [(r["step"], r["pass_at_1"]) for r in records if r.get("pass_at_1") is not None]
     if evals:
@@ -36,7 +39,9 @@ def plot_reward_curve(records: list[dict[str, Any]], path: str | Path) -> Path:
     return path
 
 
-def write_report(out_dir: str | Path, summary: dict[str, Any], records: list[dict[str, Any]]) -> Path:
+def write_report(
+    out_dir: str | Path, summary: dict[str, Any], records: list[dict[str, Any]]
+) -> Path:
     """Write reward_curve.png and report.md under out_dir; returns the report path."""
     out_dir = Path(out_dir)
     png = plot_reward_curve(records, out_dir / "reward_curve.png")

@@ -8,13 +8,17 @@ from __future__ import annotations
 import torch
 
 
-def grpo_advantages(rewards_NG: torch.Tensor, *, std_norm: bool = True, eps: float = 1e-6) -> torch.Tensor:
+def grpo_advantages(
+    rewards_NG: torch.Tensor, *, std_norm: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
     """(r - mean_group(r)) / (std_group(r) + eps) when std_norm, else r - mean_group(r).
 
     The std is the population std (divide by G), so a group of two rewards {0, 1} gets advantages
     {-1, +1} (up to eps). A group whose rewards are all equal gets advantages 0 either way."""
     if rewards_NG.dim() != 2:
-        raise ValueError(f"rewards must be [N groups, G samples], got shape {tuple(rewards_NG.shape)}")
+        raise ValueError(
+            f"rewards must be [N groups, G samples], got shape {tuple(rewards_NG.shape)}"
+        )
     centred_NG = rewards_NG - rewards_NG.mean(dim=1, keepdim=True)
     if not std_norm:
         return centred_NG

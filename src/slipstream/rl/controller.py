@@ -72,7 +72,10 @@ def heldout_pass_at_1(model: torch.nn.Module, taskset: Any, cfg: SlipstreamConfi
         outs = generate(model, [taskset.prompt_ids(t) for t in tasks], cfg.eval.max_new_tokens,
                         taskset.tokenizer.eos_id, 0.0, None, cfg.eval.batch_size)  # fmt: skip
     model.train(was_training)
-    correct = sum(taskset.verify(t, taskset.tokenizer.decode(o)).reward for t, o in zip(tasks, outs, strict=True))
+    correct = sum(
+        taskset.verify(t, taskset.tokenizer.decode(o)).reward
+        for t, o in zip(tasks, outs, strict=True)
+    )
     return correct / len(tasks)
 
 
@@ -114,15 +117,21 @@ class Controller:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.taskset = get_taskset(cfg.task)
         self.device = torch.device("cuda" if cfg.run.device == "cuda" else "cpu")
-        self.model = load_pretrained(init_checkpoint, device=self.device, dtype=getattr(torch, cfg.run.dtype))
+        self.model = load_pretrained(
+            init_checkpoint, device=self.device, dtype=getattr(torch, cfg.run.dtype)
+        )
         self.model.train()
-        self.trainer = Trainer(self.model, cfg.trainer, pad_id=self.taskset.tokenizer.pad_id, device=self.device)
+        self.trainer = Trainer(
+            self.model, cfg.trainer, pad_id=self.taskset.tokenizer.pad_id, device=self.device
+        )
         self.weights = WeightStore(store_url(cfg), cfg.store.keep_last, storage_options(cfg))
         self.ckpts = CheckpointStore(self.weights.blob, cfg.store.keep_checkpoints)
         self.max_staleness = effective_staleness(cfg)
         tc = cfg.trainer
         queue = TaskQueue(self.taskset.num_train)
-        buffer = ExperienceBuffer(tc.groups_per_step, self.max_staleness, dynamic_sampling=cfg.buffer.dynamic_sampling)
+        buffer = ExperienceBuffer(
+            tc.groups_per_step, self.max_staleness, dynamic_sampling=cfg.buffer.dynamic_sampling
+        )
         self.coord = Coordinator(queue, buffer)
         self.resumed_from: int | None = None
         self.pass_before: float | None = None
@@ -157,7 +166,9 @@ class Controller:
 
     def run(self) -> RunResult:
         cfg, tc = self.cfg, self.cfg.trainer
-        metrics = MetricsWriter(self.out_dir / "metrics.jsonl", append=self.resumed_from is not None)
+        metrics = MetricsWriter(
+            self.out_dir / "metrics.jsonl", append=self.resumed_from is not None
+        )
         tb = self._tensorboard()
         if self.evaluate and self.pass_before is None:
             self.pass_before = heldout_pass_at_1(self.model, self.taskset, cfg)

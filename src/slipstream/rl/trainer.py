@@ -87,7 +87,11 @@ def make_critic(policy: nn.Module) -> nn.Module:
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -103,7 +107,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 class Trainer:
     def __init__(
-        self, model: nn.Module, cfg: TrainerConfig, *, pad_id: int, device: torch.device | str = "cpu"
+        self,
+        model: nn.Module,
+        cfg: TrainerConfig,
+        *,
+        pad_id: int,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.model = model
         self.cfg = cfg
@@ -177,7 +186,9 @@ class Trainer:
             out = model(t["inputs_BT"], token_mask_BT=t["mask_BT"])
         return token_logprobs(out.logits_BTV, t["targets_BT"]), out
 
-    def _advantages(self, groups: list[Group], t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+    def _advantages(
+        self, groups: list[Group], t: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict]:
         """GRPO: per-token advantage = the sample's group-relative advantage."""
         sizes = {len(g.samples) for g in groups}
         if len(sizes) != 1:

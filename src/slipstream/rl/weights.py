@@ -50,7 +50,9 @@ class BlobStore:
         self.url = url
         self.fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
         self.root = root.rstrip("/")
-        self.local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
+        self.local = "file" in (
+            self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        )
         if self.local:
             self.fs.makedirs(self.root, exist_ok=True)
 
@@ -110,7 +112,9 @@ def state_dict_to_bytes(state_dict: dict[str, torch.Tensor]) -> bytes:
     return st_save(out)
 
 
-def write_manifested(blob: BlobStore, prefix: str, files: dict[str, bytes], meta: dict[str, Any]) -> None:
+def write_manifested(
+    blob: BlobStore, prefix: str, files: dict[str, bytes], meta: dict[str, Any]
+) -> None:
     """Write `files` under prefix, then the manifest (with sizes, hashes and `meta`) last."""
     for name, data in files.items():
         blob.put(f"{prefix}/{name}", data)
@@ -148,7 +152,10 @@ class WeightStore:
         return f"weights/v{version:08d}"
 
     def publish(
-        self, version: int, state_dict: dict[str, torch.Tensor], config: dict[str, Any] | None = None
+        self,
+        version: int,
+        state_dict: dict[str, torch.Tensor],
+        config: dict[str, Any] | None = None,
     ) -> None:
         files = {WEIGHTS_FILE: state_dict_to_bytes(state_dict)}
         if config is not None:

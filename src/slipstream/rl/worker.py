@@ -157,7 +157,9 @@ class RolloutWorker:
         for w in works:
             if w.request_id:
                 self.engine.abort(w.request_id)
-        log.warning("worker %s: lease %d died; abandoned %d tasks", self.worker_id, lease_id, len(works))
+        log.warning(
+            "worker %s: lease %d died; abandoned %d tasks", self.worker_id, lease_id, len(works)
+        )
 
     def _finish(self, w: _TaskWork) -> None:
         with self._lock:
@@ -198,7 +200,9 @@ class RolloutWorker:
             return submit(req)
         # Engines with only the blocking protocol (HTTP client): one thread per request.
         if self._gen_pool is None:
-            self._gen_pool = ThreadPoolExecutor(self.cfg.max_inflight_tasks, thread_name_prefix="gen")
+            self._gen_pool = ThreadPoolExecutor(
+                self.cfg.max_inflight_tasks, thread_name_prefix="gen"
+            )
         return self._gen_pool.submit(self.engine.generate, [req])
 
     def _generated(self, w: _TaskWork, task: Any, fut: Future, t0: float) -> None:
@@ -235,9 +239,13 @@ class RolloutWorker:
     def _ack(self, w: _TaskWork) -> None:
         samples = [
             Sample(
-                prompt_ids=list(c.prompt_ids), completion_ids=list(c.token_ids),
-                behaviour_logprobs=list(c.logprobs), versions=list(c.versions),
-                reward=float(r), finish_reason=c.finish_reason, text=t,
+                prompt_ids=list(c.prompt_ids),
+                completion_ids=list(c.token_ids),
+                behaviour_logprobs=list(c.logprobs),
+                versions=list(c.versions),
+                reward=float(r),
+                finish_reason=c.finish_reason,
+                text=t,
             )  # fmt: skip
             for c, r, t in zip(w.completions, w.rewards, w.texts, strict=True)
         ]
@@ -260,7 +268,9 @@ class RolloutWorker:
         self.sync_weights()
         threads = [threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat")]
         if self.weights is not None:
-            threads.append(threading.Thread(target=self._watch_weights, daemon=True, name="weights"))
+            threads.append(
+                threading.Thread(target=self._watch_weights, daemon=True, name="weights")
+            )
         for t in threads:
             t.start()
         idle_s = 0.005

@@ -77,7 +77,9 @@ class AgentConnection:
             header = await self.reader.readexactly(4)
             (length,) = struct.unpack(">I", header)
             if length > MAX_FRAME_BYTES:
-                raise SandboxBroken(f"{self.name}: frame of {length} bytes exceeds {MAX_FRAME_BYTES}")
+                raise SandboxBroken(
+                    f"{self.name}: frame of {length} bytes exceeds {MAX_FRAME_BYTES}"
+                )
             body = await self.reader.readexactly(length)
         except (asyncio.IncompleteReadError, OSError) as e:  # EOF, reset, EIO of a tty/serial
             self.broken = f"channel closed ({type(e).__name__})"
@@ -100,7 +102,9 @@ class AgentConnection:
         try:
             msg = await asyncio.wait_for(self._read(), timeout_s)
         except TimeoutError:
-            raise SandboxBroken(f"{self.name}: no hello from the agent within {timeout_s} s") from None
+            raise SandboxBroken(
+                f"{self.name}: no hello from the agent within {timeout_s} s"
+            ) from None
         if msg.get("type") != "hello":
             raise SandboxBroken(f"{self.name}: expected hello, got {msg!r:.200}")
         self.hello = msg
@@ -143,7 +147,9 @@ class AgentConnection:
             msg["mode"] = mode
         await self._request(msg, timeout_s)
 
-    async def get_file(self, path: str, max_bytes: int = 16 << 20, timeout_s: float = 30.0) -> bytes:
+    async def get_file(
+        self, path: str, max_bytes: int = 16 << 20, timeout_s: float = 30.0
+    ) -> bytes:
         reply = await self._request(
             {"type": "get_file", "path": path, "max_bytes": max_bytes}, timeout_s
         )
@@ -207,9 +213,13 @@ class AgentConnection:
                 elif kind == "exit":
                     break
                 elif kind == "error":
-                    raise SandboxError(f"{self.name}: exec {argv[0]!r} failed: {frame.get('error')}")
+                    raise SandboxError(
+                        f"{self.name}: exec {argv[0]!r} failed: {frame.get('error')}"
+                    )
                 else:
-                    raise SandboxBroken(f"{self.name}: unexpected frame during exec: {frame!r:.200}")
+                    raise SandboxBroken(
+                        f"{self.name}: unexpected frame during exec: {frame!r:.200}"
+                    )
         return AgentExit(
             exit_code=frame["exit_code"],
             signal=frame.get("signal"),
@@ -270,5 +280,7 @@ async def spawn_agent_process(
         if proc.returncode is None:
             proc.kill()
         await proc.wait()
-        raise SandboxBroken(f"{e} (command {' '.join(argv)!r:.300}, exit {proc.returncode})") from None
+        raise SandboxBroken(
+            f"{e} (command {' '.join(argv)!r:.300}, exit {proc.returncode})"
+        ) from None
     return proc, conn

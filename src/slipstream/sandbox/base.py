@@ -61,7 +61,9 @@ class SandboxTemplate:
         if self.pinning not in PINNING_POLICIES:
             raise ValueError(f"sandbox pinning {self.pinning!r} is not one of {PINNING_POLICIES}")
         if self.memory_policy not in MEMORY_POLICIES:
-            raise ValueError(f"memory_policy {self.memory_policy!r} is not one of {MEMORY_POLICIES}")
+            raise ValueError(
+                f"memory_policy {self.memory_policy!r} is not one of {MEMORY_POLICIES}"
+            )
         if self.network:
             raise ValueError("sandbox network=True is not supported: sandboxes have no network")
         if self.vcpus < 1 or self.memory_mib < 16 or self.pids_max < 8:
@@ -226,7 +228,9 @@ class AgentSandbox(Sandbox):
             )
         except SandboxBroken as e:
             oom = self.cgroup is not None and self.cgroup.oom_kills() > oom_before
-            raise SandboxBroken(f"{e}{' (the memory cgroup OOM-killed it)' if oom else ''}") from None
+            raise SandboxBroken(
+                f"{e}{' (the memory cgroup OOM-killed it)' if oom else ''}"
+            ) from None
         oom_killed = self.cgroup is not None and self.cgroup.oom_kills() > oom_before
         peak = self.cgroup.peak_memory_bytes() if self.cgroup else None
         return ExecResult(
@@ -295,7 +299,7 @@ class Backend(abc.ABC):
 
         return reap_record(record)
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 (optional hook, deliberately not abstract)
         """Release backend-wide resources (none by default)."""
 
 

@@ -242,8 +242,12 @@ class CgroupManager:
             _enable_v2(parent.parent, wanted)
             parent.mkdir(exist_ok=True)
             _enable_v2(parent, wanted)
-            cpus = _read_first(parent / "cpuset.cpus.effective", parent.parent / "cpuset.cpus.effective")
-            mems = _read_first(parent / "cpuset.mems.effective", parent.parent / "cpuset.mems.effective")
+            cpus = _read_first(
+                parent / "cpuset.cpus.effective", parent.parent / "cpuset.cpus.effective"
+            )
+            mems = _read_first(
+                parent / "cpuset.mems.effective", parent.parent / "cpuset.mems.effective"
+            )
             return cpus, mems
         for c, parent in self.parents.items():
             parent.mkdir(parents=True, exist_ok=True)

@@ -97,7 +97,11 @@ class FirecrackerAPI:
 
     async def put_boot_source(self, kernel_image_path: str, initrd_path: str | None = None,
                               boot_args: str | None = None) -> None:  # fmt: skip
-        body = {"kernel_image_path": kernel_image_path, "initrd_path": initrd_path, "boot_args": boot_args}
+        body = {
+            "kernel_image_path": kernel_image_path,
+            "initrd_path": initrd_path,
+            "boot_args": boot_args,
+        }
         await self._call("PUT", "/boot-source", _drop_none(body))
 
     async def put_machine_config(self, vcpu_count: int, mem_size_mib: int, smt: bool = False,
@@ -145,13 +149,17 @@ class FirecrackerAPI:
 
     # ------------------------------------------------------------------------------ snapshots
 
-    async def create_snapshot(self, snapshot_path: str, mem_file_path: str, diff: bool = False) -> None:
+    async def create_snapshot(
+        self, snapshot_path: str, mem_file_path: str, diff: bool = False
+    ) -> None:
         """The VM must be paused first."""
         await self._call("PUT", "/snapshot/create", {"snapshot_path": snapshot_path,
                                                      "mem_file_path": mem_file_path,
                                                      "snapshot_type": "Diff" if diff else "Full"})  # fmt: skip
 
-    async def load_snapshot(self, snapshot_path: str, mem_file_path: str, resume_vm: bool = True) -> None:
+    async def load_snapshot(
+        self, snapshot_path: str, mem_file_path: str, resume_vm: bool = True
+    ) -> None:
         """On a fresh Firecracker process only (before any pre-boot call but logger/metrics)."""
         body = {"snapshot_path": snapshot_path, "resume_vm": resume_vm,
                 "mem_backend": {"backend_type": "File", "backend_path": mem_file_path}}  # fmt: skip

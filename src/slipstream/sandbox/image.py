@@ -33,7 +33,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-BUILDER_VERSION = "1"
+BUILDER_VERSION = "2"
 AGENT_SOURCE = Path(__file__).parent / "guest" / "agent.py"
 GUEST_AGENT_PATH = "/opt/slipstream/agent.py"
 GUEST_WORKDIR = "/sandbox"  # the agent's default workdir
@@ -50,20 +50,39 @@ DYNLOAD_EXCLUDE = re.compile(
     r"^(_test|xxlimited|_xx|_curses|readline|nis|ossaudiodev|_dbm|_gdbm|_ssl|_hashlib|_crypt|_tkinter)"
 )
 
-# /init runs as PID 1: mounts, modules, then hands PID 1 to busybox init (which reaps orphans) with
-# an inittab that starts the agent once and reboots when it exits. QEMU runs with -no-reboot and
-# Firecracker exits on reboot, so an agent that dies takes its VM down instead of leaving a zombie.
+GUEST_UID = 1000  # the agent and every command run as this unprivileged user inside the guest
+# Kernel command-line knobs the host sets (defaults here): slipstream.ctl=virtio|vsock:PORT,
+# slipstream.pids_max=N (RLIMIT_NPROC of the sandbox user), slipstream.workdir_mib=N (tmpfs size).
+
+# /init runs as PID 1: mounts, modules, hardening, then hands PID 1 to busybox init (which reaps
+# orphans) with an inittab that starts the agent once and reboots when it exits. QEMU runs with
+# -no-reboot and Firecracker exits on reboot, so a dead agent takes its VM down with it.
+# Defence in depth inside the VM (the VM boundary is the isolation): commands run as uid
+# {GUEST_UID}, with no_new_privs, RLIMIT_NPROC, /proc hidepid=invisible (no view of kernel threads or
+# root processes), Yama ptrace_scope=3 (no ptrace at all), no user namespaces, no network device.
 INIT_SCRIPT = f"""#!/bin/sh
 export PATH=/usr/sbin:/usr/bin:/sbin:/bin PYTHONHOME=/usr PYTHONDONTWRITEBYTECODE=1 HOME=/root
-mount -t proc proc /proc
+mount -t proc -o hidepid=invisible proc /proc
 mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev
-mkdir -p /dev/pts /dev/shm
+mkdir -p /dev/pts /dev/shm /run
+ctl=virtio pids_max=256 workdir_mib=256
+for arg in $(cat /proc/cmdline); do
+  case "$arg" in
+    slipstream.ctl=*) ctl="${{arg#slipstream.ctl=}}";;
+    slipstream.pids_max=*) pids_max="${{arg#slipstream.pids_max=}}";;
+    slipstream.workdir_mib=*) workdir_mib="${{arg#slipstream.workdir_mib=}}";;
+  esac
+done
+echo "ctl=$ctl pids_max=$pids_max workdir_mib=$workdir_mib" > /run/slipstream.env
 mount -t devpts devpts /dev/pts
-mount -t tmpfs -o mode=1777 tmpfs /tmp
-mount -t tmpfs -o mode=1777 tmpfs /dev/shm
-mount -t tmpfs -o mode=0755 tmpfs {GUEST_WORKDIR}
+mount -t tmpfs -o mode=1777,size=${{workdir_mib}}m tmpfs /tmp
+mount -t tmpfs -o mode=1777,size=${{workdir_mib}}m tmpfs /dev/shm
+mount -t tmpfs -o mode=0700,uid={GUEST_UID},gid={GUEST_UID},size=${{workdir_mib}}m tmpfs {GUEST_WORKDIR}
 while read -r mod; do insmod "/lib/modules/$mod" || echo "init: insmod $mod failed"; done < /lib/modules/load-order
+echo 3 > /proc/sys/kernel/yama/ptrace_scope
+echo 0 > /proc/sys/user/max_user_namespaces
+echo 1 > /proc/sys/kernel/dmesg_restrict
 ip link set lo up 2>/dev/null
 hostname sandbox
 exec /sbin/init
@@ -72,16 +91,12 @@ INITTAB = """::sysinit:/bin/true
 ::once:/sbin/slipstream-agent
 ::ctrlaltdel:/sbin/reboot -f
 """
-# Picks the control channel from the kernel command line: `slipstream.ctl=virtio` (QEMU) or
-# `slipstream.ctl=vsock:PORT` (Firecracker).
+# Starts the agent on the control channel, as the sandbox user, and reboots when it exits.
 AGENT_RUN_SCRIPT = f"""#!/bin/sh
-ctl=virtio
-for arg in $(cat /proc/cmdline); do
-  case "$arg" in slipstream.ctl=*) ctl="${{arg#slipstream.ctl=}}";; esac
-done
+. /run/slipstream.env
 cd {GUEST_WORKDIR}
 case "$ctl" in
-  vsock:*) set -- --vsock "${{ctl#vsock:}}";;
+  vsock:*) chan="--vsock ${{ctl#vsock:}}";;
   *)
     dev=""
     for i in 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20; do
@@ -92,9 +107,11 @@ case "$ctl" in
       sleep 0.1
     done
     [ -n "$dev" ] || {{ echo "slipstream-agent: no virtio port {CONTROL_PORT_NAME}"; reboot -f; }}
-    set -- --device "$dev";;
+    chown {GUEST_UID}:{GUEST_UID} "$dev"
+    chan="--device $dev";;
 esac
-/usr/bin/python3 {GUEST_AGENT_PATH} --workdir {GUEST_WORKDIR} "$@"
+ulimit -u "$pids_max"
+su -p -s /bin/sh sandbox -c "exec setpriv --nnp /usr/bin/python3 {GUEST_AGENT_PATH} --workdir {GUEST_WORKDIR} $chan"
 echo "slipstream-agent: agent exited with status $?"
 reboot -f
 """
@@ -326,10 +343,10 @@ class _Cpio:
         self.buf.write(b"\0" * (-len(data) % 4))
         self.ino += 1
 
-    def dir(self, name: str) -> None:
+    def dir(self, name: str, mode: int = 0o755) -> None:
         parts = name.strip("/").split("/")
         for i in range(1, len(parts) + 1):
-            self._entry("/".join(parts[:i]), 0o040755)
+            self._entry("/".join(parts[:i]), 0o040000 | (mode if i == len(parts) else 0o755))
 
     def file(self, name: str, data: bytes, mode: int = 0o644) -> None:
         name = name.strip("/")
@@ -406,7 +423,8 @@ def _assemble(inp: dict[str, object], out_dir: Path) -> dict[str, object]:
     layout: dict[str, str] = inp["layout"]  # type: ignore[assignment]
     version = layout["version"]
     cpio = _Cpio()
-    for d in ("proc", "sys", "dev", "tmp", "run", "root", "etc", GUEST_WORKDIR, "usr/sbin"):
+    cpio.dir("root", 0o700)
+    for d in ("proc", "sys", "dev", "tmp", "run", "etc", GUEST_WORKDIR, "usr/sbin"):
         cpio.dir(d)
     busybox: Path = inp["busybox"]  # type: ignore[assignment]
     cpio.file("bin/busybox", busybox.read_bytes(), 0o755)
@@ -421,8 +439,9 @@ def _assemble(inp: dict[str, object], out_dir: Path) -> dict[str, object]:
     cpio.file("init", INIT_SCRIPT.encode(), 0o755)
     cpio.file("etc/inittab", INITTAB.encode())
     cpio.file("sbin/slipstream-agent", AGENT_RUN_SCRIPT.encode(), 0o755)
-    cpio.file("etc/passwd", b"root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534::/:/bin/false\n")
-    cpio.file("etc/group", b"root:x:0:\nnogroup:x:65534:\n")
+    cpio.file("etc/passwd", f"root:x:0:0:root:/root:/bin/sh\nsandbox:x:{GUEST_UID}:{GUEST_UID}::"
+              f"{GUEST_WORKDIR}:/bin/sh\nnobody:x:65534:65534::/:/bin/false\n".encode())  # fmt: skip
+    cpio.file("etc/group", f"root:x:0:\nsandbox:x:{GUEST_UID}:\nnogroup:x:65534:\n".encode())
     cpio.file("etc/hostname", b"sandbox\n")
     # Modules, flat, in load order.
     modules_dir: Path = inp["modules_dir"]  # type: ignore[assignment]
@@ -476,6 +495,7 @@ def build_image(cache_dir: Path | str | None = None, force: bool = False) -> Ima
             return paths
         t0 = time.perf_counter()
         tmp = Path(tempfile.mkdtemp(prefix=f".{digest}-", dir=cache))
+        os.chmod(tmp, 0o755)  # readable by unprivileged VMMs (the Firecracker jail uid)
         try:
             shutil.copyfile(inp["kernel"], tmp / "vmlinuz")  # type: ignore[arg-type]
             contents = _assemble(inp, tmp)

@@ -88,18 +88,22 @@ class Journal:
         return [
             e
             for e in self.entries()
-            if e["owner_pid"] != self.owner_pid
+            if (e["owner_pid"], e.get("owner_start")) != (self.owner_pid, self.owner_start)
             and not process_alive(e["owner_pid"], e.get("owner_start"))
         ]
 
-    def reap_orphans(self, reaper_for: Callable[[str], Callable[[SandboxRecord], list[str]]]) -> int:
+    def reap_orphans(
+        self, reaper_for: Callable[[str], Callable[[SandboxRecord], list[str]]]
+    ) -> int:
         """Reap every orphaned entry with `reaper_for(backend_name)(record)`; returns the count."""
         n = 0
         for entry in self.orphans():
             fields = {k: v for k, v in entry.items() if k not in ("owner_pid", "owner_start")}
             record = SandboxRecord(**fields)
             done = reaper_for(record.backend)(record)
-            log.warning("reaped orphaned sandbox %s (%s): %s", record.sandbox_id, record.backend, done)
+            log.warning(
+                "reaped orphaned sandbox %s (%s): %s", record.sandbox_id, record.backend, done
+            )
             self.remove(record.sandbox_id)
             n += 1
         return n

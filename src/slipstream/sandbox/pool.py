@@ -33,12 +33,22 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from slipstream.sandbox.base import AgentSandbox, Backend, SandboxTemplate, backend_class, make_backend
+from slipstream.sandbox.base import (
+    AgentSandbox,
+    Backend,
+    SandboxTemplate,
+    backend_class,
+    make_backend,
+)
 from slipstream.sandbox.errors import AdmissionTimeout, BackendUnavailable, SandboxError
 from slipstream.sandbox.journal import Journal, default_state_dir, reap_record
 from slipstream.sandbox.pinning import NoCpusFree, PinningAllocator
 from slipstream.sandbox.topology import Topology, read_topology
+
+if TYPE_CHECKING:
+    from slipstream.config.sandbox import SandboxConfig
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()
@@ -72,6 +82,11 @@ class PoolOptions:
     memory_reserve_mib: int = 256
     max_live: int | None = None
     """Extra cap on live sandboxes (None = only the vCPU/memory rules)."""
+
+    @classmethod
+    def from_config(cls, cfg: SandboxConfig) -> PoolOptions:
+        """The pool options of a `[sandbox]` config section."""
+        return cls(**{k: getattr(cfg, k) for k in cls.__dataclass_fields__ if hasattr(cfg, k)})
 
 
 @dataclass
@@ -112,7 +127,9 @@ class SandboxPool:
             template.backend, state_dir=self.state_dir, journal=self.journal
         )
         if getattr(self.backend, "journal", self.journal) is not self.journal:
-            log.warning("pool backend writes another journal; orphan reaping uses %s", self.state_dir)
+            log.warning(
+                "pool backend writes another journal; orphan reaping uses %s", self.state_dir
+            )
         self.topology = topology or read_topology()
         self.pinning = PinningAllocator(self.topology, template.pinning, template.memory_policy)
         self.vcpu_capacity = len(self.pinning.cpus) * self.opts.max_density
@@ -149,8 +166,12 @@ class SandboxPool:
         async with self._changed:
             await asyncio.wait_for(
                 self._changed.wait_for(
-                    lambda: len(self._idle) >= self.opts.min_idle
-                    or (self._creating == 0 and self._destroying == 0 and not self._admissible())
+                    lambda: (
+                        len(self._idle) >= self.opts.min_idle
+                        or (
+                            self._creating == 0 and self._destroying == 0 and not self._admissible()
+                        )
+                    )
                 ),
                 timeout_s,
             )
@@ -191,6 +212,7 @@ class SandboxPool:
     async def _create_one(self) -> AgentSandbox:
         """Create a sandbox (admission already reserved by the caller: _creating and vcpus)."""
         cpus = None
+        ok = False
         try:
             cpus = self.pinning.allocate(self.template.vcpus)
             sid = f"sb-{os.getpid()}-{next(_ids)}-{secrets.token_hex(3)}"
@@ -198,13 +220,13 @@ class SandboxPool:
                 sb = await self.backend.create(
                     self.template, sandbox_id=sid, cpus=cpus, mems=self.pinning.mems_for(cpus)
                 )
-        except (SandboxError, OSError, NoCpusFree):
-            self.pinning.release(cpus)
-            self._live_vcpus -= self.template.vcpus
-            self._counts["create_failures"] += 1
-            raise
+            ok = True
         finally:
             self._creating -= 1
+            if not ok:  # any failure, cancellation included, gives the reservation back
+                self.pinning.release(cpus)
+                self._live_vcpus -= self.template.vcpus
+                self._counts["create_failures"] += 1
         self._counts["created"] += 1
         if sb.journal is None:  # backends without journal support: the pool records them
             sb.journal = self.journal

@@ -27,9 +27,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from slipstream.sandbox.agent_client import AgentConnection, agent_source_path
-from slipstream.sandbox.errors import SandboxBroken
 from slipstream.sandbox.base import AgentSandbox, Backend, SandboxRecord, SandboxTemplate
 from slipstream.sandbox.cgroups import Cgroup
+from slipstream.sandbox.errors import SandboxBroken
 from slipstream.sandbox.journal import Journal, default_state_dir, process_start_ticks
 
 log = logging.getLogger(__name__)

@@ -61,12 +61,15 @@ def qemu_argv(
     vcpus: int,
     accel: str,
     name: str,
-    ctl: str = "virtio",
     qemu_binary: str = QEMU_BINARY,
+    pids_max: int = 256,
+    workdir_mib: int = 256,
 ) -> list[str]:
-    """The QEMU command line for one microVM (accel: "kvm" or "tcg")."""
+    """The QEMU command line for one microVM (accel: "kvm" or "tcg"). `pids_max` and `workdir_mib`
+    become the guest's RLIMIT_NPROC for the sandbox user and its tmpfs sizes (see image.py)."""
     accel_args = ["-accel", "kvm", "-cpu", "host"]
-    cmdline = f"{KERNEL_CMDLINE} slipstream.ctl={ctl}"
+    cmdline = (f"{KERNEL_CMDLINE} slipstream.ctl=virtio slipstream.pids_max={pids_max} "
+               f"slipstream.workdir_mib={workdir_mib}")  # fmt: skip
     if accel == "tcg":
         accel_args = ["-accel", f"tcg,tb-size={TCG_TB_CACHE_MIB}", "-cpu", "max"]
         # Under TCG the guest TSC runs at the host's rate; on a loaded host the kernel's PIT
@@ -153,6 +156,8 @@ async def boot_microvm(
     preexec_fn=None,  # noqa: ANN001 - a fork-safe callable run in the child (cgroup entry, affinity)
     qemu_binary: str = QEMU_BINARY,
     on_run_dir=None,  # noqa: ANN001 - called with the run dir before QEMU starts (journal)
+    pids_max: int = 256,
+    workdir_mib: int = 256,
 ) -> MicroVM:
     """Start QEMU and wait for the agent's hello. On failure QEMU is killed, the run dir removed,
     and SandboxBroken quotes QEMU's stderr and the guest console."""
@@ -164,7 +169,7 @@ async def boot_microvm(
     listener.listen(1)
     listener.setblocking(False)
     argv = qemu_argv(image, run_dir, memory_mib=memory_mib, vcpus=vcpus, accel=accel, name=name,
-                     qemu_binary=qemu_binary)  # fmt: skip
+                     qemu_binary=qemu_binary, pids_max=pids_max, workdir_mib=workdir_mib)  # fmt: skip  # fmt: skip
     t0 = time.perf_counter()
     proc = None
     try:
@@ -335,6 +340,7 @@ class QemuBackend(Backend):
                 image, memory_mib=template.memory_mib, vcpus=template.vcpus, accel=self.accel or "tcg",
                 name=f"slipstream-{sandbox_id}", hello_timeout_s=template.create_timeout_s,
                 preexec_fn=preexec, qemu_binary=self.qemu_binary, on_run_dir=journal_early,
+                pids_max=template.pids_max, workdir_mib=template.workdir_mib,
             )  # fmt: skip
         except BaseException:
             if cgroup is not None:

@@ -29,6 +29,15 @@ def _ms(v) -> str:
     return "-" if v is None else f"{v * 1000:.1f}"
 
 
+def _load_range(loads: list | None) -> str:
+    values = [v for v in loads or [] if v is not None]
+    return f"{min(values):.2f}-{max(values):.2f}" if values else "-"
+
+
+def _gib(v) -> str:
+    return "-" if v is None else f"{v / 2**30:.1f}"
+
+
 def load_provenance(run_dir: Path) -> dict:
     path = run_dir / PROVENANCE
     if not path.is_file():
@@ -100,7 +109,9 @@ def render_report(agg: dict, prov: dict, plot_files: list[str]) -> str:
         f"{plan['num_vcpus']} vCPUs used ({plan['vcpus']}), {topo['num_cores']} cores x "
         f"{topo['threads_per_core']} threads, SMT {'on' if topo['smt_active'] else 'off'}, "
         f"{len(topo['numa_nodes'])} NUMA node(s), {len(topo['l3_domains'])} L3 domain(s), "
-        f"{sum(n['mem_total_bytes'] for n in topo['numa_nodes'].values()) / 2**30:.1f} GiB",
+        f"{_gib(sweep.get('host_memory', {}).get('mem_total_bytes'))} GiB MemTotal "
+        f"({sum(n['mem_total_bytes'] for n in topo['numa_nodes'].values()) / 2**30:.1f} GiB in "
+        "NUMA node meminfo)",
         "- backends: "
         + ", ".join(
             f"{k} {v or 'not found'}" for k, v in sweep.get("backend_versions", {}).items()
@@ -113,7 +124,9 @@ def render_report(agg: dict, prov: dict, plot_files: list[str]) -> str:
         f"{cfg['timeout_s']:g} s; {agg['num_samples']} samples, {agg['num_failures']} failed",
         f"- idle-host noise check: {noise.get('runs', 0)} runs, p50 {_ms(noise.get('p50_s'))} ms, "
         f"CV {_f(noise.get('cv'), '.3f')} ({noise.get('verdict', 'not run')}); load average "
-        f"before {noise.get('loadavg_before')}",
+        f"before {noise.get('loadavg_before')}; 1-min load average at cell starts "
+        f"{_load_range(sweep.get('loadavg_1m_per_cell'))} (the sweep itself adds up to the "
+        "number of busy sandboxes)",
         "",
     ]
     if plan["not_honoured"]:

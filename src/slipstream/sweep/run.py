@@ -54,6 +54,19 @@ def backend_versions() -> dict[str, str | None]:
     return out
 
 
+def _meminfo() -> dict[str, int | None]:
+    """MemTotal / MemAvailable in bytes from /proc/meminfo (None where absent)."""
+    facts: dict[str, int | None] = {"mem_total_bytes": None, "mem_available_bytes": None}
+    path = Path("/proc/meminfo")
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key in ("MemTotal", "MemAvailable"):
+                name = "mem_total_bytes" if key == "MemTotal" else "mem_available_bytes"
+                facts[name] = int(rest.split()[0]) * 1024
+    return facts
+
+
 def _now() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
 
@@ -74,6 +87,7 @@ def _provenance(cfg: SweepConfig, plan: Plan, workload: Workload, sweep_extra: d
                 "plan": plan.to_dict(),
                 "topology": plan.topology.to_dict(),
                 "backend_versions": backend_versions(),
+                "host_memory": _meminfo(),
                 "workload": {
                     "name": workload.name,
                     "turns": [list(t) for t in workload.turns],
@@ -85,7 +99,15 @@ def _provenance(cfg: SweepConfig, plan: Plan, workload: Workload, sweep_extra: d
     )
 
 
-async def _run_cells(cfg: SweepConfig, plan: Plan, workload: Workload, run_dir: Path, progress):
+def _loadavg_1m() -> float | None:
+    path = Path("/proc/loadavg")
+    return float(path.read_text().split()[0]) if path.is_file() else None
+
+
+async def _run_cells(
+    cfg: SweepConfig, plan: Plan, workload: Workload, run_dir: Path, progress, loads: list
+):
+    """Run every cell in plan order; `loads` collects the 1-minute load average before each."""
     from slipstream.sandbox.base import make_backend
 
     backends = {name: make_backend(name) for name in {c.backend for c in plan.configurations}}
@@ -93,15 +115,20 @@ async def _run_cells(cfg: SweepConfig, plan: Plan, workload: Workload, run_dir: 
     t0 = time.perf_counter()
     try:
         for k, cell in enumerate(plan.cells):
-            desc = (
+            now = (
                 f"{cell.config.id} d={cell.point.density:g} ({cell.point.num_sandboxes}) "
-                f"r{cell.repeat} [{k + 1}/{len(plan.cells)} cells]"
+                f"r{cell.repeat}"
             )
-            progress(desc, 0.0)
+            progress(f"cells {k}/{len(plan.cells)} done", 0.0, now)
+            loads.append(_loadavg_1m())
             result = await run_cell(backends[cell.config.backend], cell, plan, cfg, workload, t0)
             samples.extend(result.samples)
             write_samples(run_dir / SAMPLES, samples)
-            progress(desc, estimate_cell_s(cell, cfg, len(plan.vcpus)))
+            progress(
+                f"cells {k + 1}/{len(plan.cells)} done",
+                estimate_cell_s(cell, cfg, len(plan.vcpus)),
+                now,
+            )
     finally:
         for b in backends.values():
             await b.close()
@@ -140,6 +167,7 @@ def run_sweep(
     # Provenance first, so even an interrupted run directory says what was attempted.
     (run_dir / PROVENANCE).write_text(json.dumps(_provenance(cfg, plan, workload, extra), indent=1))
 
+    loads: list[float | None] = []
     if show_progress:
         from rich.progress import (
             BarColumn,
@@ -148,26 +176,36 @@ def run_sweep(
             TimeElapsedColumn,
             TimeRemainingColumn,
         )
+        from rich.table import Column
 
         bar = Progress(
             TextColumn("{task.description}"),
-            BarColumn(),
+            BarColumn(bar_width=20),
+            TextColumn("elapsed"),
             TimeElapsedColumn(),
-            TextColumn("left"),
+            TextColumn("left ~"),
             TimeRemainingColumn(),
+            TextColumn(
+                "{task.fields[now]}",
+                table_column=Column(no_wrap=True, overflow="ellipsis", max_width=40),
+            ),
         )
         total = sum(estimate_cell_s(c, cfg, len(plan.vcpus)) for c in plan.cells)
-        task = bar.add_task("sweep", total=total)
+        task = bar.add_task("sweep", total=total, now="")
 
-        def progress(desc: str, advance: float) -> None:
-            bar.update(task, description=desc, advance=advance)
+        def progress(desc: str, advance: float, now: str) -> None:
+            bar.update(task, description=desc, advance=advance, now=now)
 
         with bar:
-            asyncio.run(_run_cells(cfg, plan, workload, run_dir, progress))
+            asyncio.run(_run_cells(cfg, plan, workload, run_dir, progress, loads))
     else:
-        asyncio.run(_run_cells(cfg, plan, workload, run_dir, lambda desc, adv: None))
+        asyncio.run(_run_cells(cfg, plan, workload, run_dir, lambda desc, adv, now: None, loads))
 
-    extra.update(finished_utc=_now(), wall_s=round(time.perf_counter() - t_start, 3))
+    extra.update(
+        finished_utc=_now(),
+        wall_s=round(time.perf_counter() - t_start, 3),
+        loadavg_1m_per_cell=loads,
+    )
     (run_dir / PROVENANCE).write_text(json.dumps(_provenance(cfg, plan, workload, extra), indent=1))
     build_outputs(run_dir)
     return run_dir

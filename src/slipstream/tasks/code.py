@@ -167,7 +167,11 @@ async def verify_code(
         i = rec.get("i")
         if isinstance(i, int) and 0 <= i < len(want) and i not in got:
             got[i] = rec
-    passed = sum(1 for i, w in enumerate(want) if "value" in got.get(i, {}) and same_value(got[i]["value"], w))
+    passed = sum(
+        1
+        for i, w in enumerate(want)
+        if "value" in got.get(i, {}) and same_value(got[i]["value"], w)
+    )
     frac = passed / len(want)
     if result.timed_out:
         why = f"timed out after {timeout_s} s"
@@ -177,7 +181,11 @@ async def verify_code(
         why = f"harness exit {result.exit_code}"
     else:
         errors = sorted({str(r["error"]) for r in got.values() if "error" in r})
-        why = f"errors: {', '.join(errors)[:100]}" if errors else ("all passed" if frac == 1 else "wrong answers")
+        why = (
+            f"errors: {', '.join(errors)[:100]}"
+            if errors
+            else ("all passed" if frac == 1 else "wrong answers")
+        )
     return Verdict(frac, f"passed {passed}/{len(want)} ({why})")
 
 
@@ -191,7 +199,9 @@ class CodeTaskSet(TaskSet):
         held, train = [], []
         for p in PROBLEMS:
             digest = hashlib.sha256(f"{cfg.seed}|code|{p.name}".encode()).digest()
-            (held if int.from_bytes(digest[:8], "big") / 2**64 < cfg.heldout_fraction else train).append(p)
+            (
+                held if int.from_bytes(digest[:8], "big") / 2**64 < cfg.heldout_fraction else train
+            ).append(p)
         if not held:
             held.append(train.pop())
         self.train_problems = train

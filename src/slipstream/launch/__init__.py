@@ -1,0 +1,1 @@
+"""Launchers: place the trainer and rollout workers (local processes; Ray is not implemented)."""

@@ -1,0 +1,167 @@
+"""Rank-side checks of the dispatchers against the single-process reference MoE, run by the tests
+(tests/integration/test_moe_ep.py) and before timing by `slipstream bench moe-dispatch`.
+
+Shape legend: N tokens per rank, D hidden, W expert width, E experts, K top-k, R ranks.
+
+`reference_check`: every rank builds the same `SparseMoeBlock` (seeded) and its own tokens; the
+EP path (`ExpertParallelMoE` with each dispatcher) and the reference (the model's grouped path with
+all E experts, run on every rank's tokens concatenated) compute the same loss sum_r <out_r, g_r>;
+returned are the max abs differences of outputs, input gradients, router gradients (all-reduced
+over ranks) and the local experts' weight gradients, plus each dispatcher's byte meter.
+`drop_check`: padded dispatcher with a small capacity; its output must equal the reference with the
+dropped assignments' weights zeroed. `routing_check`: uniform random routing, measured hop-1
+inter-node rows vs the per-token count of distinct remote nodes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slipstream.model.moe import SparseMoeBlock
+from slipstream.moe.base import make_dispatcher
+from slipstream.moe.cost_model import distinct_nodes_per_token, random_topk
+from slipstream.moe.layer import ExpertParallelMoE
+from slipstream.moe.topology import EPGroup
+
+TYPES = ("padded", "exact", "hierarchical")
+
+
+def _block(D: int, E: int, K: int, W: int, seed: int) -> SparseMoeBlock:
+    torch.manual_seed(seed)
+    block = SparseMoeBlock(D, E, K, W, norm_topk_prob=True, impl="grouped")
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return block
+
+
+def _inputs(Ns: list[int], D: int, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed + 1)
+    xs = [torch.randn(n, D, generator=g) for n in Ns]
+    gs = [torch.randn(n, D, generator=g) for n in Ns]
+    return xs, gs
+
+
+def _uneven(N: int, R: int) -> list[int]:
+    """Token counts per rank: N, then fewer, and one rank with none (real EP batches vary)."""
+    return [0 if r == R - 2 else max(1, N - 5 * r) for r in range(R)] if R > 1 else [N]
+
+
+def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).detach().abs().max()) if a.numel() else 0.0
+
+
+def reference_check(
+    group: EPGroup, N: int = 24, D: int = 16, W: int = 8, K: int = 2, seed: int = 0
+) -> dict[str, Any]:
+    t, r = group.topo, group.rank
+    E, R = t.num_experts, t.world_size
+    Ns = _uneven(N, R)
+    xs, gs = _inputs(Ns, D, seed)
+    ref = _block(D, E, K, W, seed)
+    x_all = torch.cat(xs).requires_grad_(True)
+    out_all, _ = ref(x_all[None])
+    (out_all[0] * torch.cat(gs)).sum().backward()
+    lo, hi = t.expert_range(r)
+    mine = slice(sum(Ns[:r]), sum(Ns[: r + 1]))
+    results: dict[str, Any] = {}
+    for typ in TYPES:
+        # padded: one capacity for all ranks, large enough for no drops -> exact equality
+        opts = {"capacity": max(Ns) * K} if typ == "padded" else {}
+        block = _block(D, E, K, W, seed)
+        moe = ExpertParallelMoE(block, make_dispatcher(typ, group, **opts))
+        x = xs[r].clone().requires_grad_(True)
+        out, _ = moe(x[None])
+        (out[0] * gs[r]).sum().backward()
+        gate_grad = moe.gate.weight.grad.clone()
+        dist.all_reduce(gate_grad)
+        le = moe.local_experts
+        results[typ] = {
+            "out": _maxdiff(out[0], out_all[0, mine]),
+            "out_scale": float(out_all.detach().abs().max()),
+            "x_grad": _maxdiff(x.grad, x_all.grad[mine]),
+            "gate_grad": _maxdiff(gate_grad, ref.gate.weight.grad),
+            "gate_up_grad": _maxdiff(le.gate_up_proj.grad, ref.experts.gate_up_proj.grad[lo:hi]),
+            "down_grad": _maxdiff(le.down_proj.grad, ref.experts.down_proj.grad[lo:hi]),
+            "meter": moe.dispatcher.meter.summary(),
+            "tokens": Ns[r],
+        }
+    return results
+
+
+def drop_check(
+    group: EPGroup, N: int = 32, D: int = 16, W: int = 8, K: int = 2, seed: int = 3
+) -> dict[str, Any]:
+    """Padded dispatcher at capacity_factor 0.5 on skewed routing (drops guaranteed)."""
+    t, r = group.topo, group.rank
+    xs, _ = _inputs([N] * t.world_size, D, seed)
+    block = _block(D, t.num_experts, K, W, seed)
+    # skew: every token picks expert 0 plus one random other, so rank 0 is oversubscribed
+    g = torch.Generator().manual_seed(seed + 100 + r)
+    other = torch.randint(1, t.num_experts, (N,), generator=g)
+    ids = torch.stack([torch.zeros(N, dtype=torch.int64), other], 1)
+    w = torch.softmax(torch.randn(N, K, generator=g), 1)
+    disp = make_dispatcher("padded", group, capacity_factor=0.5)
+    local = ExpertParallelMoE(block, disp).local_experts
+    with torch.no_grad():
+        recv_x, recv_local, handle = disp.dispatch(xs[r], ids, w)
+        out = disp.combine(local(recv_x, recv_local[:, None], torch.ones(len(recv_x), 1)), handle)
+        ref = block.experts(xs[r], ids, w * ~handle.dropped_NK)
+    return {
+        "out": _maxdiff(out, ref),
+        "num_dropped": handle.num_dropped,
+        "dropped_mask_sum": int(handle.dropped_NK.sum()),
+        "dropped_total": disp.dropped,
+        "assigned_total": disp.assigned,
+        "capacity": handle.capacity,
+        "expected_dropped": _expected_drops(ids, t, handle.capacity),
+    }
+
+
+def _expected_drops(ids_NK: torch.Tensor, t: Any, capacity: int) -> int:
+    per_rank = torch.bincount(t.owner_rank(ids_NK.reshape(-1)), minlength=t.world_size)
+    return int((per_rank - capacity).clamp_min(0).sum())
+
+
+def routing_check(
+    group: EPGroup, N: int = 512, D: int = 8, K: int = 4, seed: int = 7
+) -> dict[str, Any]:
+    """Uniform random routing through exact and hierarchical; hop-1 inter-node rows measured."""
+    t, r = group.topo, group.rank
+    g = torch.Generator().manual_seed(seed + r)
+    ids = random_topk(N, t.num_experts, K, generator=g)
+    x = torch.randn(N, D, generator=g)
+    w = torch.rand(N, K, generator=g)
+    out: dict[str, Any] = {}
+    for typ in ("exact", "hierarchical"):
+        disp = make_dispatcher(typ, group)
+        with torch.no_grad():
+            recv_x, _, handle = disp.dispatch(x, ids, w)
+            disp.combine(recv_x, handle)
+        m = disp.meter
+        out[typ] = {
+            "inter_payload_rows": m.rows[("dispatch", "inter", "payload")],
+            "combine_inter_payload_rows": m.rows[("combine", "inter", "payload")],
+            "meter": m.summary(),
+        }
+    remote = distinct_nodes_per_token(ids, t.num_experts, t.num_nodes) - _own_node_hit(ids, t, r)
+    out["distinct_remote_nodes"] = int(remote.sum())
+    out["remote_experts"] = int((t.owner_node(ids) != t.node_of(r)).sum())
+    out["tokens"] = N
+    out["top_k"] = K
+    return out
+
+
+def _own_node_hit(ids_NK: torch.Tensor, t: Any, rank: int) -> torch.Tensor:
+    return (t.owner_node(ids_NK) == t.node_of(rank)).any(1).long()
+
+
+def all_checks(group: EPGroup) -> dict[str, Any]:
+    """Everything above in one process group (one spawn for the whole test module)."""
+    return {
+        "reference": reference_check(group),
+        "drop": drop_check(group),
+        "routing": routing_check(group),
+    }
