@@ -86,17 +86,23 @@ def generate(
     for plen, idx in sorted(by_len.items()):
         new_tokens = min(max_new_tokens, max_pos - plen)
         if new_tokens <= 0:
-            raise ValueError(f"prompt of {plen} tokens leaves no room in max_position_embeddings {max_pos}")
+            raise ValueError(
+                f"prompt of {plen} tokens leaves no room in max_position_embeddings {max_pos}"
+            )
         for s in range(0, len(idx), max_batch_size):
             chunk = idx[s : s + max_batch_size]
             prompt_BP = torch.tensor([prompts[i] for i in chunk], device=device)
-            rows = _decode(model, prompt_BP, new_tokens, eos_id, temperature, generator, StaticKVCache)
+            rows = _decode(
+                model, prompt_BP, new_tokens, eos_id, temperature, generator, StaticKVCache
+            )
             for i, row in zip(chunk, rows, strict=True):
                 results[i] = row
     return results
 
 
-def _decode(model, prompt_BP, new_tokens, eos_id, temperature, generator, cache_cls) -> list[list[int]]:
+def _decode(
+    model, prompt_BP, new_tokens, eos_id, temperature, generator, cache_cls
+) -> list[list[int]]:
     B, P = prompt_BP.shape
     cache = cache_cls.for_model(model, B, P + new_tokens)
     logits_BV = model(prompt_BP, cache=cache).logits_BTV[:, -1]
@@ -155,11 +161,23 @@ def run_eval(
     eos = taskset.tokenizer.eos_id
     gen = torch.Generator(device=device).manual_seed(cfg.run.seed)
     with make_progress(console) as progress:
-        bar = progress.add_task("eval", total=2, stats=f"{len(tasks)} prompts, greedy + {n} samples")
-        greedy = _score(taskset, tasks, generate(model, prompts, ec.max_new_tokens, eos, 0.0, None, ec.batch_size))
+        bar = progress.add_task(
+            "eval", total=2, stats=f"{len(tasks)} prompts, greedy + {n} samples"
+        )
+        greedy = _score(
+            taskset,
+            tasks,
+            generate(model, prompts, ec.max_new_tokens, eos, 0.0, None, ec.batch_size),
+        )
         progress.advance(bar)
         sampled_ids = generate(
-            model, [p for p in prompts for _ in range(n)], ec.max_new_tokens, eos, ec.temperature, gen, ec.batch_size
+            model,
+            [p for p in prompts for _ in range(n)],
+            ec.max_new_tokens,
+            eos,
+            ec.temperature,
+            gen,
+            ec.batch_size,
         )
         sampled = _score(taskset, [t for t in tasks for _ in range(n)], sampled_ids)
         progress.advance(bar)
@@ -179,8 +197,14 @@ def run_eval(
         greedy_reasons=dict(reasons.most_common()),
     )
     samples = [
-        {"task_id": t.task_id, "prompt": t.prompt, "greedy": g[2], "reward": g[0], "reason": g[1],
-         "sampled_correct": int(c)}
+        {
+            "task_id": t.task_id,
+            "prompt": t.prompt,
+            "greedy": g[2],
+            "reward": g[0],
+            "reason": g[1],
+            "sampled_correct": int(c),
+        }
         for t, g, c in zip(tasks, greedy, num_correct, strict=True)
     ]
     write_report(cfg, report, samples)
@@ -206,7 +230,9 @@ def print_report(report: EvalReport, console: Console) -> None:
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_row("pass@1 (greedy)", f"{100 * report.pass_at_1_greedy:.1f}%")
-    table.add_row(f"pass@1 (sampled, T={report.temperature:g})", f"{100 * report.pass_at_1_sampled:.1f}%")
+    table.add_row(
+        f"pass@1 (sampled, T={report.temperature:g})", f"{100 * report.pass_at_1_sampled:.1f}%"
+    )
     table.add_row(f"pass@{report.k} (n={report.num_samples})", f"{100 * report.pass_at_k:.1f}%")
     table.add_row("wall time", f"{report.wall_s:.1f} s")
     for reason, count in list(report.greedy_reasons.items())[:4]:

@@ -47,6 +47,8 @@ class SFTResult:
     final_loss: float
     """Mean completion-token loss over the last `log_every` steps (nan when steps == 0)."""
     wall_s: float
+    cpu_s: float
+    """Process CPU time (all threads): on a shared machine, a contention-free estimate of cost."""
     tokens_per_s: float
     """Non-pad tokens through forward+backward per second (whole run)."""
 
@@ -75,12 +77,16 @@ def sft_dir(cfg: SlipstreamConfig) -> Path:
 def checkpoint_complete(directory: str | Path) -> bool:
     """A finished SFT checkpoint: model config, weights and tokenizer, summary written last."""
     d = Path(directory)
-    return (d / "config.json").is_file() and (d / "tokenizer.json").is_file() and (
-        d / SUMMARY_FILE
-    ).is_file()
+    return (
+        (d / "config.json").is_file()
+        and (d / "tokenizer.json").is_file()
+        and (d / SUMMARY_FILE).is_file()
+    )
 
 
-def build_model(cfg: SlipstreamConfig, tokenizer: Tokenizer, device: torch.device, dtype: torch.dtype):
+def build_model(
+    cfg: SlipstreamConfig, tokenizer: Tokenizer, device: torch.device, dtype: torch.dtype
+):
     """A fresh model from [model] (vocab_size 0 -> the tokenizer's), or `model.init_from` weights."""
     from slipstream.model import MoEForCausalLM, load_pretrained
 
@@ -117,7 +123,9 @@ def collate(
         n = len(seq) - 1
         inputs_BT[b, :n] = torch.tensor(seq[:-1])
         targets_BT[b, :n] = torch.tensor(seq[1:])
-        mask_BT[b, prompt_len - 1 : n] = True  # target j is token j+1: completion starts at prompt_len
+        mask_BT[b, prompt_len - 1 : n] = (
+            True  # target j is token j+1: completion starts at prompt_len
+        )
     return inputs_BT.to(device), targets_BT.to(device), mask_BT.to(device)
 
 
@@ -144,7 +152,10 @@ def run_sft(cfg: SlipstreamConfig, console: Console | None = None) -> SFTResult:
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": sc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        [
+            {"params": decay, "weight_decay": sc.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
         lr=sc.lr,
         betas=(0.9, 0.95),
         fused=device.type == "cuda",
@@ -156,7 +167,7 @@ def run_sft(cfg: SlipstreamConfig, console: Console | None = None) -> SFTResult:
         f"(active {model.num_parameters(active=True) / 1e6:.2f}M) device={device} dtype={cfg.run.dtype} "
         f"steps={sc.steps} batch={sc.batch_size}"
     )
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     total_tokens = 0
     window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, start
     final_loss = float("nan")
@@ -195,16 +206,19 @@ def run_sft(cfg: SlipstreamConfig, console: Console | None = None) -> SFTResult:
                     grad_norm=float(grad_norm.item()),
                     tokens_per_s=tok_s,
                     elapsed_s=now - start,
+                    cpu_s=time.process_time() - cpu_start,
                 )
                 progress.update(bar, stats=f"loss {final_loss:.3f}  {fmt_rate(tok_s)} tok/s")
                 window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, now
             progress.advance(bar)
     wall_s = time.perf_counter() - start
-    result = SFTResult(str(ckpt_dir), sc.steps, final_loss, wall_s, total_tokens / max(wall_s, 1e-9))
+    cpu_s = time.process_time() - cpu_start
+    tokens_per_s = total_tokens / max(wall_s, 1e-9)
+    result = SFTResult(str(ckpt_dir), sc.steps, final_loss, wall_s, cpu_s, tokens_per_s)
     save_checkpoint(model, taskset.tokenizer, ckpt_dir, result, cfg)
     console.print(
-        f"[bold]sft done[/] loss {final_loss:.4f} in {wall_s:.1f}s "
-        f"({fmt_rate(result.tokens_per_s)} tok/s) -> {ckpt_dir}"
+        f"[bold]sft done[/] loss {final_loss:.4f} in {wall_s:.1f}s (cpu {cpu_s:.1f}s, "
+        f"{fmt_rate(result.tokens_per_s)} tok/s) -> {ckpt_dir}"
     )
     return result
 
@@ -218,4 +232,6 @@ def save_checkpoint(model, tokenizer: Tokenizer, directory: Path, result: SFTRes
     summary.unlink(missing_ok=True)
     save_pretrained(model, directory)
     tokenizer.save(directory)
-    summary.write_text(json.dumps({"result": asdict(result), "config": cfg.model_dump(mode="json")}, indent=1))
+    summary.write_text(
+        json.dumps({"result": asdict(result), "config": cfg.model_dump(mode="json")}, indent=1)
+    )

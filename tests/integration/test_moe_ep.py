@@ -13,6 +13,9 @@ import pytest
 from slipstream.moe import expected_remote_nodes
 from slipstream.moe.launch import spawn_ep
 
+# one spawn of 4 processes for the module: ~30 s on the shared 2-core machine
+pytestmark = pytest.mark.slow
+
 TYPES = ("padded", "exact", "hierarchical")
 TOL = 1e-5
 

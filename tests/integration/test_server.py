@@ -286,6 +286,7 @@ def test_client_retries_5xx_with_backoff_but_not_4xx():
             client.close()
 
 
+@pytest.mark.slow
 def test_slipstream_serve_command(tmp_path, model):
     """The real CLI in a subprocess: load the HF directory, serve, answer, stop on SIGTERM."""
     import os
@@ -298,7 +299,15 @@ def test_slipstream_serve_command(tmp_path, model):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     exe = Path(sys.executable).parent / "slipstream"
-    cmd = [str(exe), "serve", "--model", str(tmp_path / "m"), "--port", str(port), "--engine.max_seq_len=64"]
+    cmd = [
+        str(exe),
+        "serve",
+        "--model",
+        str(tmp_path / "m"),
+        "--port",
+        str(port),
+        "--engine.max_seq_len=64",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     try:
@@ -313,7 +322,11 @@ def test_slipstream_serve_command(tmp_path, model):
                 pass
             assert time.monotonic() < deadline, "server did not come up"
             time.sleep(0.2)
-        out = httpx.post(url + "/generate", json={"text": "!#", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}, timeout=30).json()
+        out = httpx.post(
+            url + "/generate",
+            json={"text": "!#", "sampling_params": {"max_new_tokens": 4, "temperature": 0}},
+            timeout=30,
+        ).json()
         expected = checks.reference_greedy(model, CharTokenizer().encode("!#"), 4, set())
         assert out["output_ids"][: len(expected)] == expected[: len(out["output_ids"])]
         assert out["meta_info"]["finish_reason"]["type"] in ("stop", "length")

@@ -69,7 +69,13 @@ def test_sft_then_eval_via_cli(tmp_path, capsys) -> None:
 def test_sft_learns_a_single_answer(tmp_path) -> None:
     """Loss must fall: a real training loop, not a no-op that writes files."""
     out = tmp_path / "run"
-    args = [f"--run.output_dir={out}", *TINY, "--sft.steps=30", "--sft.lr=1e-2", "--sft.log_every=5"]
+    args = [
+        f"--run.output_dir={out}",
+        *TINY,
+        "--sft.steps=30",
+        "--sft.lr=1e-2",
+        "--sft.log_every=5",
+    ]
     assert main(["sft", *args]) == 0
     losses = [r["loss"] for r in read_metrics(out / "sft" / "metrics.jsonl")]
     assert losses[-1] < 0.75 * losses[0], losses
@@ -82,7 +88,9 @@ def test_bad_config_fails_before_work(tmp_path, capsys) -> None:
     assert not out.exists()
 
 
-@pytest.mark.parametrize("n,c,k,expected", [(8, 0, 8, 0.0), (8, 1, 8, 1.0), (4, 2, 1, 0.5), (5, 1, 2, 0.4)])
+@pytest.mark.parametrize(
+    "n,c,k,expected", [(8, 0, 8, 0.0), (8, 1, 8, 1.0), (4, 2, 1, 0.5), (5, 1, 2, 0.4)]
+)
 def test_pass_at_k_estimator(n, c, k, expected) -> None:
     from slipstream.evaluate import pass_at_k
 
@@ -99,8 +107,14 @@ def test_batched_cached_greedy_decode_matches_naive_loop() -> None:
 
     torch.manual_seed(0)
     cfg = ModelConfig(
-        vocab_size=20, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, moe_intermediate_size=32, num_experts=4,
+        vocab_size=20,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        moe_intermediate_size=32,
+        num_experts=4,
     )
     model = MoEForCausalLM(cfg).eval()
     prompts = [[1, 5, 6], [1, 7], [1, 5, 6, 9, 9], [1, 8], [1, 3, 4]]

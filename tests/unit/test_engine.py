@@ -253,7 +253,10 @@ def test_mid_flight_finish_old_drains_first(model):
             target=eng.update_weights, args=(1, tiny_model(seed=1).state_dict())
         )
         updater.start()
-        time.sleep(0.01)
+        deadline = time.monotonic() + 30
+        while eng._pending_update is None:  # the update is registered: new requests now wait
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
         new = eng.submit(GenerateRequest([5, 6], SamplingParams(max_new_tokens=5, seed=1)))
         updater.join(timeout=60)
         assert old.result()[0].versions == [0] * 500

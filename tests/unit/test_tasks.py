@@ -62,7 +62,9 @@ def test_splits_are_disjoint_and_heldout_distinct(name: str) -> None:
 
 def test_split_disjoint_on_small_problem_space() -> None:
     # 1-digit addition has 100 problems: many collisions, so disjointness is really exercised.
-    ts = get_taskset(_cfg("arithmetic", max_digits=1, ops=["+"], num_heldout=5, heldout_fraction=0.2))
+    ts = get_taskset(
+        _cfg("arithmetic", max_digits=1, ops=["+"], num_heldout=5, heldout_fraction=0.2)
+    )
     held = {t.key for t in ts.heldout()}
     train = {ts.train(i).key for i in range(2000)}
     assert len(train) > 50 and not held & train

@@ -73,6 +73,13 @@ class TrainerConfig(Section):
     """AdamW weight decay (matrices only)."""
     grad_clip: float = Field(default=1.0, gt=0)
     """Max global gradient norm."""
+    adam_beta2: float = Field(default=0.999, gt=0, lt=1)
+    """AdamW beta2. High on purpose: RL gradients are sparse (many all-equal groups), and a fast
+    second-moment decay lets Adam blow tiny gradients (e.g. only the router aux loss) up to full
+    lr-sized steps that wreck the policy."""
+    skip_no_signal: bool = True
+    """GRPO: skip the optimizer step when every advantage in the batch is zero (all groups have
+    equal rewards), for the same reason; the version still advances."""
     loss: Literal["grpo", "ppo"] = "grpo"
     """Policy-gradient objective: GRPO (group-relative advantages) or PPO (value head + GAE)."""
     std_norm: bool = True

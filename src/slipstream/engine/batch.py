@@ -90,9 +90,11 @@ class RunningBatch:
         self.rows.append(row)
         stops = sorted(row.stop_ids)
         if len(stops) > self.stop_NW.shape[1]:
-            wider = torch.full((self.stop_NW.shape[0], len(stops)), -1, dtype=torch.int64)
+            wider = torch.full(
+                (self.stop_NW.shape[0], len(stops)), -1, dtype=torch.int64, device=self.device
+            )
             wider[:, : self.stop_NW.shape[1]] = self.stop_NW
-            self.stop_NW = wider.to(self.device)
+            self.stop_NW = wider
         self.stop_NW[i] = -1
         if stops:
             self.stop_NW[i, : len(stops)] = torch.tensor(stops, dtype=torch.int64)

@@ -58,11 +58,14 @@ class Channel:
     def size(self) -> int:
         return len(self.peers)
 
-    def exchange_counts(self, send_counts: Sequence[int], phase: str) -> list[int]:
-        """Tell every peer how many rows it will get from me; -> rows I will get from each."""
+    def exchange_counts(
+        self, send_counts: Sequence[int], phase: str, device: torch.device
+    ) -> list[int]:
+        """Tell every peer how many rows it will get from me; -> rows I will get from each.
+        `device`: where the backend wants tensors (CUDA for NCCL, CPU for gloo)."""
         if len(send_counts) != self.size:
             raise ValueError(f"{len(send_counts)} send counts for a group of {self.size}")
-        t = torch.tensor(list(send_counts), dtype=torch.int64)
+        t = torch.tensor(list(send_counts), dtype=torch.int64, device=device)
         self.meter.add(phase, "meta", self.topo, self.rank, self.peers, [1] * self.size, 8)
         recv = torch.empty_like(t)
         dist.all_to_all_single(recv, t, group=self.group)

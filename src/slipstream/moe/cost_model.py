@@ -67,6 +67,6 @@ def distinct_nodes_per_token(
 ) -> torch.Tensor:
     """Number of distinct nodes among each token's experts (contiguous expert sharding)."""
     node_NK = torch.div(topk_idx_NK, num_experts // num_nodes, rounding_mode="floor")
-    hit = torch.zeros(topk_idx_NK.shape[0], num_nodes, dtype=torch.bool)
+    hit = torch.zeros(topk_idx_NK.shape[0], num_nodes, dtype=torch.bool, device=topk_idx_NK.device)
     hit.scatter_(1, node_NK, True)
     return hit.sum(1)

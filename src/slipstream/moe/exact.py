@@ -40,7 +40,7 @@ class ExactDispatcher(BaseDispatcher):
         order_A = torch.argsort(flat_e_A, stable=True)
         dest_A = self.topo.owner_rank(flat_e_A)
         send = torch.bincount(dest_A, minlength=self.topo.world_size).tolist()
-        recv = self.world.exchange_counts(send, "dispatch")
+        recv = self.world.exchange_counts(send, "dispatch", x_ND.device)
         x_AD = x_ND.index_select(0, order_A // K)
         recv_x_MD = self.world.send(x_AD, send, recv, "dispatch", "payload")
         # expert ids travel as int32 (E < 2^31): half the metadata of int64
@@ -56,7 +56,7 @@ class ExactDispatcher(BaseDispatcher):
             y_MD, handle.recv_counts, handle.send_counts, "combine", "payload"
         )
         inverse_A = torch.empty_like(handle.order_A)
-        inverse_A[handle.order_A] = torch.arange(handle.order_A.numel())
+        inverse_A[handle.order_A] = torch.arange(handle.order_A.numel(), device=y_MD.device)
         N, K = handle.topk_w_NK.shape
         y_NKD = back_AD.index_select(0, inverse_A).view(N, K, y_MD.shape[1])
         return torch.bmm(handle.topk_w_NK.to(y_NKD.dtype)[:, None, :], y_NKD).squeeze(1)

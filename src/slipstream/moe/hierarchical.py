@@ -56,8 +56,8 @@ def _fan_out(
     (row, destination), ordered by destination then row. -> (row of each copy, destination of
     each copy, copies per destination)."""
     X = dest_XK.shape[0]
-    hit_YX = torch.zeros((num_dest, X), dtype=torch.bool)
-    rows = torch.arange(X)[:, None].expand_as(dest_XK)
+    hit_YX = torch.zeros((num_dest, X), dtype=torch.bool, device=dest_XK.device)
+    rows = torch.arange(X, device=dest_XK.device)[:, None].expand_as(dest_XK)
     hit_YX[dest_XK[valid_XK], rows[valid_XK]] = True
     dest_C, row_C = torch.nonzero(hit_YX, as_tuple=True)
     return row_C, dest_C, hit_YX.sum(1).tolist()
@@ -90,7 +90,7 @@ class HierarchicalDispatcher(BaseDispatcher):
         on_node_C1K = node_NK.index_select(0, tok_C1) == node_C1[:, None]
         ids_C1K = torch.where(on_node_C1K, topk_idx_NK.index_select(0, tok_C1), -1)
         w_C1K = w_NK.index_select(0, tok_C1) * on_node_C1K
-        recv1 = self.rail.exchange_counts(send1, "dispatch")
+        recv1 = self.rail.exchange_counts(send1, "dispatch", x_ND.device)
         packed = torch.cat([x_ND.index_select(0, tok_C1), w_C1K], dim=1)
         r1 = self.rail.send(packed, send1, recv1, "dispatch", "payload", meta_cols=K)
         ids_R1K = self.rail.send(ids_C1K.to(torch.int32), send1, recv1, "dispatch", "meta").long()
@@ -104,7 +104,7 @@ class HierarchicalDispatcher(BaseDispatcher):
         ids_C2K = torch.where(on_rank_C2K, ids_R1K.index_select(0, row_C2), -1)
         packed2 = r1.index_select(0, row_C2)
         packed2 = torch.cat([packed2[:, :D], packed2[:, D:] * on_rank_C2K], dim=1)
-        recv2 = self.node.exchange_counts(send2, "dispatch")
+        recv2 = self.node.exchange_counts(send2, "dispatch", x_ND.device)
         r2 = self.node.send(packed2, send2, recv2, "dispatch", "payload", meta_cols=K)
         ids_R2K = self.node.send(ids_C2K.to(torch.int32), send2, recv2, "dispatch", "meta").long()
         # expand to one row per local expert

@@ -67,17 +67,18 @@ class PaddedDispatcher(BaseDispatcher):
         self.meter.start_call("dispatch")
         N, K = topk_idx_NK.shape
         R, C = self.topo.world_size, self.capacity_for(N, K)
+        dev = x_ND.device
         flat_e_A = topk_idx_NK.reshape(-1)
         dest_A = self.topo.owner_rank(flat_e_A)
         order_A = torch.argsort(dest_A, stable=True)  # by destination, token order within
         counts_R = torch.bincount(dest_A, minlength=R)
         starts_R = torch.cumsum(counts_R, 0) - counts_R
         dest_sorted = dest_A[order_A]
-        pos_A = torch.arange(order_A.numel()) - starts_R[dest_sorted]
+        pos_A = torch.arange(order_A.numel(), device=dev) - starts_R[dest_sorted]
         keep = pos_A < C
         kept_A = order_A[keep]
         slot_kept = dest_sorted[keep] * C + pos_A[keep]
-        dropped_A = torch.ones(N * K, dtype=torch.bool)
+        dropped_A = torch.ones(N * K, dtype=torch.bool, device=dev)
         dropped_A[kept_A] = False
         num_dropped = int(N * K - kept_A.numel())
         self.dropped += num_dropped
@@ -92,7 +93,7 @@ class PaddedDispatcher(BaseDispatcher):
             )
         x_AD = x_ND.index_select(0, kept_A // K)
         buf_x = x_ND.new_zeros((R * C, x_ND.shape[1])).index_copy(0, slot_kept, x_AD)
-        buf_e = torch.full((R * C,), -1, dtype=torch.int32).index_copy(
+        buf_e = torch.full((R * C,), -1, dtype=torch.int32, device=dev).index_copy(
             0, slot_kept, flat_e_A[kept_A].to(torch.int32)
         )
         even = [C] * R

@@ -135,7 +135,7 @@ class Trainer:
         if self.critic is not None:
             groups.append({"params": list(self.critic.parameters()), "weight_decay": 0.0,
                            "lr": cfg.value_lr or cfg.lr})  # fmt: skip
-        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, cfg.adam_beta2))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, self.cfg)
         )
@@ -210,6 +210,13 @@ class Trainer:
         std = (((adv_BT - mean) ** 2 * m).sum() / m.sum().clamp(min=1)).sqrt()
         return (adv_BT - mean) / (std + 1e-6) * m, ret_BT, values_BT
 
+    def _has_signal(self, adv_BT: torch.Tensor) -> bool:
+        """Any non-zero advantage on any rank (all ranks must agree to skip a step)."""
+        flag = (adv_BT.abs().max() > 0).float().reshape(1)
+        if self.world > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
     def step(self, batch: Batch) -> dict[str, float]:
         """One batch: num_minibatches optimizer steps, then version += 1."""
         cfg = self.cfg
@@ -232,8 +239,12 @@ class Trainer:
                 ref_logp_BT, _ = self._logp(self.ref_model, t)
         B = len(samples)
         mb = max(1, math.ceil(B / cfg.num_minibatches))
-        totals: dict[str, float] = {}
-        for i in range(0, B, mb):
+        totals: dict[str, float] = {"skipped": 0.0}
+        if cfg.loss == "grpo" and cfg.skip_no_signal and not self._has_signal(extra["adv_BT"]):
+            totals["skipped"] = 1.0
+            for _ in range(0, B, mb):
+                self.scheduler.step()  # the schedule counts optimizer steps that were due
+        for i in range(0, B, mb) if not totals["skipped"] else ():
             sl = slice(i, i + mb)
             part = {k: v[sl] for k, v in t.items()}
             stats = self._minibatch(part, {k: v[sl] for k, v in extra.items()},

@@ -50,7 +50,7 @@ GUEST_CID = 3
 PARENT_CGROUP = "slipstream-fc"
 VMM_OVERHEAD_MIB = 64  # Firecracker's own memory (<= 5 MiB per its spec) plus page tables, slack
 BOOT_ARGS = (
-    "console=ttyS0 quiet reboot=k panic=-1 pci=off mitigations=off random.trust_cpu=on "
+    "console=ttyS0 quiet reboot=k panic=-1 pci=off mitigations=off random.trust_cpu=on cryptomgr.notests "
     f"slipstream.ctl=vsock:{AGENT_VSOCK_PORT}"
 )
 # Paths inside the jail (the chroot is the API's filesystem root).

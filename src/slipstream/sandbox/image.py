@@ -111,7 +111,7 @@ case "$ctl" in
     chan="--device $dev";;
 esac
 ulimit -u "$pids_max"
-su -p -s /bin/sh sandbox -c "exec setpriv --nnp /usr/bin/python3 {GUEST_AGENT_PATH} --workdir {GUEST_WORKDIR} $chan"
+su -p -s /bin/sh sandbox -c "exec setpriv --nnp /usr/bin/python3 -S {GUEST_AGENT_PATH} --workdir {GUEST_WORKDIR} $chan"
 echo "slipstream-agent: agent exited with status $?"
 reboot -f
 """

@@ -54,7 +54,9 @@ class ArithmeticTaskSet(GeneratedTaskSet):
 
     def verify(self, task: Task, completion: str) -> Verdict:
         if len(completion) > MAX_ANSWER_CHARS:
-            return Verdict(0.0, f"completion too long ({len(completion)} > {MAX_ANSWER_CHARS} chars)")
+            return Verdict(
+                0.0, f"completion too long ({len(completion)} > {MAX_ANSWER_CHARS} chars)"
+            )
         text = completion.strip()
         if not text:
             return Verdict(0.0, "empty completion")

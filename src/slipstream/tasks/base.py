@@ -180,5 +180,7 @@ def get_taskset(cfg: TaskConfig, tokenizer: Tokenizer | None = None) -> TaskSet:
         raise
     make = getattr(module, "make_taskset", None)
     if make is None:
-        raise ValueError(f"task.name = {cfg.name!r}: {module_name} has no make_taskset(cfg, tokenizer)")
+        raise ValueError(
+            f"task.name = {cfg.name!r}: {module_name} has no make_taskset(cfg, tokenizer)"
+        )
     return make(cfg, tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer))

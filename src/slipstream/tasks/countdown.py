@@ -134,7 +134,9 @@ class CountdownTaskSet(GeneratedTaskSet):
             return Verdict(0.0, str(e))
         extra = Counter(parsed.numbers) - Counter(task.meta["numbers"])
         if extra:
-            return Verdict(0.0, f"uses numbers not given (or too often): {sorted(extra.elements())}")
+            return Verdict(
+                0.0, f"uses numbers not given (or too often): {sorted(extra.elements())}"
+            )
         if parsed.value != task.meta["target"]:
             return Verdict(0.0, f"wrong value: {parsed.value} != {task.meta['target']}")
         return Verdict(1.0, "correct")
