@@ -10,7 +10,7 @@ DEV=0
 
 # Debian packages: bubblewrap (bwrap sandboxes), QEMU + busybox + a cloud kernel (microVM sandboxes),
 # cpio (guest initramfs). Installed only when missing; without root we say what is missing and go on.
-APT_PKGS=(bubblewrap qemu-system-x86 busybox-static cpio lz4)
+APT_PKGS=(bubblewrap qemu-system-x86 busybox-static cpio lz4 kmod)
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

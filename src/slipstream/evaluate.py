@@ -21,7 +21,7 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from rich.console import Console
@@ -31,7 +31,10 @@ from slipstream.config import SlipstreamConfig
 from slipstream.model.tokenizer import load_tokenizer
 from slipstream.observe.metrics import make_progress
 from slipstream.sft import setup_torch, sft_dir
-from slipstream.tasks import TaskSet, get_taskset
+from slipstream.tasks import Task, TaskSet, get_taskset
+
+if TYPE_CHECKING:
+    from slipstream.model import MoEForCausalLM
 
 
 @dataclass
@@ -101,7 +104,13 @@ def generate(
 
 
 def _decode(
-    model, prompt_BP, new_tokens, eos_id, temperature, generator, cache_cls
+    model: MoEForCausalLM,
+    prompt_BP: torch.Tensor,
+    new_tokens: int,
+    eos_id: int,
+    temperature: float,
+    generator: torch.Generator | None,
+    cache_cls: type,
 ) -> list[list[int]]:
     B, P = prompt_BP.shape
     cache = cache_cls.for_model(model, B, P + new_tokens)
@@ -124,7 +133,9 @@ def _decode(
     return [row[: row.index(eos_id)] if eos_id in row else row for row in tokens_BN]
 
 
-def load_for_eval(checkpoint: str | Path, cfg: SlipstreamConfig):
+def load_for_eval(
+    checkpoint: str | Path, cfg: SlipstreamConfig
+) -> tuple[MoEForCausalLM, TaskSet, torch.device]:
     """(model in eval mode, taskset using the checkpoint's tokenizer, device)."""
     from slipstream.model import load_pretrained
 
@@ -135,7 +146,9 @@ def load_for_eval(checkpoint: str | Path, cfg: SlipstreamConfig):
     return model, get_taskset(cfg.task, tokenizer), device
 
 
-def _score(taskset: TaskSet, tasks, completions: list[list[int]]) -> list[tuple[float, str, str]]:
+def _score(
+    taskset: TaskSet, tasks: list[Task], completions: list[list[int]]
+) -> list[tuple[float, str, str]]:
     out = []
     for task, ids in zip(tasks, completions, strict=True):
         text = taskset.tokenizer.decode(ids)

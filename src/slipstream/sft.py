@@ -19,12 +19,12 @@ Not covered: gradient accumulation, multi-device training, resuming a half-finis
 from __future__ import annotations
 
 import json
-import logging
 import math
 import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -32,11 +32,14 @@ from rich.console import Console
 
 from slipstream.config import SlipstreamConfig
 from slipstream.config.run import RunConfig
+from slipstream.config.sft import SFTConfig
 from slipstream.model.tokenizer import Tokenizer
 from slipstream.observe.metrics import MetricsWriter, fmt_rate, make_progress
 from slipstream.tasks import Task, TaskSet, get_taskset
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from slipstream.model import MoEForCausalLM
+
 SUMMARY_FILE = "sft_summary.json"
 
 
@@ -86,7 +89,7 @@ def checkpoint_complete(directory: str | Path) -> bool:
 
 def build_model(
     cfg: SlipstreamConfig, tokenizer: Tokenizer, device: torch.device, dtype: torch.dtype
-):
+) -> MoEForCausalLM:
     """A fresh model from [model] (vocab_size 0 -> the tokenizer's), or `model.init_from` weights."""
     from slipstream.model import MoEForCausalLM, load_pretrained
 
@@ -129,7 +132,7 @@ def collate(
     return inputs_BT.to(device), targets_BT.to(device), mask_BT.to(device)
 
 
-def lr_at(step: int, cfg_sft) -> float:
+def lr_at(step: int, cfg_sft: SFTConfig) -> float:
     """Linear warm-up over warmup_steps, then cosine from lr to lr * min_lr_ratio at the last step."""
     peak = cfg_sft.lr
     if step < cfg_sft.warmup_steps:
@@ -223,7 +226,13 @@ def run_sft(cfg: SlipstreamConfig, console: Console | None = None) -> SFTResult:
     return result
 
 
-def save_checkpoint(model, tokenizer: Tokenizer, directory: Path, result: SFTResult, cfg) -> None:
+def save_checkpoint(
+    model: MoEForCausalLM,
+    tokenizer: Tokenizer,
+    directory: Path,
+    result: SFTResult,
+    cfg: SlipstreamConfig,
+) -> None:
     """HF-format model + tokenizer; the summary goes last so its presence marks completeness."""
     from slipstream.model import save_pretrained
 

@@ -126,6 +126,7 @@ def test_reuse_resets_and_health_check_replaces_dead(tmp_path):
             await pool.release(sb)
             again = await pool.acquire()
             assert again is sb  # reused ...
+            assert pool.stats().created == 1  # ... and not replaced behind our back meanwhile
             r = await again.exec(["sh", "-c", "ls; pgrep sleep || echo no-sleep"])
             assert r.stdout == "no-sleep\n"  # ... after a reset: files and strays gone
             await pool.release(again)
@@ -154,6 +155,7 @@ async def main():
     await pool.wait_ready(60)
     sb = await pool.acquire()
     await sb.exec(["sh", "-c", "setsid sleep 600 & echo started"])
+    await pool.wait_ready(60)  # the refill replaced the acquired one: 2 idle + 1 in use
     recs = [s.record().__dict__ for s in list(pool._idle) + [sb]]
     print(json.dumps(recs), flush=True)
     await asyncio.sleep(600)

@@ -376,3 +376,14 @@ def test_probe_says_why_not():
     ok, reason = fc.probe()
     if shutil.which("firecracker") is None:
         assert not ok and "contract-tested" in reason
+
+
+@pytest.mark.skipif(shutil.which("firecracker") is not None, reason="firecracker is installed here")
+def test_backend_refuses_cleanly_without_binaries(tmp_path):
+    from slipstream.sandbox.base import SandboxTemplate, make_backend
+    from slipstream.sandbox.errors import BackendUnavailable
+
+    backend = make_backend("firecracker", state_dir=tmp_path)
+    with pytest.raises(BackendUnavailable, match="contract-tested"):
+        run(backend.create(SandboxTemplate(backend="firecracker"), sandbox_id="fc-x"))
+    assert not (tmp_path / "jailer").exists()

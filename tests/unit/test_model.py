@@ -274,3 +274,11 @@ def test_hub_config_maps_and_sizes_match_published_counts():
         model_config_from_hf({**QWEN3_30B_A3B_CONFIG, "rope_scaling": {"rope_type": "yarn"}})
     with pytest.raises(ValueError, match="model_type"):
         model_config_from_hf({**QWEN3_30B_A3B_CONFIG, "model_type": "llama"})
+
+
+@pytest.mark.parametrize("impl", ["grouped", "loop"])
+def test_moe_block_accepts_zero_tokens(impl):
+    # an expert-parallel rank can receive no tokens at all; the block must return (0, D), not raise
+    block = SparseMoeBlock(16, 4, 2, 8, True, 0, impl)
+    out = block.experts(torch.zeros(0, 16), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2))
+    assert out.shape == (0, 16)

@@ -31,7 +31,7 @@ class RolloutConfig(Section):
     they started with (the engine's `finish_old` policy)."""
     weight_poll_s: float = Field(default=0.2, gt=0)
     """How often a worker asks the weight store for a newer version."""
-    verify_threads: int = Field(default=16, ge=1)
+    verify_threads: int = Field(default=64, ge=1)
     """Concurrent verifications per worker (verifiers may be slow: sandboxes, test suites)."""
     verify_latency: Literal["none", "lognormal"] = "none"
     """Add artificial verifier latency (benchmarks): `lognormal` draws each verification's delay

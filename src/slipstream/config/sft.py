@@ -6,7 +6,7 @@ from slipstream.config.base import Section
 
 
 class SFTConfig(Section):
-    steps: int = Field(default=600, ge=0)
+    steps: int = Field(default=1200, ge=0)
     """Optimizer steps (0 saves the initial model as the checkpoint)."""
     batch_size: int = Field(default=64, ge=1)
     """Sequences per step (step s trains on train tasks s*batch_size ... (s+1)*batch_size-1)."""

@@ -20,7 +20,7 @@ class TaskConfig(Section):
     """Share of the problem-key space reserved for the held-out split (by keyed hash)."""
     tokenizer: str = "char"
     """`char` (built-in character vocabulary), or a path to a tokenizer.json / a directory holding one."""
-    max_digits: int = Field(default=3, ge=1, le=18)
+    max_digits: int = Field(default=2, ge=1, le=18)
     """Arithmetic: operands have up to this many digits."""
     min_digits: int = Field(default=1, ge=1, le=18)
     """Arithmetic: operands have at least this many digits (digit count is uniform in the range)."""

@@ -147,12 +147,20 @@ def run_local(cfg: SlipstreamConfig, console: Any = None, *, display: bool = Tru
     progress = RLProgress(console, plain=None if display else True)
     controller = Controller(cfg, init, on_record=progress.update)
     launcher = LocalLauncher(cfg, controller.coord)
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        # Trainer pod terminated: unwind so `finally` drains and stops the workers. The run
+        # resumes from its last checkpoint when started again.
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     launcher.start()
     try:
         with progress:
             result = controller.run()
     finally:
         codes = launcher.stop()
+        signal.signal(signal.SIGTERM, previous)
     summary = {
         "mode": cfg.trainer.mode, "steps": result.steps, "wall_s (RL loop)": result.wall_s,
         "held-out pass@1 before": result.pass_at_1_before, "held-out pass@1 after": result.pass_at_1_after,

@@ -118,7 +118,7 @@ class Experts(nn.Module):
             y_AD = torch.cat(outs) if outs else x_AD.new_zeros(x_AD.shape)
         inverse_A = torch.empty_like(order_A)
         inverse_A[order_A] = torch.arange(order_A.numel(), device=order_A.device)
-        y_NkD = y_AD.index_select(0, inverse_A).view(N, k, -1)
+        y_NkD = y_AD.index_select(0, inverse_A).view(N, k, y_AD.shape[-1])
         # weighted sum over the k choices as one batched (1 x k) @ (k x D) product
         return torch.bmm(w_Nk.to(y_NkD.dtype)[:, None, :], y_NkD).squeeze(1)
 

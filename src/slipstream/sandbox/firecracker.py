@@ -288,12 +288,14 @@ class FirecrackerBackend(Backend):
             conn = await vsock_connect(root / JAIL_VSOCK.lstrip("/"), AGENT_VSOCK_PORT, remaining,
                                        name=f"firecracker-{sandbox_id}")  # fmt: skip
             await conn.wait_hello(max(template.create_timeout_s - (time.perf_counter() - t0), 1.0))
-        except (OSError, FirecrackerAPIError, SandboxBroken) as e:
+        except BaseException as e:  # noqa: BLE001 - cleanup on anything (cancellation too), then re-raise
             console = root / JAIL_CONSOLE.lstrip("/")
             tail = console.read_text(errors="replace")[-1500:] if console.exists() else ""
             await _kill_and_clean(proc, jail_dir, cgroup_dirs)
             if self.journal is not None:
                 self.journal.remove(sandbox_id)
+            if not isinstance(e, OSError | FirecrackerAPIError | SandboxBroken):
+                raise
             raise SandboxBroken(f"firecracker-{sandbox_id}: {e}; guest console: {tail!r}") from None
         boot_s = time.perf_counter() - t0
         self.boot_times_s.append(boot_s)

@@ -183,7 +183,20 @@ def _download_cloud_kernel(cache_root: Path) -> tuple[Path, Path]:
                 raise RuntimeError(f"apt-get download {package} failed: {done.stderr.strip()}")
             shutil.rmtree(unpack, ignore_errors=True)
             unpack.mkdir(parents=True)
-            subprocess.run(["dpkg", "-x", debs[0], str(unpack)], check=True)
+            done = subprocess.run(
+                ["dpkg", "-x", debs[0], str(unpack)], capture_output=True, text=True
+            )
+            if done.returncode != 0:
+                raise RuntimeError(f"dpkg -x {debs[0]} failed: {done.stderr.strip()}")
+            # modules.dep is written by depmod at install time, not shipped in the package.
+            depmod = shutil.which("depmod") or "/sbin/depmod"
+            for version_dir in (unpack / "lib" / "modules").glob("*"):
+                done = subprocess.run([depmod, "-b", str(unpack), version_dir.name],
+                                      capture_output=True, text=True)  # fmt: skip
+                if done.returncode != 0:
+                    raise RuntimeError(
+                        f"depmod for {version_dir} failed (kmod installed?): {done.stderr}"
+                    )
             (unpack / ".complete").touch()
     kernels = sorted((unpack / "boot").glob("vmlinuz-*"))
     if not kernels:
@@ -257,9 +270,9 @@ def _python_layout(python: Path) -> dict[str, str]:
         "'dynload':os.path.join(sysconfig.get_path('platstdlib'),'lib-dynload'),"
         "'version':'%d.%d'%sys.version_info[:2],'prefix':sys.prefix}))"
     )
-    out = subprocess.run(
-        [str(python), "-I", "-c", code], capture_output=True, text=True, check=True
-    )
+    out = subprocess.run([str(python), "-I", "-c", code], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"guest python {python} does not run: {out.stderr.strip()[-300:]}")
     return json.loads(out.stdout)
 
 

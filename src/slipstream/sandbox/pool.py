@@ -247,8 +247,10 @@ class SandboxPool:
                 self._spawn(self._refill_one())
 
     def _wants_more(self) -> bool:
+        # With reuse, handed-out sandboxes come back: replacing them too would churn.
+        returning = len(self._in_use) if self.opts.reuse else 0
         return (
-            len(self._idle) + self._creating < self.opts.min_idle
+            len(self._idle) + self._creating + returning < self.opts.min_idle
             and len(self._idle) < self.opts.max_idle
             and self._admissible()
         )

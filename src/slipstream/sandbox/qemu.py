@@ -175,6 +175,7 @@ async def boot_microvm(
                      qemu_binary=qemu_binary, pids_max=pids_max, workdir_mib=workdir_mib)  # fmt: skip
     t0 = time.perf_counter()
     proc = None
+    conn = None
     try:
         with open(run_dir / "qemu.log", "wb") as qemu_log:
             proc = await asyncio.create_subprocess_exec(
@@ -184,6 +185,8 @@ async def boot_microvm(
         conn = await asyncio.wait_for(_connect(proc, listener, name), hello_timeout_s)
         await conn.wait_hello(max(hello_timeout_s - (time.perf_counter() - t0), 0.1))
     except BaseException as e:  # noqa: BLE001 - cleanup on anything (cancellation too), then re-raise
+        if conn is not None:
+            conn.writer.close()
         if proc is not None and proc.returncode is None:
             proc.kill()
         if proc is not None:

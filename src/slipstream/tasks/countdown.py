@@ -14,6 +14,7 @@ numbers and the value against the target. Reward is binary; the reason says what
 
 from __future__ import annotations
 
+import logging
 import random
 from collections import Counter
 from fractions import Fraction
@@ -26,6 +27,9 @@ from slipstream.tasks.expr import ExprError, ExprLimits, parse_expression
 if TYPE_CHECKING:
     from slipstream.config.task import TaskConfig
     from slipstream.model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+_warned_fallback = False
 
 LIMITS = ExprLimits(max_chars=128, max_depth=8, max_literal_digits=6, max_abs_value=10**9)
 # Nodes the solver may visit per instance (5 numbers need up to ~1e5 in the worst case).
@@ -124,7 +128,18 @@ class CountdownTaskSet(GeneratedTaskSet):
 
     def demonstration(self, task: Task) -> str:
         found = solve(task.meta["numbers"], task.meta["target"])
-        return found if found is not None else task.meta["witness"]
+        if found is not None:
+            return found
+        global _warned_fallback
+        if not _warned_fallback:
+            log.warning(
+                "countdown: solver budget (%d nodes) ran out on %s; using the generator's witness "
+                "expression as the demonstration (logged once)",
+                SOLVER_BUDGET,
+                task.task_id,
+            )
+            _warned_fallback = True
+        return task.meta["witness"]
 
     def verify(self, task: Task, completion: str) -> Verdict:
         text = completion.strip()
