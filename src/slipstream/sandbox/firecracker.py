@@ -254,8 +254,11 @@ class FirecrackerBackend(Backend):
         ok, reason = probe()
         if not ok:
             raise BackendUnavailable(f"firecracker: {reason}")
-        image = await asyncio.to_thread(build_image, self.cache_dir)
-        vmlinux = await asyncio.to_thread(ensure_vmlinux, image)
+        try:
+            image = await asyncio.to_thread(build_image, self.cache_dir)
+            vmlinux = await asyncio.to_thread(ensure_vmlinux, image)
+        except RuntimeError as e:
+            raise BackendUnavailable(f"firecracker: guest image cannot be built: {e}") from None
         jail_dir = self.chroot_base / "firecracker" / sandbox_id
         root = jail_dir / "root"
         cgroup_dirs = jailer_cgroup_dirs(sandbox_id, self.cgroup_version)

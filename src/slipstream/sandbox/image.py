@@ -120,7 +120,7 @@ reboot -f
 @dataclass(frozen=True)
 class ImagePaths:
     """A built guest image. `kernel` is the compressed bzImage (QEMU); Firecracker needs the ELF
-    `vmlinux` that `ensure_vmlinux()` extracts from it."""
+    `vmlinux` that `firecracker.ensure_vmlinux()` extracts from it."""
 
     kernel: Path
     initramfs: Path
@@ -532,4 +532,14 @@ def build_image(cache_dir: Path | str | None = None, force: bool = False) -> Ima
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         log.info("guest image %s built in %.1f s", final, manifest["build_s"])
+        _prune(cache, keep=final)
         return paths
+
+
+def _prune(cache: Path, keep: Path, num_kept: int = 3) -> None:
+    """Old images (other inputs, e.g. an earlier agent) pile up at ~28 MB each: keep the newest
+    few, in case a running process still boots from one of them."""
+    images = sorted((d for d in cache.iterdir() if (d / "manifest.json").is_file() and d != keep),
+                    key=lambda d: d.stat().st_mtime, reverse=True)  # fmt: skip
+    for old in images[num_kept - 1 :]:
+        shutil.rmtree(old, ignore_errors=True)

@@ -125,11 +125,12 @@ def _test_boot(image: ImagePaths, qemu_binary: str, timeout_s: float) -> tuple[b
             proc.kill()
         if proc is not None:
             proc.wait()
-        stderr = (run_dir / "qemu.log").read_text(errors="replace").strip()[-400:]
-        return False, (
-            f"a KVM test boot did not reach the guest agent within {timeout_s} s "
-            f"({type(e).__name__}: {e}; QEMU exit {proc.returncode if proc else None}: {stderr!r})"
-        )
+        lines = (run_dir / "qemu.log").read_text(errors="replace").strip().splitlines()
+        if proc is not None and proc.returncode not in (None, -9):
+            why = f"QEMU exited with {proc.returncode}: {lines[0] if lines else 'no message'}"
+        else:
+            why = f"the guest hung ({type(e).__name__}: {e})"
+        return False, f"a KVM test boot did not reach the guest agent within {timeout_s} s: {why}"
     finally:
         if proc is not None and proc.poll() is None:
             proc.kill()

@@ -296,7 +296,12 @@ class QemuBackend(Backend):
                 image = image_from_dir(template.image)
             else:
                 if self._default_image is None:
-                    self._default_image = await asyncio.to_thread(build_image, self.cache_dir)
+                    try:
+                        self._default_image = await asyncio.to_thread(build_image, self.cache_dir)
+                    except RuntimeError as e:  # no kernel, busybox-static or guest Python
+                        raise BackendUnavailable(
+                            f"qemu: guest image cannot be built: {e}"
+                        ) from None
                 image = self._default_image
             if self.accel is None:
                 from slipstream.sandbox.kvm import probe_kvm
