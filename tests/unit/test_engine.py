@@ -230,7 +230,17 @@ def test_hot_swap_from_hf_directory(tmp_path):
         check_hot_swap(eng, lambda: eng.update_weights(1, str(tmp_path / "ckpt")), expected, 1)
         with pytest.raises(ValueError):
             eng.update_weights(2, str(tmp_path / "missing"))
+        with pytest.raises(ValueError, match="no .safetensors"):
+            eng.update_weights(2, (tmp_path / "missing").as_uri().replace("missing", ""))
         assert eng.version == 1
+        # a URL (fsspec): back to the original weights, then the same outputs as a fresh engine
+        save_pretrained(tiny_model(), tmp_path / "v0")
+        eng.update_weights(5, (tmp_path / "v0").as_uri())
+        with make_engine(tiny_model()) as fresh:
+            want = fresh.generate(hot_swap_requests())
+        got = eng.generate(hot_swap_requests())
+        assert [c.token_ids for c in got] == [c.token_ids for c in want]
+        assert {v for c in got for v in c.versions} == {5}
 
 
 def test_mid_flight_continue_new_tags_versions(model):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from slipstream.cli import add_config_args
+from slipstream.cli.sft import prefer_passive_omp
 from slipstream.config import load_config
 
 
@@ -28,6 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
+    prefer_passive_omp()
     from slipstream.evaluate import run_eval
 
     run_eval(cfg, args.checkpoint)

@@ -1,5 +1,8 @@
-"""`slipstream run`: the main job. Until the asynchronous RL loop lands it is: SFT warm start
-(skipped when a complete checkpoint already exists) then held-out evaluation, printing the result."""
+"""`slipstream run`: the main job. SFT warm start when no start checkpoint exists (skipped when
+<run.output_dir>/sft/checkpoint is complete or model.init_from is set), then the RL loop: the
+trainer in this process and rollout.num_workers rollout worker processes (launch/local.py), a
+live progress display, JSON-lines metrics, TensorBoard events when installed, and a final report
+with the reward curve (<run.output_dir>/report.md, reward_curve.png)."""
 
 from __future__ import annotations
 
@@ -12,31 +15,42 @@ from slipstream.config import load_config
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "run",
-        help="the main job: SFT warm start, then held-out evaluation",
-        description="SFT warm start of the policy on [task] (skipped if <run.output_dir>/sft/checkpoint "
-        "is complete, unless --force-sft), then held-out pass@1/pass@k evaluation.",
+        help="the main job: SFT warm start if needed, then asynchronous RL with rollout workers",
+        description=__doc__,
     )
     add_config_args(p)
-    p.add_argument("--force-sft", action="store_true", help="retrain even if a checkpoint exists")
+    p.add_argument(
+        "--force-sft", action="store_true", help="retrain the SFT start even if it exists"
+    )
+    p.add_argument(
+        "--plain", action="store_true", help="one line per step instead of the live table"
+    )
     p.set_defaults(func=cmd_run)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
+    import logging
+
     from rich.console import Console
 
-    from slipstream.evaluate import run_eval
-    from slipstream.sft import checkpoint_complete, run_sft, sft_dir
+    from slipstream.launch.local import run_local
 
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     console = Console()
-    ckpt = sft_dir(cfg) / "checkpoint"
-    if checkpoint_complete(ckpt) and not args.force_sft:
-        console.print(f"[bold]sft[/] skipped: checkpoint exists at {ckpt} (--force-sft retrains)")
-    else:
+    if args.force_sft and not cfg.model.init_from:
+        from slipstream.sft import run_sft
+
         run_sft(cfg, console)
-    report = run_eval(cfg, ckpt, console)
+    result = run_local(cfg, console, display=not args.plain)
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.1f}%"
+
     console.print(
-        f"[bold]result[/] {cfg.task.name} held-out pass@1 (greedy) = "
-        f"{100 * report.pass_at_1_greedy:.1f}% over {report.num_prompts} prompts"
+        f"[bold]result[/] {cfg.task.name} held-out pass@1 (greedy): {pct(result.pass_at_1_before)} "
+        f"-> {pct(result.pass_at_1_after)} after {result.steps} RL steps in {result.wall_s:.0f} s "
+        f"({cfg.trainer.mode}, {result.samples_per_s:.1f} samples/s, trainer idle "
+        f"{100 * result.trainer_idle_frac:.0f}%)"
     )
     return 0

@@ -121,7 +121,7 @@ def create_app(engine: NativeEngine, tokenizer: Any = None, model_path: str = ""
             version = engine.version + 1 if obj.weight_version is None else int(obj.weight_version)
         except ValueError:
             return _error(400, f"weight_version {obj.weight_version!r} is not an integer")
-        if not Path(obj.model_path).is_dir():
+        if "://" not in obj.model_path and not Path(obj.model_path).is_dir():
             content = {
                 "success": False,
                 "message": f"{obj.model_path} is not a directory",

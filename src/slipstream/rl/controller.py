@@ -122,8 +122,9 @@ class Controller:
         )
         self.model.train()
         self.trainer = Trainer(
-            self.model, cfg.trainer, pad_id=self.taskset.tokenizer.pad_id, device=self.device
-        )
+            self.model, cfg.trainer, pad_id=self.taskset.tokenizer.pad_id, device=self.device,
+            temperature=cfg.rollout.temperature or 1.0,
+        )  # fmt: skip
         self.weights = WeightStore(store_url(cfg), cfg.store.keep_last, storage_options(cfg))
         self.ckpts = CheckpointStore(self.weights.blob, cfg.store.keep_checkpoints)
         self.max_staleness = effective_staleness(cfg)

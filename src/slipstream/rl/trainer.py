@@ -113,10 +113,18 @@ class Trainer:
         *,
         pad_id: int,
         device: torch.device | str = "cpu",
+        temperature: float = 1.0,
     ) -> None:
+        if temperature <= 0:
+            raise ValueError(
+                f"trainer temperature must be > 0 (rollout.temperature), got {temperature}"
+            )
         self.model = model
         self.cfg = cfg
         self.pad_id = pad_id
+        # The policy being optimised is the sampling policy: logits / rollout temperature, so the
+        # trainer's log-probabilities are comparable with the engine's behaviour log-probabilities.
+        self.temperature = temperature
         self.device = torch.device(device)
         self.step_count = 0
         self.version = 0
@@ -184,7 +192,7 @@ class Trainer:
     def _logp(self, model: nn.Module, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:
         with self._autocast():
             out = model(t["inputs_BT"], token_mask_BT=t["mask_BT"])
-        return token_logprobs(out.logits_BTV, t["targets_BT"]), out
+        return token_logprobs(out.logits_BTV / self.temperature, t["targets_BT"]), out
 
     def _advantages(
         self, groups: list[Group], t: dict[str, torch.Tensor]
@@ -277,7 +285,9 @@ class Trainer:
         stats["pg_loss"] = float(pg_loss.detach())
         stats["aux_loss"] = float(out.aux_loss.detach())
         if cfg.entropy_coef > 0:
-            ent = aggregate(entropy_from_logits(out.logits_BTV), mask_BT, cfg.aggregation)
+            ent = aggregate(
+                entropy_from_logits(out.logits_BTV / self.temperature), mask_BT, cfg.aggregation
+            )
             loss = loss - cfg.entropy_coef * ent
             stats["entropy"] = float(ent.detach())
         if ref_logp_BT is not None:

@@ -212,6 +212,9 @@ class BwrapBackend(Backend):
             mems=mems,
         )
         cgroup = self.cgroups.create(sandbox_id, limits)
+        # Start at the lowest CPU weight: a warm pool refills while other sandboxes run commands,
+        # and their latency matters more than how fast a spare sandbox gets ready.
+        cgroup.set_cpu_weight(1)
         if self.journal:  # before any process exists: a crash from here on is reaped
             self.journal.write(
                 SandboxRecord(sandbox_id=sandbox_id, backend=self.name, cgroup_paths=cgroup.dirs)
@@ -245,6 +248,7 @@ class BwrapBackend(Backend):
             raise
         finally:
             os.close(fd)
+        cgroup.set_cpu_weight(100)
         sb = BwrapSandbox(
             sandbox_id,
             template,

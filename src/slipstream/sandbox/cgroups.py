@@ -127,6 +127,17 @@ class Cgroup:
             if (d / "cpu.max").exists():
                 _write(d / "cpu.max", f"{quota} {CFS_PERIOD_US}")
 
+    def set_cpu_weight(self, weight: int) -> None:
+        """CPU weight relative to siblings (v2 `cpu.weight` scale: 1..10000, default 100; v1
+        `cpu.shares` = weight x 10.24). Used to start sandboxes in the background (weight 1)."""
+        d = self._dir("cpu")
+        if d is None:
+            return
+        if self.version == 1:
+            _write(d / "cpu.shares", str(max(2, weight * 1024 // 100)))
+        elif (d / "cpu.weight").exists():
+            _write(d / "cpu.weight", str(max(1, min(10000, weight))))
+
     def oom_kills(self) -> int:
         d = self._dir("memory")
         if d is None:

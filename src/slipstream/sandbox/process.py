@@ -15,12 +15,16 @@ agent's process tree after the agent itself was SIGKILLed (no cgroup to find the
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import ctypes
+import functools
 import logging
 import os
 import resource
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -52,7 +56,7 @@ class SubprocessSandbox(AgentSandbox):
     def __init__(
         self,
         *args: object,
-        proc: asyncio.subprocess.Process,
+        proc: SpawnedProcess,
         dirs: list[str],
         stderr_tail: bytearray,
         **kwargs: object,
@@ -79,6 +83,9 @@ class SubprocessSandbox(AgentSandbox):
         except TimeoutError:
             self.proc.kill()
             await self.proc.wait()
+        if self.proc.stderr_drain is not None:  # EOF follows the exit; let the task finish
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.proc.stderr_drain, 1.0)
         if self.cgroup is not None:
             await asyncio.to_thread(self.cgroup.kill_and_remove)
         for d in self.dirs:
@@ -91,6 +98,59 @@ async def _drain_stderr(stream: asyncio.StreamReader, tail: bytearray) -> None:
         del tail[:-STDERR_TAIL_BYTES]
 
 
+# Sandboxes are spawned from these long-lived threads: fork + preexec_fn + exec then block a spawner
+# thread, not the event loop that is relaying other sandboxes' output. The threads live until the
+# interpreter exits, which matters: PR_SET_PDEATHSIG (ours and bwrap's --die-with-parent) fires when
+# the *thread* that forked the child ends.
+_SPAWNER = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="sandbox-spawn")
+
+
+class _WriteProtocol(asyncio.streams.FlowControlMixin):
+    def __init__(self) -> None:
+        super().__init__()
+        self._closed = asyncio.get_running_loop().create_future()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        if not self._closed.done():
+            self._closed.set_result(None)
+
+    def _get_close_waiter(self, stream: object) -> asyncio.Future[None]:
+        return self._closed
+
+
+class SpawnedProcess:
+    """A child started by `subprocess.Popen` on a spawner thread; offers the calls of
+    `asyncio.subprocess.Process` the sandboxes use (pid, returncode, wait, kill)."""
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self.popen = popen
+        self.pid = popen.pid
+        self.stderr_drain: asyncio.Task[None] | None = None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.poll()
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+
+    async def wait(self) -> int:
+        if (rc := self.popen.poll()) is not None:
+            return rc
+        loop = asyncio.get_running_loop()
+        fd = os.pidfd_open(self.pid)
+        done = loop.create_future()
+        loop.add_reader(fd, lambda: done.done() or done.set_result(None))
+        try:
+            await done
+        finally:
+            loop.remove_reader(fd)
+            os.close(fd)
+        return self.popen.wait()
+
+
 async def start_agent_subprocess(
     argv: list[str],
     *,
@@ -98,27 +158,39 @@ async def start_agent_subprocess(
     template: SandboxTemplate,
     preexec_fn: Callable[[], None],
     pass_fds: tuple[int, ...] = (),
-) -> tuple[asyncio.subprocess.Process, AgentConnection, bytearray]:
+) -> tuple[SpawnedProcess, AgentConnection, bytearray]:
     """Spawn the agent command, keep the last bytes of its stderr, wait for hello."""
-    tail = bytearray()
-    proc = await asyncio.create_subprocess_exec(
-        *argv,
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        preexec_fn=preexec_fn,
-        pass_fds=pass_fds,
-        env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+    loop = asyncio.get_running_loop()
+    popen = await loop.run_in_executor(
+        _SPAWNER,
+        functools.partial(
+            subprocess.Popen,
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            bufsize=0,
+            preexec_fn=preexec_fn,
+            pass_fds=pass_fds,
+            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+        ),
     )
-    assert proc.stdout is not None and proc.stdin is not None and proc.stderr is not None
-    drain = asyncio.get_running_loop().create_task(_drain_stderr(proc.stderr, tail))
+    proc = SpawnedProcess(popen)
+    assert popen.stdin is not None and popen.stdout is not None and popen.stderr is not None
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), popen.stdout)
+    err_reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(err_reader), popen.stderr)
+    transport, protocol = await loop.connect_write_pipe(_WriteProtocol, popen.stdin)
+    writer = asyncio.StreamWriter(transport, protocol, None, loop)
+    tail = bytearray()
+    drain = proc.stderr_drain = loop.create_task(_drain_stderr(err_reader, tail))
     drain.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
-    conn = AgentConnection(proc.stdout, proc.stdin, name=sandbox_id)
+    conn = AgentConnection(reader, writer, name=sandbox_id)
     try:
         await conn.wait_hello(template.create_timeout_s)
     except SandboxBroken as e:
-        if proc.returncode is None:
-            proc.kill()
+        proc.kill()
         await proc.wait()
         await asyncio.wait_for(drain, 2.0)
         raise SandboxBroken(
