@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+# Idle OpenMP threads sleep instead of spinning. Set before any subcommand imports torch (libgomp
+# reads it when it loads): on a shared or oversubscribed machine, spinning threads made 2-thread
+# training 20-60x slower than 1-thread (measured, docs/tasks-and-sft.md). A user's value is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from slipstream.config import ConfigError
 
