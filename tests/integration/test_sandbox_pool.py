@@ -4,6 +4,7 @@ reaping after kill -9 of the pool's process, and a clean stop that leaves nothin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -17,7 +18,7 @@ import pytest
 
 from slipstream.sandbox.base import SandboxTemplate
 from slipstream.sandbox.errors import AdmissionTimeout
-from slipstream.sandbox.journal import process_alive
+from slipstream.sandbox.journal import Journal, process_alive, reap_record
 from slipstream.sandbox.pool import PoolOptions, SandboxPool
 from slipstream.sandbox.topology import parse_cpulist
 
@@ -132,8 +133,12 @@ def test_reuse_resets_and_health_check_replaces_dead(tmp_path):
             await pool.release(again)
             await pool.wait_ready()
             victim = pool._idle[0]
-            victim.proc.kill()  # the warm sandbox dies while idle
+            for pid in victim.cgroup.pids():  # the warm sandbox dies while idle: all of it
+                with contextlib.suppress(ProcessLookupError):  # PDEATHSIG may be faster
+                    os.kill(pid, signal.SIGKILL)
             await victim.proc.wait()
+            while victim.cgroup.pids():
+                await asyncio.sleep(0.01)
             fresh = await pool.acquire()
             assert fresh is not victim and pool.stats().health_failures == 1
             assert (await fresh.exec(["true"])).exit_code == 0
@@ -165,6 +170,14 @@ asyncio.run(main())
 
 
 def test_orphans_reaped_after_kill_9(tmp_path):
+    try:
+        records = _crash_a_pool(tmp_path)
+        _check_reaped(tmp_path, records)
+    finally:  # even when an assertion failed: leave nothing on the machine
+        Journal(tmp_path).reap_orphans(lambda name: reap_record)
+
+
+def _crash_a_pool(tmp_path) -> list[dict]:
     proc = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(POOL_SCRIPT), str(tmp_path)],
         stdout=subprocess.PIPE,
@@ -178,6 +191,10 @@ def test_orphans_reaped_after_kill_9(tmp_path):
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+    return records
+
+
+def _check_reaped(tmp_path, records) -> None:
     journal_dir = tmp_path / "journal"
     assert len(list(journal_dir.glob("*.json"))) == 3  # the crash left its journal behind
     leftover_cgroups = [d for r in records for d in r["cgroup_paths"] if os.path.exists(d)]

@@ -12,7 +12,10 @@ from slipstream.observe.report import write_report
 
 
 def test_report_writes_png_and_markdown(tmp_path: Path) -> None:
-    records = [{"step": i, "reward_mean": i / 20, "pass_at_1": 0.1 if i % 5 == 0 else None} for i in range(1, 21)]
+    records = [
+        {"step": i, "reward_mean": i / 20, "pass_at_1": 0.1, "evaluated": i % 5 == 0}
+        for i in range(1, 21)
+    ]
     path = write_report(tmp_path, {"steps": 20, "held-out pass@1 after": 0.4}, records)
     png = tmp_path / "reward_curve.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -119,3 +119,19 @@ def test_two_process_gloo_matches_single_process(tmp_path: Path) -> None:
         torch.testing.assert_close(r0[k], v, rtol=1e-4, atol=1e-5)
         moved |= not torch.equal(v, tiny_model(aux=0.0).state_dict()[k])
     assert moved
+
+
+def test_batch_without_signal_skips_the_optimizer_step() -> None:
+    model = tiny_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = make_batch()
+    for g in batch.groups:
+        for s in g.samples:
+            s.reward = 1.0  # all equal: every GRPO advantage is zero
+    trainer = Trainer(model, TrainerConfig(lr=1e-2), pad_id=0)
+    metrics = trainer.step(batch)
+    assert metrics["skipped"] == 1.0 and trainer.version == 1
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    trainer = Trainer(model, TrainerConfig(lr=1e-2, skip_no_signal=False), pad_id=0)
+    assert trainer.step(batch)["skipped"] == 0.0
+    assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())  # aux loss

@@ -33,8 +33,10 @@ def sandbox_runner(tmp_path_factory):
         )  # fmt: skip
     )
     run = loop.run_until_complete
-    yield run, sb, backend
-    run(sb.release())
+    try:
+        yield run, sb, backend
+    finally:
+        run(sb.release())
     loop.close()
 
 

@@ -82,7 +82,8 @@ def run_mode(cfg: Any, init: str) -> dict[str, Any]:
         result = controller.run()
     finally:
         launcher.stop()
-    tail = result.records[-max(1, len(result.records) // 3) :]
+    steps = [r for r in result.records if "reward_mean" in r]
+    tail = steps[-max(1, len(steps) // 3) :]
     return {
         "mode": cfg.trainer.mode,
         "max_staleness": controller.max_staleness,

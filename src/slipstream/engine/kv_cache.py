@@ -65,7 +65,11 @@ class SlotKVCache:
         self._rows_B = torch.arange(num_rows, device=pos_B.device)
         self._pos_B = pos_B
         span_S = torch.arange(self._span, device=pos_B.device)
-        self._mask_B11S = (span_S[None, :] <= pos_B[:, None])[:, None, None, :]
+        # An additive float mask, built once per step: SDPA would otherwise convert a bool mask in
+        # every layer (and its float-mask path measured faster on CPU).
+        hidden_B11S = (span_S[None, :] > pos_B[:, None])[:, None, None, :]
+        mask_B11S = torch.zeros(hidden_B11S.shape, dtype=self.k_LNKSD.dtype, device=pos_B.device)
+        self._mask_B11S = mask_B11S.masked_fill_(hidden_B11S, float("-inf"))
 
     def begin_mixed(
         self, pos_B: torch.Tensor, max_pos: int, parts: list[tuple[int, int, int]]

@@ -77,4 +77,5 @@ class RLProgress:
                 f"queue {_fmt(s.get('queue_pending'))}/{_fmt(s.get('queue_leased'))} "
                 f"idle {_fmt(s.get('trainer_idle_frac'), '.0%')}",
                 highlight=False,
+                soft_wrap=True,
             )

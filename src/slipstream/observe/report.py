@@ -24,7 +24,11 @@ def plot_reward_curve(records: list[dict[str, Any]], path: str | Path) -> Path:
             for i in range(len(rewards))
         ]
         ax.plot(steps, smooth, lw=2, label=f"moving mean ({w} steps)")
-    evals = [(r["step"], r["pass_at_1"]) for r in records if r.get("pass_at_1") is not None]
+    evals = [
+        (r["step"], r["pass_at_1"])
+        for r in records
+        if r.get("evaluated") and r.get("pass_at_1") is not None
+    ]
     if evals:
         ax.plot([e[0] for e in evals], [e[1] for e in evals], "o--", label="held-out pass@1")
     ax.set_xlabel("trainer step")

@@ -200,14 +200,15 @@ class Controller:
             train_s = time.monotonic() - t_train
             samples_total += len(batch.samples)
             step = self.trainer.step_count
-            if self.evaluate and tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
+            evaluated = bool(self.evaluate and tc.eval_every and step % tc.eval_every == 0)
+            if evaluated:
                 pass_now = heldout_pass_at_1(self.model, self.taskset, cfg)
             elapsed = time.monotonic() - t_start
             status = self.coord.status()
             last_reward = m["reward_mean"]
             rec = {
                 "step": step, "version": self.trainer.version, **m,
-                "pass_at_1": pass_now, "idle_s": idle_s, "train_s": train_s,
+                "pass_at_1": pass_now, "evaluated": evaluated, "idle_s": idle_s, "train_s": train_s,
                 "staleness_max": max(batch.staleness), "staleness_mean": sum(batch.staleness) / len(batch.staleness),
                 "task_ids": batch.task_ids, "elapsed_s": elapsed,
                 "samples_per_s": samples_total / max(elapsed, 1e-9),
@@ -228,7 +229,13 @@ class Controller:
                 self.checkpoint()
         self.coord.request_stop()
         wall_s = time.monotonic() - t_start
-        pass_after = heldout_pass_at_1(self.model, self.taskset, cfg) if self.evaluate else None
+        pass_after = None
+        if self.evaluate:
+            last = records[-1] if records else None
+            if last is not None and last["evaluated"] and last["step"] == self.trainer.step_count:
+                pass_after = last["pass_at_1"]  # just evaluated at the last step
+            else:
+                pass_after = heldout_pass_at_1(self.model, self.taskset, cfg)
         if not tc.checkpoint_every or self.trainer.step_count % tc.checkpoint_every:
             self.checkpoint()
         final = {"event": "end", "pass_at_1": pass_after, "pass_at_1_before": self.pass_before,
@@ -243,5 +250,6 @@ class Controller:
             pass_at_1_after=pass_after, samples_per_s=samples_total / max(wall_s, 1e-9),
             trainer_idle_frac=idle_total / max(wall_s, 1e-9), final_reward=last_reward,
             metrics_path=str(self.out_dir / "metrics.jsonl"), resumed_from=self.resumed_from,
-            records=records,
+            records=[{"step": 0, "pass_at_1": self.pass_before, "evaluated": True}, *records,
+                     {"step": self.trainer.step_count, "pass_at_1": pass_after, "evaluated": True}],
         )  # fmt: skip

@@ -249,9 +249,8 @@ class Trainer:
         mb = max(1, math.ceil(B / cfg.num_minibatches))
         totals: dict[str, float] = {"skipped": 0.0}
         if cfg.loss == "grpo" and cfg.skip_no_signal and not self._has_signal(extra["adv_BT"]):
-            totals["skipped"] = 1.0
-            for _ in range(0, B, mb):
-                self.scheduler.step()  # the schedule counts optimizer steps that were due
+            # No optimizer step (the LR schedule counts the steps taken); loss is undefined.
+            totals.update(skipped=1.0, loss=float("nan"), pg_loss=float("nan"))
         for i in range(0, B, mb) if not totals["skipped"] else ():
             sl = slice(i, i + mb)
             part = {k: v[sl] for k, v in t.items()}
