@@ -167,7 +167,8 @@ class MoEForCausalLM(nn.Module):
     ) -> ModelOutput:
         """Logits for every input position. Without a cache: causal attention over the T tokens
         given (no padding mask: right-pad batches). With a cache: see `KVCache`.
-        `token_mask_BT` (optional, bool) only excludes tokens from the router losses.
+        `token_mask_BT` (optional, bool) only excludes tokens from the router losses, which are
+        not computed (aux_loss = 0) for cached forwards under torch.no_grad / inference_mode.
         `logits_to_keep` > 0 returns logits for the last that many positions only (saves the
         (B, T, V) projection at prefill); 0 keeps all."""
         B, T = input_ids_BT.shape
@@ -191,9 +192,11 @@ class MoEForCausalLM(nn.Module):
         if logits_to_keep > 0:
             x_BTD = x_BTD[:, -logits_to_keep:]
         logits_BTV = self.lm_head(self.model.norm(x_BTD)).float()
-        if not router_logits:
+        # Router losses are a training signal: skip them for cached inference without autograd
+        # (the engine's decode loop), where they cost ~10% of a small model's step for nothing.
+        if not router_logits or (cache is not None and not torch.is_grad_enabled()):
             zero = torch.zeros((), device=logits_BTV.device)
-            return ModelOutput(logits_BTV, zero)
+            return ModelOutput(logits_BTV, zero, tuple(router_logits) or None)
         cfg = self.config
         mask_N = None if token_mask_BT is None else token_mask_BT.reshape(-1)
         lb = load_balancing_loss(router_logits, cfg.num_experts, cfg.num_experts_per_tok, mask_N)
