@@ -110,9 +110,7 @@ class Proxy:
                     pass
 
 
-@pytest.fixture
-def moto() -> Iterator[int]:
-    port = free_port()
+def start_moto(port: int) -> subprocess.Popen:
     proc = subprocess.Popen(
         [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
@@ -128,6 +126,13 @@ def moto() -> Iterator[int]:
                 proc.kill()
                 raise RuntimeError("moto_server did not start") from None
             time.sleep(0.1)
+    return proc
+
+
+@pytest.fixture
+def moto() -> Iterator[int]:
+    port = free_port()
+    proc = start_moto(port)
     yield port
     proc.kill()
     proc.wait()
@@ -186,3 +191,35 @@ def test_s3_server_killed_mid_publish(moto: int) -> None:
     assert reader.versions() == [1, 2, 3]
     assert torch.equal(reader.fetch(2)["b.weight"], sd(2)["b.weight"])
     proxy2.kill()
+
+
+def test_s3_moto_process_killed_mid_publish() -> None:
+    """The real server process gets SIGKILL between the weights and the manifest: the publish
+    fails loudly; a fresh server on the same port (moto keeps no state) takes the next publish,
+    and readers only ever see complete versions."""
+    port = free_port()
+    proc = start_moto(port)
+    try:
+        make_bucket(port)
+        store = WeightStore("s3://bucket/run", keep_last=3, storage_options=s3_options(port))
+        real_put = store.blob.put
+
+        def put_then_kill(rel: str, data: bytes) -> None:
+            real_put(rel, data)
+            if rel.endswith("model.safetensors"):
+                proc.kill()
+                proc.wait()
+
+        store.blob.put = put_then_kill  # type: ignore[method-assign]
+        with pytest.raises(Exception):  # noqa: B017 - botocore/aiohttp raise various types
+            store.publish(1, sd(1))
+        proc = start_moto(port)
+        make_bucket(port)
+        store2 = WeightStore("s3://bucket/run", keep_last=3, storage_options=s3_options(port))
+        assert store2.versions() == []
+        store2.publish(1, sd(1))
+        assert store2.versions() == [1]
+        assert torch.equal(store2.fetch(1)["a.weight"], sd(1)["a.weight"])
+    finally:
+        proc.kill()
+        proc.wait()
