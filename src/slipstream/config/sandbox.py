@@ -46,3 +46,5 @@ class SandboxConfig(Section):
     """Admission: MemAvailable must exceed a new sandbox's memory_mib by this much."""
     state_dir: str | None = None
     """Journal of live sandboxes (crash recovery) and work dirs (default: $XDG_RUNTIME_DIR or /tmp, per user)."""
+    verify_in_sandbox: Literal["auto", "always", "never"] = "auto"
+    """RL rollout verification through a per-worker SandboxPool: auto (when the task set has a sandboxed verifier, i.e. it executes model output: `code`), always (fail if the task has none), never (the task's verifier in-process)."""

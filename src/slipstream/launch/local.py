@@ -8,6 +8,11 @@
   replacing capacity) until the run stops; its leases expire and are redelivered.
 - Shutdown: the coordinator's stop flag makes workers drain and exit 0; stragglers get SIGTERM
   after `rollout.drain_timeout_s`, then SIGKILL.
+- Verification: each worker verifies with `make_verifier` (rl/verifier.py): tasks that execute
+  model output (`code`) go through a SandboxPool the worker owns (`sandbox.verify_in_sandbox`),
+  stopped when the worker exits, SIGTERM drain included; a SIGKILLed worker's sandboxes die with it
+  (`--die-with-parent`) and its next incarnation's pool reaps their cgroups from the journal. The
+  launcher checks once, before spawning workers, that the sandbox backend works here.
 
 Worker processes run `python -m slipstream.launch.local worker --spec FILE --worker-id ID`.
 """
@@ -15,6 +20,7 @@ Worker processes run `python -m slipstream.launch.local worker --spec FILE --wor
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -51,6 +57,7 @@ class LocalLauncher:
         from slipstream.rl.controller import store_url
         from slipstream.rl.coordinator import serve
 
+        check_sandbox_backend(self.cfg)
         authkey = secrets.token_bytes(16)
         address = serve(self.coord, authkey)
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -114,6 +121,19 @@ class LocalLauncher:
                 p.kill()
                 p.wait()
         return {i: p.returncode for i, p in procs.items()}
+
+
+def check_sandbox_backend(cfg: SlipstreamConfig) -> None:
+    """Fail before any worker starts (and crash-loops) when the workers will verify in a sandbox
+    and `sandbox.backend` cannot run here (BackendUnavailable names the reason)."""
+    from slipstream.rl.verifier import wants_sandbox
+    from slipstream.sandbox import make_backend
+    from slipstream.tasks import get_taskset
+
+    if not wants_sandbox(cfg.sandbox.verify_in_sandbox, get_taskset(cfg.task)):
+        return
+    backend = make_backend(cfg.sandbox.backend, state_dir=cfg.sandbox.state_dir)
+    asyncio.run(backend.close())
 
 
 def start_checkpoint(cfg: SlipstreamConfig, console: Any = None) -> str:
@@ -185,7 +205,7 @@ def build_worker(spec: dict[str, Any], worker_id: str, coord: Any = None):
     from slipstream.model import load_pretrained
     from slipstream.rl.controller import storage_options
     from slipstream.rl.coordinator import connect
-    from slipstream.rl.verifier import InProcessVerifier, LatencyInjector
+    from slipstream.rl.verifier import LatencyInjector, close_verifier, make_verifier
     from slipstream.rl.weights import WeightStore
     from slipstream.rl.worker import RolloutWorker
     from slipstream.tasks import get_taskset
@@ -211,14 +231,34 @@ def build_worker(spec: dict[str, Any], worker_id: str, coord: Any = None):
         }
     )
     engine = NativeEngine(model, engine_cfg, tokenizer=taskset.tokenizer, version=version)
-    verifier: Any = InProcessVerifier(taskset)
+    try:
+        verifier: Any = make_verifier(cfg.sandbox, taskset)  # owns a SandboxPool for `code`
+    except BaseException:
+        engine.close()
+        raise
     rc = cfg.rollout
     if rc.verify_latency == "lognormal":
         verifier = LatencyInjector(verifier, rc.verify_latency_p50_s, rc.verify_latency_p99_over_p50,
                                    seed=hash(worker_id) & 0xFFFF)  # fmt: skip
-    worker = RolloutWorker(worker_id, coord, engine, taskset, verifier, rc, weights=store,
-                           max_new_tokens=cfg.engine.max_new_tokens, run_seed=cfg.run.seed)  # fmt: skip
+    try:
+        worker = RolloutWorker(worker_id, coord, engine, taskset, verifier, rc, weights=store,
+                               max_new_tokens=cfg.engine.max_new_tokens, run_seed=cfg.run.seed)  # fmt: skip
+    except BaseException:
+        close_verifier(verifier)
+        engine.close()
+        raise
     return worker, engine
+
+
+def close_worker(worker: Any, engine: Any) -> None:
+    """Release what build_worker made: the verifier's sandbox pool (every sandbox, cgroup and
+    journal entry) and the engine. Call after worker.run() returned (its verifications are done)."""
+    from slipstream.rl.verifier import close_verifier
+
+    try:
+        close_verifier(worker.verifier)
+    finally:
+        engine.close()
 
 
 def worker_main(argv: list[str]) -> int:
@@ -235,7 +275,7 @@ def worker_main(argv: list[str]) -> int:
     try:
         rc = worker.run()
     finally:
-        engine.close()
+        close_worker(worker, engine)
     log.info("exiting %d: %s", rc, worker.stats)
     return rc
 
