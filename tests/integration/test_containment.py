@@ -19,8 +19,9 @@ from slipstream.sandbox.base import SandboxTemplate, make_backend
 from slipstream.sandbox.errors import BackendUnavailable, SandboxBroken
 from slipstream.sandbox.journal import Journal, process_alive
 
-# qemu boots one TCG guest per test (~20 s each on a busy 2-core machine): opt in with
-# SLIPSTREAM_VM_CONTAINMENT=1 so the default suite stays within its time budget.
+# qemu boots one TCG guest per test (~15 s each on a 2-core machine, 11 tests ~ 2.8 min): it runs
+# by default, because containment must hold in every isolating backend the host has; skip it with
+# SLIPSTREAM_VM_CONTAINMENT=0 (or `-m "not vm"`) for a quick local loop.
 BACKENDS = [
     "bwrap",
     pytest.param(
@@ -29,8 +30,8 @@ BACKENDS = [
             pytest.mark.vm,
             pytest.mark.slow,
             pytest.mark.skipif(
-                os.environ.get("SLIPSTREAM_VM_CONTAINMENT") != "1",
-                reason="qemu containment suite is opt-in: SLIPSTREAM_VM_CONTAINMENT=1",
+                os.environ.get("SLIPSTREAM_VM_CONTAINMENT") == "0",
+                reason="qemu containment suite skipped: SLIPSTREAM_VM_CONTAINMENT=0",
             ),
         ],
     ),
