@@ -6,6 +6,7 @@ built by the local launcher on the `code` task verifies through its pool and sto
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -32,7 +33,7 @@ from slipstream.rl.verifier import (
 from slipstream.rl.weights import WeightStore
 from slipstream.sandbox import PoolOptions, SandboxTemplate
 from slipstream.sandbox.cgroups import CgroupManager
-from slipstream.sandbox.journal import Journal
+from slipstream.sandbox.journal import Journal, process_alive
 from slipstream.tasks import Task, get_taskset
 from slipstream.tasks.code import BY_NAME
 
@@ -201,3 +202,44 @@ def test_rollout_worker_on_code_task_verifies_in_sandbox_pool(tmp_path: Path) ->
     assert verifier.stats().live == 0  # type: ignore[union-attr]
     mine = f"sb-{os.getpid()}-"
     assert [d for d in CgroupManager.detect("/sys/fs/cgroup").leftover_dirs() if mine in d] == []
+
+
+def test_worker_process_sigterm_stops_its_pool(tmp_path: Path) -> None:
+    from slipstream.launch.local import LocalLauncher
+
+    state = tmp_path / "sandbox-state"
+    cfg = load_config(None, [
+        f"run.output_dir={tmp_path}/run", *TINY, "rollout.num_workers=1", "rollout.group_size=2",
+        "rollout.tasks_per_lease=2", "rollout.max_inflight_tasks=2", "rollout.lease_ttl_s=120",
+        "rollout.drain_timeout_s=2", "trainer.groups_per_step=8", "buffer.max_staleness=4",
+        "sandbox.memory_mib=256", "sandbox.workdir_mib=32", "sandbox.min_idle=1",
+        "sandbox.max_idle=1", "sandbox.max_density=2.0", f"sandbox.state_dir={state}",
+    ])  # fmt: skip
+    ts = get_taskset(cfg.task)
+    torch.manual_seed(0)
+    init = tmp_path / "init"
+    save_pretrained(
+        MoEForCausalLM(cfg.model.model_copy(update={"vocab_size": ts.tokenizer.vocab_size})), init
+    )
+    WeightStore(store_url(cfg)).publish(0, *hf_weights(load_pretrained(init)))
+    coord = Coordinator(TaskQueue(cfg.task.num_train), ExperienceBuffer(8, 4))
+    launcher = LocalLauncher(cfg, coord, restart=False)
+    launcher.start()
+    try:
+        deadline = time.monotonic() + 90
+        live: list[dict] = []  # the worker's running sandboxes (warm or in use), from its journal
+        while coord.queue.stats().num_done < 2 or not live:
+            assert launcher.procs[0].poll() is None, "worker exited early (see its log)"
+            assert time.monotonic() < deadline, "worker produced nothing"
+            time.sleep(0.05)
+            live = [e for e in Journal(state).entries() if e.get("pid")]
+        proc = launcher.procs[0]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        launcher.stop()
+    assert Journal(state).entries() == []
+    cgroups = CgroupManager.detect("/sys/fs/cgroup")
+    assert [d for d in cgroups.leftover_dirs() if f"sb-{proc.pid}-" in d] == []
+    assert [e["sandbox_id"] for e in live if process_alive(e["pid"], e["pid_start_ticks"])] == []
+    assert coord.queue.stats().num_leased == 0

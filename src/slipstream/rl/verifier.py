@@ -249,10 +249,12 @@ class SandboxVerifier:
         from slipstream.sandbox.pinning import NoCpusFree
 
         t0 = time.perf_counter()
+        fut = None
         with self._lock:  # no submission can race close(): it sets _closed under this lock
-            if self._closed or self._loop is None or self._pool is None:
-                return self._infra_failure("sandbox verifier is not running")
-            fut = asyncio.run_coroutine_threadsafe(self._averify(task, completion), self._loop)
+            if not (self._closed or self._loop is None or self._pool is None):
+                fut = asyncio.run_coroutine_threadsafe(self._averify(task, completion), self._loop)
+        if fut is None:
+            return self._infra_failure("sandbox verifier is not running")
         try:
             reward, reason = fut.result(timeout=self.verify_timeout_s)
         except TimeoutError:
