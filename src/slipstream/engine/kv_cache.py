@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from slipstream.model.kv_cache import decode_attend
+
 
 class SlotKVCache:
     """k/v storage for `num_slots` sequences of up to `slot_len` tokens each."""
@@ -90,9 +92,7 @@ class SlotKVCache:
         v_NKSD[self._rows_B, :, self._pos_B] = v_BKTD[:, :, 0].to(v_NKSD.dtype)
         keys_BKSD = k_NKSD[:num_rows, :, : self._span]
         values_BKSD = v_NKSD[:num_rows, :, : self._span]
-        return F.scaled_dot_product_attention(
-            q_BHTD, keys_BKSD, values_BKSD, attn_mask=self._mask_B11S, enable_gqa=True
-        )
+        return decode_attend(q_BHTD, keys_BKSD, values_BKSD, self._mask_B11S)
 
     def _mixed_attend(self, k_NKSD, v_NKSD, q_1HTD, k_1KTD, v_1KTD) -> torch.Tensor:  # noqa: ANN001
         num_rows = self._rows_B.shape[0]

@@ -116,9 +116,7 @@ class Attention(nn.Module):
         w_qkv, w_norm = self._fused_weights()
         qkv_BTND = F.linear(x_BTD, w_qkv).view(B, T, H + 2 * K, Dh)
         qk_BTND = qkv_BTND[:, :, : H + K]
-        qk_BTND = w_norm * F.rms_norm(
-            qk_BTND.float(), (Dh,), eps=self.q_norm.eps
-        ).to(x_BTD.dtype)
+        qk_BTND = w_norm * F.rms_norm(qk_BTND.float(), (Dh,), eps=self.q_norm.eps).to(x_BTD.dtype)
         qk_BTND = _rope_BTND(qk_BTND, *cos_sin)
         return (
             qk_BTND[:, :, :H].transpose(1, 2),
