@@ -87,6 +87,8 @@ def test_sandbox_verifier_concurrent_hostile_and_clean_stop(tmp_path: Path) -> N
     with pytest.raises(ValueError, match="no sandboxed verifier"):
         wants_sandbox("always", get_taskset(TaskConfig(name="countdown")))
 
+    # children that other tests left running (e.g. multiprocessing's resource tracker) are not ours
+    before = set(children_of(os.getpid()))
     marker = tmp_path / "pwned"
     refs = ["add", "is_even", "binary_string"]
     cases: list[tuple[str, Task, str, bool]] = [  # label, task, completion, should score 1.0
@@ -130,7 +132,8 @@ def test_sandbox_verifier_concurrent_hostile_and_clean_stop(tmp_path: Path) -> N
     mine = f"sb-{os.getpid()}-"
     cgroups = CgroupManager.detect("/sys/fs/cgroup")
     assert [d for d in cgroups.leftover_dirs() if mine in d] == []
-    assert [c for c in children_of(os.getpid()) if "bwrap" in c or "python" in c] == []
+    new_children = set(children_of(os.getpid())) - before
+    assert [c for c in new_children if "bwrap" in c or "python" in c] == []
     assert not any(t.name == "sandbox-verifier" for t in threading.enumerate())
     reward, reason = verifier.verify(cases[0][1], cases[0][2])
     assert reward == 0.0 and "verifier failure" in reason
