@@ -135,3 +135,21 @@ def test_batch_without_signal_skips_the_optimizer_step() -> None:
     trainer = Trainer(model, TrainerConfig(lr=1e-2, skip_no_signal=False), pad_id=0)
     assert trainer.step(batch)["skipped"] == 0.0
     assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())  # aux loss
+
+
+def test_freeze_router_keeps_router_weights_and_trains_the_rest() -> None:
+    model = tiny_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = Trainer(model, TrainerConfig(lr=1e-2, freeze_router=True), pad_id=0)
+    assert trainer.frozen == ["model.layers.0.mlp.gate.weight"]
+    trainer.step(make_batch())
+    after = model.state_dict()
+    for k, v in after.items():
+        if k in trainer.frozen:
+            assert torch.equal(v, before[k]), k
+    assert not torch.equal(after["lm_head.weight"], before["lm_head.weight"])
+    # the router is still trainable without the option
+    model2 = tiny_model()
+    Trainer(model2, TrainerConfig(lr=1e-2), pad_id=0).step(make_batch())
+    assert not torch.equal(model2.state_dict()["model.layers.0.mlp.gate.weight"],
+                           before["model.layers.0.mlp.gate.weight"])  # fmt: skip

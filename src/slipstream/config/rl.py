@@ -80,6 +80,9 @@ class TrainerConfig(Section):
     skip_no_signal: bool = True
     """GRPO: skip the optimizer step when every advantage in the batch is zero (all groups have
     equal rewards), for the same reason; the version still advances."""
+    freeze_router: bool = False
+    """Do not train the MoE routers (their weights stay at the starting checkpoint's): routing
+    drift under noisy RL updates cost held-out accuracy on the quickstart (docs/rl.md)."""
     loss: Literal["grpo", "ppo"] = "grpo"
     """Policy-gradient objective: GRPO (group-relative advantages) or PPO (value head + GAE)."""
     std_norm: bool = True
