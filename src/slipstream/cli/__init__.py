@@ -19,7 +19,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from slipstream.config import ConfigError
 
-# Subcommand modules, in the order `--help` lists them. A module missing here is simply absent.
+# Subcommand modules, in the order `--help` lists them.
 SUBCOMMANDS = [
     "run",
     "sft",
@@ -46,15 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in SUBCOMMANDS:
-        try:
-            module = importlib.import_module(f"slipstream.cli.{name}")
-        except ModuleNotFoundError as e:
-            if e.name == f"slipstream.cli.{name}":
-                continue
-            raise
-        module.register(sub)
+    register_modules(sub, "slipstream.cli", SUBCOMMANDS)
     return parser
+
+
+def register_modules(sub: argparse._SubParsersAction, package: str, names: list[str]) -> None:
+    """Import `package.<name>` for each name and let it add its parser(s) to `sub`."""
+    for name in names:
+        importlib.import_module(f"{package}.{name}").register(sub)
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -100,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("slipstream: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # output piped into `head` & co.: stop quietly, and keep Python's exit-time flush quiet too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:

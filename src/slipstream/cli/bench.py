@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import importlib
+
+from slipstream.cli import register_modules
 
 # Benchmark modules under slipstream.bench, in the order `--help` lists them.
 BENCHMARKS = ["engine", "pipeline", "sandbox", "moe_experts", "moe_dispatch"]
@@ -17,11 +18,4 @@ def register(sub: argparse._SubParsersAction) -> None:
         "measured in the same run, and write JSON with provenance under benchmarks/results/.",
     )
     bsub = p.add_subparsers(dest="bench_name", metavar="NAME", required=True)
-    for name in BENCHMARKS:
-        try:
-            module = importlib.import_module(f"slipstream.bench.{name}")
-        except ModuleNotFoundError as e:
-            if e.name == f"slipstream.bench.{name}":
-                continue
-            raise
-        module.register(bsub)
+    register_modules(bsub, "slipstream.bench", BENCHMARKS)

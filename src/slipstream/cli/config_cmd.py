@@ -15,7 +15,9 @@ from slipstream.config import SlipstreamConfig, load_config
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("config", help="show the resolved config or the documented schema")
     csub = p.add_subparsers(dest="config_command", metavar="ACTION", required=True)
-    show = csub.add_parser("show", help="print the fully resolved config (file + overrides + defaults)")
+    show = csub.add_parser(
+        "show", help="print the fully resolved config (file + overrides + defaults)"
+    )
     add_config_args(show)
     show.add_argument("--json", action="store_true", help="print JSON instead of TOML-like text")
     show.set_defaults(func=cmd_show)
@@ -52,7 +54,12 @@ def _walk_schema(model: type[BaseModel], prefix: str) -> list[tuple[str, str, st
             continue
         default = field.get_default(call_default_factory=True)
         rows.append(
-            (f"{prefix}{name}", getattr(ann, "__name__", str(ann)), repr(default), field.description or "")
+            (
+                f"{prefix}{name}",
+                getattr(ann, "__name__", str(ann)),
+                repr(default),
+                field.description or "",
+            )
         )
     return rows
 

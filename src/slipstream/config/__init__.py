@@ -38,7 +38,9 @@ class SlipstreamConfig(Section):
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> SlipstreamConfig:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None
+) -> SlipstreamConfig:
     """Load a job config from TOML (or the built-in defaults) plus dotted overrides."""
     return load_model(SlipstreamConfig, path, overrides)
 
