@@ -3,6 +3,7 @@
 # that silently runs nothing must not pass.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+.venv/bin/ruff check src tests || exit 1
 .venv/bin/python -m pytest -m "not gpu" "$@"
 rc=$?
 if [[ $rc == 5 ]]; then echo "test: pytest collected no tests" >&2; exit 1; fi
