@@ -100,6 +100,7 @@ class Controller:
                  on_record: Callable[[dict[str, Any]], None] | None = None,
                  evaluate: bool = True) -> None:  # fmt: skip
         from slipstream.model import load_pretrained
+        from slipstream.sft import resolve_device
         from slipstream.tasks import get_taskset
 
         if cfg.trainer.deterministic:
@@ -116,7 +117,7 @@ class Controller:
         self.out_dir = Path(cfg.run.output_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.taskset = get_taskset(cfg.task)
-        self.device = torch.device("cuda" if cfg.run.device == "cuda" else "cpu")
+        self.device = resolve_device(cfg.run)  # "auto" -> CUDA when torch sees one
         self.model = load_pretrained(
             init_checkpoint, device=self.device, dtype=getattr(torch, cfg.run.dtype)
         )
