@@ -27,6 +27,24 @@ def _x(cells: list[dict], num_vcpus: int) -> list[float]:
     return [c["num_sandboxes"] / num_vcpus for c in cells]
 
 
+def _finish_density_plot(
+    fig, ax, ylabel: str, title: str, out_dir: Path, key: str, meta: dict
+) -> str:
+    """Shared finish of the single-axis density plots: rule band, labels, save, close."""
+    import matplotlib.pyplot as plt  # already imported (Agg backend set) by write_plots
+
+    _mark_rule(ax)
+    ax.set_xlabel("sandboxes per vCPU")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_dir / PLOT_FILES[key], metadata=meta)
+    plt.close(fig)
+    return PLOT_FILES[key]
+
+
 def _mark_rule(ax) -> None:
     ax.axvline(1.0, color="grey", linestyle=":", linewidth=1)
     ax.axvspan(1.0, 1.15, color="grey", alpha=0.12, label="1.0x rule cliff (seed 002)")
@@ -65,16 +83,11 @@ def write_plots(agg: dict, out_dir: Path) -> list[str]:
             color=color,
             label=f"{cid} p99",
         )
-    _mark_rule(ax)
-    ax.set_xlabel("sandboxes per vCPU")
-    ax.set_ylabel("latency (s)")
-    ax.set_title("p50 and p99 latency vs density")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out_dir / PLOT_FILES["latency"], metadata=meta)
-    plt.close(fig)
-    written.append(PLOT_FILES["latency"])
+    written.append(
+        _finish_density_plot(
+            fig, ax, "latency (s)", "p50 and p99 latency vs density", out_dir, "latency", meta
+        )
+    )
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=90)
     for i, (cid, cells) in enumerate(configs.items()):
@@ -85,16 +98,11 @@ def write_plots(agg: dict, out_dir: Path) -> list[str]:
             color=f"C{i % 10}",
             label=cid,
         )
-    _mark_rule(ax)
-    ax.set_xlabel("sandboxes per vCPU")
-    ax.set_ylabel("p99 / p50")
-    ax.set_title("tail spread vs density")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out_dir / PLOT_FILES["tail_ratio"], metadata=meta)
-    plt.close(fig)
-    written.append(PLOT_FILES["tail_ratio"])
+    written.append(
+        _finish_density_plot(
+            fig, ax, "p99 / p50", "tail spread vs density", out_dir, "tail_ratio", meta
+        )
+    )
 
     group_sizes = list(agg["cells"][0]["groups"]) if agg["cells"] else []
     fig, axes = plt.subplots(
