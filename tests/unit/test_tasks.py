@@ -97,6 +97,60 @@ def test_arithmetic_verifier() -> None:
     assert task.prompt == f"{task.meta['a']}-{task.meta['b']}="
 
 
+def _carryless_by_hand(a: int, op: str, b: int) -> int:
+    """Digit strings, column by column, no carry or borrow: an independent reference."""
+    if op == "-" and a < b:
+        return -_carryless_by_hand(b, op, a)
+    da, db = str(a)[::-1], str(b)[::-1].ljust(len(str(a)), "0")
+    da = da.ljust(len(db), "0")
+    cols = [(int(x) + int(y)) % 10 if op == "+" else (int(x) - int(y)) % 10 for x, y in zip(da, db)]
+    return int("".join(str(c) for c in reversed(cols)))
+
+
+def test_carryless_teacher_examples() -> None:
+    from slipstream.tasks.arithmetic import _carryless
+
+    assert _carryless(57, "+", 68) == 15  # 7+8 -> 5, 5+6 -> 1
+    assert _carryless(52, "-", 38) == 24  # 2-8 -> 4, 5-3 -> 2
+    assert _carryless(38, "-", 52) == -24
+    assert _carryless(10, "-", 1) == 19
+    assert _carryless(99, "+", 1) == 90
+    assert _carryless(0, "+", 0) == 0
+    for a in range(0, 100, 7):
+        for b in range(0, 100, 3):
+            for op in "+-":
+                assert _carryless(a, op, b) == _carryless_by_hand(a, op, b), (a, op, b)
+    assert _carryless(23, "+", 41) == 64 and _carryless(58, "-", 23) == 35  # no carry: exact
+
+
+def test_imperfect_teacher_drops_carries_at_the_configured_rate() -> None:
+    from slipstream.tasks.arithmetic import _carryless
+
+    exact = get_taskset(_cfg("arithmetic", ops=["+", "-", "*"]))
+    noisy = get_taskset(_cfg("arithmetic", ops=["+", "-", "*"], demo_drop_carry=0.8))
+    tasks = exact.train_batch(0, 3000)
+    assert tasks == noisy.train_batch(0, 3000)  # the problems do not change, only their demos
+    needs_carry = dropped = 0
+    for task in tasks:
+        meta = task.meta
+        demo, truth = noisy.demonstration(task), str(meta["answer"])
+        assert exact.demonstration(task) == truth
+        assert noisy.demonstration(task) == demo  # deterministic per problem
+        if meta["op"] == "*" or _carryless(meta["a"], meta["op"], meta["b"]) == meta["answer"]:
+            assert demo == truth  # products and carry-free problems are demonstrated exactly
+            continue
+        needs_carry += 1
+        if demo != truth:
+            dropped += 1
+            assert demo == str(_carryless(meta["a"], meta["op"], meta["b"]))
+            # the verifier is never fooled by the teacher
+            assert noisy.verify(task, demo).reward == 0.0
+    assert needs_carry > 500
+    assert 0.75 < dropped / needs_carry < 0.85
+    for held in noisy.heldout()[:50]:
+        assert noisy.verify(held, str(held.meta["answer"])) == (1.0, "correct")
+
+
 def test_countdown_verifier() -> None:
     ts = get_taskset(_cfg("countdown"))
     task = Task("t", "p", "k", {"numbers": [3, 8, 5, 12], "target": 29, "witness": "8*3+5"})

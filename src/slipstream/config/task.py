@@ -26,6 +26,10 @@ class TaskConfig(Section):
     """Arithmetic: operands have at least this many digits (digit count is uniform in the range)."""
     ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-", "*"], min_length=1)
     """Arithmetic: operators to draw from (uniformly)."""
+    demo_drop_carry: float = Field(default=0.0, ge=0, le=1)
+    """Arithmetic: share of `+`/`-` problems needing a carry or borrow whose SFT demonstration drops
+    it (digit-wise, as a weak teacher does: 57+68 -> "15"). Simulates demonstrations from an
+    imperfect teacher; the verifier, rewards and evaluation stay exact. 0 = perfect demonstrations."""
     countdown_numbers: int = Field(default=4, ge=2, le=5)
     """Countdown: how many numbers are given (the demonstration solver is exhaustive, hence <= 5)."""
     countdown_max_number: int = Field(default=20, ge=2, le=1000)

@@ -4,10 +4,16 @@ Operands have between task.min_digits and task.max_digits digits (digit count un
 value uniform among numbers with that many digits); the operator is uniform over task.ops. Results
 of `-` may be negative. The verifier accepts exactly one optionally-signed integer, surrounded by
 optional whitespace; anything else scores 0 with a reason.
+
+Demonstrations are exact unless `task.demo_drop_carry` > 0: then that share of the `+`/`-` problems
+whose carry-less answer differs from the true one (a carry or borrow is needed) is demonstrated with
+the carry-less answer, the classic error of a weak arithmetic teacher. Which problems is a keyed
+hash of (seed, problem), so the demonstration set is deterministic. The verifier never changes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 import re
 from typing import TYPE_CHECKING, Any
@@ -27,6 +33,19 @@ def _operand(rng: random.Random, min_digits: int, max_digits: int) -> int:
     digits = rng.randint(min_digits, max_digits)
     low = 0 if digits == 1 else 10 ** (digits - 1)
     return rng.randint(low, 10**digits - 1)
+
+
+def _carryless(a: int, op: str, b: int) -> int:
+    """`a op b` computed digit by digit with every carry (`+`) or borrow (`-`) dropped:
+    57+68 -> 15, 52-38 -> 24, 38-52 -> -(52-38 carry-less) = -24. Operands are >= 0."""
+    if op == "-" and a < b:
+        return -_carryless(b, op, a)
+    out, place = 0, 1
+    while a or b:
+        da, db = a % 10, b % 10
+        out += ((da + db) % 10 if op == "+" else (da - db) % 10) * place
+        a, b, place = a // 10, b // 10, place * 10
+    return out
 
 
 def _apply(a: int, op: str, b: int) -> int:
@@ -50,7 +69,20 @@ class ArithmeticTaskSet(GeneratedTaskSet):
         return prompt, prompt, {"a": a, "b": b, "op": op, "answer": _apply(a, op, b)}
 
     def demonstration(self, task: Task) -> str:
-        return str(task.meta["answer"])
+        """The answer, or (task.demo_drop_carry) the carry-less answer for a keyed share of the
+        `+`/`-` problems that need a carry or borrow."""
+        meta = task.meta
+        rate = self.cfg.demo_drop_carry
+        if rate > 0 and meta["op"] in ("+", "-"):
+            wrong = _carryless(meta["a"], meta["op"], meta["b"])
+            if wrong != meta["answer"] and self._teacher_draw(task.key) < rate:
+                return str(wrong)
+        return str(meta["answer"])
+
+    def _teacher_draw(self, key: str) -> float:
+        """Uniform in [0, 1), fixed per (task seed, problem)."""
+        digest = hashlib.sha256(f"{self.cfg.seed}|teacher|{key}".encode()).digest()
+        return int.from_bytes(digest[:8], "big") / 2**64
 
     def verify(self, task: Task, completion: str) -> Verdict:
         if len(completion) > MAX_ANSWER_CHARS:
