@@ -103,7 +103,8 @@ def _carryless_by_hand(a: int, op: str, b: int) -> int:
         return -_carryless_by_hand(b, op, a)
     da, db = str(a)[::-1], str(b)[::-1].ljust(len(str(a)), "0")
     da = da.ljust(len(db), "0")
-    cols = [(int(x) + int(y)) % 10 if op == "+" else (int(x) - int(y)) % 10 for x, y in zip(da, db)]
+    pairs = zip(da, db, strict=True)
+    cols = [(int(x) + int(y)) % 10 if op == "+" else (int(x) - int(y)) % 10 for x, y in pairs]
     return int("".join(str(c) for c in reversed(cols)))
 
 
