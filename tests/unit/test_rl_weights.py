@@ -223,3 +223,38 @@ def test_s3_moto_process_killed_mid_publish() -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_ckpt_export_writes_a_checkpoint_eval_can_load(tmp_path: Path) -> None:
+    """`slipstream ckpt export` = the published weights + the run's tokenizer: what `eval
+    --checkpoint` and `serve --model` load."""
+    from slipstream.cli import main
+    from slipstream.config.model import ModelConfig
+    from slipstream.model import MoEForCausalLM, load_pretrained
+    from slipstream.model.tokenizer import load_tokenizer
+    from slipstream.rl.controller import hf_weights
+
+    torch.manual_seed(0)
+    model = MoEForCausalLM(
+        ModelConfig(
+            vocab_size=99,
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            moe_intermediate_size=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=32,
+        )  # fmt: skip
+    )
+    store_url = (tmp_path / "store").as_uri()
+    WeightStore(store_url).publish(7, *hf_weights(model))
+    out = tmp_path / "export"
+    assert main(["ckpt", "export", f"--store.url={store_url}", str(out)]) == 0
+    assert (out / "tokenizer.json").is_file()
+    assert load_tokenizer(out).vocab_size == 99
+    loaded = load_pretrained(str(out))
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name

@@ -18,7 +18,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     ls = csub.add_parser("list", help="published weight versions and resumable checkpoints")
     add_config_args(ls)
     ls.set_defaults(func=cmd_list)
-    ex = csub.add_parser("export", help="copy a weight version into a local HF-format directory")
+    ex = csub.add_parser(
+        "export",
+        help="copy a weight version into a local HF-format directory with the run's tokenizer "
+        "(loadable by `slipstream eval --checkpoint DIR`, `slipstream serve --model DIR`)",
+    )
     add_config_args(ex)
     ex.add_argument("--version", type=int, default=None, help="default: the latest")
     ex.add_argument("output", help="directory to write")
@@ -48,5 +52,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     if version is None:
         print(f"slipstream ckpt: no published weights in {weights.blob.url}")
         return 1
-    print(weights.fetch_to_dir(version, args.output))
+    out = weights.fetch_to_dir(version, args.output)
+    # The store holds weights only; the run encoded prompts with [task]'s tokenizer, so the export
+    # carries that one and loads anywhere a checkpoint does.
+    from slipstream.tasks import get_taskset
+
+    get_taskset(load_config(args.config, args.overrides).task).tokenizer.save(out)
+    print(out)
     return 0
