@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from slipstream.config import load_config
@@ -44,15 +45,41 @@ def per_step(metrics: Path) -> dict[int, dict]:
     return out
 
 
-def start(tmp: Path, out: str) -> subprocess.Popen:
+def start(tmp: Path, out: str, store: list[str], env: dict[str, str]) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "slipstream.launch.local", "run", str(tmp / "empty.toml"),
-           f"run.output_dir={tmp / out}", f"model.init_from={tmp / 'init'}", *TINY]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+           f"run.output_dir={tmp / out}", f"model.init_from={tmp / 'init'}", *TINY,
+           *[o.replace("{out}", out) for o in store]]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", **env)
     return subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=open(tmp / f"{out}.err", "wb"))  # fmt: skip
 
 
 def test_kill_and_resume_reproduces_losses(tmp_path: Path) -> None:
+    """Weights and checkpoints in <output_dir>/store (the default file store)."""
+    kill_and_resume(tmp_path, store=[], env={})
+
+
+@pytest.mark.slow
+def test_kill_and_resume_with_the_store_on_s3(tmp_path: Path, moto: int) -> None:
+    """The same on s3:// (a real moto server on loopback): the job publishes weights and
+    checkpoints there, workers load weights from there, and the resumed trainer restores from there;
+    nothing of the run's state is on local disk but logs and metrics."""
+    from s3util import make_bucket, s3_options
+    from slipstream.rl.checkpoint import CheckpointStore
+    from slipstream.rl.weights import WeightStore
+
+    make_bucket(moto)
+    store = ["store.url=s3://bucket/{out}", f"store.endpoint_url=http://127.0.0.1:{moto}"]
+    creds = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+             "AWS_DEFAULT_REGION": "us-west-2"}  # fmt: skip
+    kill_and_resume(tmp_path, store=store, env=creds)
+    assert not (tmp_path / "b" / "store").exists()
+    weights = WeightStore("s3://bucket/b", keep_last=3, storage_options=s3_options(moto))
+    assert weights.latest() == 6
+    assert CheckpointStore(weights.blob, 2).steps()[-1] == 6
+
+
+def kill_and_resume(tmp_path: Path, store: list[str], env: dict[str, str]) -> None:
     (tmp_path / "empty.toml").write_text("")
     cfg = load_config(None, TINY)
     ts = get_taskset(cfg.task)
@@ -62,8 +89,8 @@ def test_kill_and_resume_reproduces_losses(tmp_path: Path) -> None:
         tmp_path / "init",
     )
 
-    full = start(tmp_path, "a")
-    crash = start(tmp_path, "b")
+    full = start(tmp_path, "a", store, env)
+    crash = start(tmp_path, "b", store, env)
     kill_at = random.Random().randint(2, 4)
     metrics_b = tmp_path / "b" / "metrics.jsonl"
     deadline = time.monotonic() + 180
@@ -75,7 +102,7 @@ def test_kill_and_resume_reproduces_losses(tmp_path: Path) -> None:
         os.kill(crash.pid, signal.SIGKILL)  # the trainer only; its workers lose their coordinator
         crash.wait()
         time.sleep(1.0)
-        resumed = start(tmp_path, "b")
+        resumed = start(tmp_path, "b", store, env)
         assert resumed.wait(timeout=240) == 0, (tmp_path / "b.err").read_text()[-3000:]
         assert "resumed from checkpoint step" in (tmp_path / "b.err").read_text()
         assert full.wait(timeout=240) == 0, (tmp_path / "a.err").read_text()[-3000:]

@@ -4,16 +4,13 @@ including the server dying mid-publish."""
 from __future__ import annotations
 
 import socket
-import subprocess
-import sys
 import threading
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from s3util import free_port, make_bucket, s3_options, start_moto
 from slipstream.rl.weights import WeightStore
 
 
@@ -47,12 +44,6 @@ def test_file_store_roundtrip_and_partial_publish_invisible(tmp_path: Path) -> N
     assert store.latest() == 5 and torch.equal(store.fetch(5)["b.weight"], sd(5)["b.weight"])
     out = store.fetch_to_dir(5, str(tmp_path / "hf"))
     assert (Path(out) / "model.safetensors").is_file()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Proxy:
@@ -108,51 +99,6 @@ class Proxy:
                     s.close()
                 except OSError:
                     pass
-
-
-def start_moto(port: int) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError("moto_server did not start") from None
-            time.sleep(0.1)
-    return proc
-
-
-@pytest.fixture
-def moto() -> Iterator[int]:
-    port = free_port()
-    proc = start_moto(port)
-    yield port
-    proc.kill()
-    proc.wait()
-
-
-def s3_options(port: int) -> dict:
-    return {
-        "key": "testing",
-        "secret": "testing",
-        "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-west-2"},
-        "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2, "read_timeout": 5},
-        "skip_instance_cache": True,
-    }
-
-
-def make_bucket(port: int) -> None:
-    import s3fs
-
-    fs = s3fs.S3FileSystem(**s3_options(port))
-    fs.mkdir("bucket")
 
 
 def test_s3_store_roundtrip(moto: int) -> None:
