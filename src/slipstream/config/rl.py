@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from slipstream.config.base import Section
 
@@ -61,6 +61,10 @@ class TrainerConfig(Section):
     """RL optimizer steps."""
     groups_per_step: int = Field(default=8, ge=1)
     """Groups (tasks) per training batch."""
+    num_processes: int = Field(default=1, ge=1)
+    """Data-parallel trainer processes on this machine (torch.distributed: gloo on CPU, nccl with
+    one GPU per rank on CUDA). Rank 0 runs the loop (queue, buffer, weights, checkpoints, eval);
+    the others get each batch from it and train their share. groups_per_step must divide evenly."""
     lr: float = Field(default=1e-4, gt=0)
     """Peak learning rate (AdamW)."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
@@ -122,6 +126,15 @@ class TrainerConfig(Section):
     of verification, so a killed and resumed run reproduces per-step losses exactly."""
     batch_timeout_s: float = Field(default=600.0, gt=0)
     """Fail loudly when no batch arrives for this long (workers dead or stuck)."""
+
+    @model_validator(mode="after")
+    def _groups_split_over_ranks(self) -> "TrainerConfig":
+        if self.groups_per_step % self.num_processes:
+            raise ValueError(
+                f"trainer.groups_per_step ({self.groups_per_step}) must be a multiple of "
+                f"trainer.num_processes ({self.num_processes}): each rank trains an equal share"
+            )
+        return self
 
 
 class StoreConfig(Section):

@@ -165,7 +165,17 @@ def run_local(cfg: SlipstreamConfig, console: Any = None, *, display: bool = Tru
         torch.set_num_threads(cfg.run.num_threads)
     init = start_checkpoint(cfg, console)
     progress = RLProgress(console, plain=None if display else True)
-    controller = Controller(cfg, init, on_record=progress.update)
+    dp = None
+    if cfg.trainer.num_processes > 1:  # data-parallel trainer ranks (launch/dp.py)
+        from slipstream.launch.dp import DataParallel
+
+        dp = DataParallel.start(cfg, init, Path(cfg.run.output_dir) / "launch" / "logs")
+    try:
+        controller = Controller(cfg, init, on_record=progress.update, dp=dp)
+    except BaseException:
+        if dp is not None:
+            dp.close(timeout_s=0)
+        raise
     launcher = LocalLauncher(cfg, controller.coord)
 
     def on_sigterm(signum: int, frame: Any) -> None:
@@ -181,6 +191,8 @@ def run_local(cfg: SlipstreamConfig, console: Any = None, *, display: bool = Tru
     finally:
         codes = launcher.stop()
         signal.signal(signal.SIGTERM, previous)
+        if dp is not None:  # after a failure the ranks are blocked in a broadcast: kill them
+            dp_codes = dp.close(timeout_s=30 if controller.dp_done else 0)
     summary = {
         "mode": cfg.trainer.mode, "steps": result.steps, "wall_s (RL loop)": result.wall_s,
         "held-out pass@1 before": result.pass_at_1_before, "held-out pass@1 after": result.pass_at_1_after,
@@ -189,6 +201,9 @@ def run_local(cfg: SlipstreamConfig, console: Any = None, *, display: bool = Tru
         "worker restarts": launcher.num_restarts, "worker exit codes": codes,
         "buffer": controller.coord.buffer.metrics(),
     }  # fmt: skip
+    if dp is not None:
+        summary["trainer processes (data parallel)"] = cfg.trainer.num_processes
+        summary["trainer rank exit codes"] = dp_codes
     report = write_report(cfg.run.output_dir, summary, result.records)
     console.print(f"[bold]report[/] {report} (reward curve: {report.parent / 'reward_curve.png'})")
     return result

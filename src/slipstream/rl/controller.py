@@ -98,7 +98,9 @@ class Controller:
 
     def __init__(self, cfg: SlipstreamConfig, init_checkpoint: str, *,
                  on_record: Callable[[dict[str, Any]], None] | None = None,
-                 evaluate: bool = True) -> None:  # fmt: skip
+                 evaluate: bool = True, dp: Any = None) -> None:  # fmt: skip
+        """`dp`: a started `launch.dp.DataParallel` when trainer.num_processes > 1 (this process
+        is rank 0 of its process group and hands every batch to the other ranks)."""
         from slipstream.model import load_pretrained
         from slipstream.sft import resolve_device
         from slipstream.tasks import get_taskset
@@ -113,6 +115,8 @@ class Controller:
         self.cfg = cfg
         self.on_record = on_record or (lambda r: None)
         self.evaluate = evaluate
+        self.dp = dp
+        self.dp_done = False  # the other ranks were told the run is over
         torch.manual_seed(cfg.run.seed)
         self.out_dir = Path(cfg.run.output_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -138,6 +142,8 @@ class Controller:
         self.resumed_from: int | None = None
         self.pass_before: float | None = None
         self._maybe_resume()
+        if self.dp is not None:
+            self.dp.sync_resume(self.resumed_from)
         sd, hf_cfg = hf_weights(self.model)
         self.weights.publish(self.trainer.version, sd, hf_cfg)
         self.coord.set_version(self.trainer.version)
@@ -194,6 +200,8 @@ class Controller:
             idle_s = time.monotonic() - t_wait
             idle_total += idle_s
             t_train = time.monotonic()
+            if self.dp is not None:
+                self.dp.send(batch)  # the other ranks train their share of it
             m = self.trainer.step(batch)
             sd, hf_cfg = hf_weights(self.model)
             self.weights.publish(self.trainer.version, sd, hf_cfg)
@@ -229,6 +237,9 @@ class Controller:
             if tc.checkpoint_every and step % tc.checkpoint_every == 0:
                 self.checkpoint()
         self.coord.request_stop()
+        if self.dp is not None:
+            self.dp.send(None)
+            self.dp_done = True
         wall_s = time.monotonic() - t_start
         pass_after = None
         if self.evaluate:

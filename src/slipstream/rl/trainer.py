@@ -9,7 +9,10 @@ Contract:
   parallelism every rank calls `step` with the same `Batch`; rank r takes groups r, r + W, ...
   Gradients are averaged over ranks with all_reduce (missing grads of unused experts count as
   zeros), so each rank's loss is its local mean and the update equals the single-process update
-  when ranks hold equal shares under `seq_mean` (token_mean weighs ranks equally, not tokens).
+  when ranks hold equal shares under `seq_mean` (token_mean weighs ranks equally, not tokens)
+  and the MoE load-balancing loss is off: it is computed on each rank's share (as Megatron
+  balances per micro-batch), so with `router_aux_loss_coef` > 0 the DP update differs slightly.
+  Logged metrics are over all ranks (losses averaged, token counts summed, rewards of the batch).
 - `state_dict()` / `load_state_dict()` carry model, optimizer, scheduler, RNG, step and version
   (plus the critic for PPO): enough to resume a run bit-for-bit on the same machine.
 
@@ -285,15 +288,37 @@ class Trainer:
                 totals[k] = totals.get(k, 0.0) + v / math.ceil(B / mb)
         self.step_count += 1
         self.version += 1
-        rewards = [s.reward for s in samples]
         totals.update(
-            reward_mean=float(np.mean(rewards)),
             lr=self.scheduler.get_last_lr()[0],
-            num_samples=float(len(samples)),
             num_tokens=float(t["mask_BT"].sum()),
             completion_len_mean=float(t["mask_BT"].sum(-1).float().mean()),
         )
+        if self.world > 1:
+            totals = self._reduce_metrics(totals)
+        # over the whole batch (every rank holds it), not this rank's share
+        totals.update(
+            reward_mean=float(np.mean([s.reward for s in batch.samples])),
+            num_samples=float(len(batch.samples)),
+        )
         return totals
+
+    def _reduce_metrics(self, totals: dict[str, float]) -> dict[str, float]:
+        """Metrics over all ranks: token counts summed, `*_max` maxed, the rest averaged (equal
+        shares). Every rank has the same keys: they take the same code path."""
+        keys = sorted(totals)
+        summed = [k for k in keys if k == "num_tokens"]
+        maxed = [k for k in keys if k.endswith("_max")]
+        meaned = [k for k in keys if k not in summed and k not in maxed]
+        out = dict(totals)
+        for names, op in ((summed, dist.ReduceOp.SUM), (maxed, dist.ReduceOp.MAX),
+                          (meaned, dist.ReduceOp.SUM)):  # fmt: skip
+            if not names:
+                continue
+            v = torch.tensor([totals[k] for k in names], dtype=torch.float64, device=self.device)
+            dist.all_reduce(v, op=op)
+            for k, x in zip(names, v.tolist(), strict=True):
+                out[k] = x / self.world if names is meaned else x
+        return out
 
     def _minibatch(self, t, extra, old_logp_BT, ref_logp_BT) -> dict[str, float]:
         cfg = self.cfg

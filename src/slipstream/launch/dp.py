@@ -1,0 +1,176 @@
+"""Data-parallel trainer processes for the local job (`trainer.num_processes` > 1).
+
+Rank 0 is the job's own process: it runs the Controller (queue, buffer, weight publishing,
+checkpoints, evaluation). Ranks 1..W-1 are follower processes started here: each builds the same
+model and `Trainer` from the same start checkpoint, then for every step receives the batch rank 0
+took from the buffer (`broadcast_object_list`) and calls `Trainer.step` on it; the Trainer splits
+the groups over ranks and all-reduces gradients, so every rank holds the same weights after each
+step (tests/integration/test_rl_dp.py checks the job's weights against a single-process run).
+
+    group = DataParallel.start(cfg, init_checkpoint, log_dir)   # before the Trainer is built
+    group.sync_resume(step or None)                              # followers load that checkpoint
+    group.send(batch) ... group.send(None)                       # per step; None ends followers
+    group.close()
+
+Backend: gloo on CPU, nccl when the run's device is CUDA (rank r uses cuda:r; not run here: no GPU).
+Rendezvous over TCP on 127.0.0.1 (one machine). A follower dies with rank 0 (PR_SET_PDEATHSIG on
+Linux) and otherwise at the process group's timeout, `trainer.batch_timeout_s` + 60 s.
+
+Not covered: several machines (torchrun / a Ray placement group would start the ranks), gradient
+accumulation, sharded optimizers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slipstream.config import SlipstreamConfig
+
+log = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init(cfg: SlipstreamConfig, rank: int, port: int) -> torch.device:
+    from slipstream.sft import resolve_device
+
+    device = resolve_device(cfg.run)
+    if device.type == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=cfg.trainer.num_processes,
+        timeout=datetime.timedelta(seconds=cfg.trainer.batch_timeout_s + 60),
+    )
+    return device
+
+
+def _broadcast(obj: Any) -> Any:
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class DataParallel:
+    """Rank 0's side: the follower processes and the per-step broadcast."""
+
+    def __init__(self, procs: list[subprocess.Popen]) -> None:
+        self.procs = procs
+
+    @classmethod
+    def start(cls, cfg: SlipstreamConfig, init_checkpoint: str, log_dir: Path) -> DataParallel:
+        """Spawn ranks 1..W-1 and join the process group as rank 0 (blocks until all joined)."""
+        port = _free_port()
+        log_dir.mkdir(parents=True, exist_ok=True)
+        spec_path = log_dir / "dp_spec.json"
+        spec_path.write_text(json.dumps({"config": cfg.model_dump(mode="json"),
+                                         "init": init_checkpoint, "port": port}))  # fmt: skip
+        procs = []
+        for rank in range(1, cfg.trainer.num_processes):
+            logf = open(log_dir / f"trainer-rank{rank}.log", "wb")  # noqa: SIM115 - child owns it
+            cmd = [sys.executable, "-m", "slipstream.launch.dp", "--spec", str(spec_path),
+                   "--rank", str(rank)]  # fmt: skip
+            env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+            procs.append(subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env))
+            logf.close()
+        group = cls(procs)
+        try:
+            _init(cfg, 0, port)
+        except BaseException:
+            group.close()
+            raise
+        return group
+
+    def sync_resume(self, step: int | None) -> None:
+        _broadcast(step)
+
+    def send(self, batch: Any) -> None:
+        _broadcast(batch)
+
+    def close(self, timeout_s: float = 30.0) -> list[int | None]:
+        """Wait for the followers (after send(None)); kill any that do not exit; exit codes."""
+        for p in self.procs:
+            try:
+                p.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("trainer rank pid %d did not exit; killing", p.pid)
+                p.kill()
+                p.wait()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return [p.returncode for p in self.procs]
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the parent died before prctl took effect
+            os._exit(1)
+
+
+def follower_main(argv: list[str]) -> int:
+    from slipstream.model import load_pretrained
+    from slipstream.rl.checkpoint import CheckpointStore
+    from slipstream.rl.controller import storage_options, store_url
+    from slipstream.rl.trainer import Trainer
+    from slipstream.rl.weights import WeightStore
+    from slipstream.tasks import get_taskset
+
+    p = argparse.ArgumentParser(prog="slipstream.launch.dp")
+    p.add_argument("--spec", required=True)
+    p.add_argument("--rank", type=int, required=True)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s rank{args.rank} %(levelname)s %(message)s")  # fmt: skip
+    _die_with_parent()
+    spec = json.loads(Path(args.spec).read_text())
+    cfg = SlipstreamConfig.model_validate(spec["config"])
+    if cfg.run.num_threads:
+        torch.set_num_threads(cfg.run.num_threads)
+    device = _init(cfg, args.rank, spec["port"])
+    # Built exactly as the Controller builds rank 0's, so every rank starts from the same weights.
+    torch.manual_seed(cfg.run.seed)
+    taskset = get_taskset(cfg.task)
+    model = load_pretrained(spec["init"], device=device, dtype=getattr(torch, cfg.run.dtype))
+    model.train()
+    trainer = Trainer(model, cfg.trainer, pad_id=taskset.tokenizer.pad_id, device=device,
+                      temperature=cfg.rollout.temperature or 1.0)  # fmt: skip
+    step = _broadcast(None)
+    if step is not None:
+        weights = WeightStore(store_url(cfg), cfg.store.keep_last, storage_options(cfg))
+        state, _, _ = CheckpointStore(weights.blob, cfg.store.keep_checkpoints).load(step)
+        trainer.load_state_dict(state)
+        log.info("resumed from checkpoint step %d", step)
+    num_steps = 0
+    while (batch := _broadcast(None)) is not None:
+        trainer.step(batch)
+        num_steps += 1
+    log.info("done after %d steps (version %d)", num_steps, trainer.version)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(follower_main(sys.argv[1:]))
