@@ -64,3 +64,19 @@ def test_config_show_cli(tmp_path, capsys):
 def test_config_module_imports_without_torch():
     code = "import sys, slipstream.config; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_without_c_job_commands_load_the_embedded_quickstart(capsys):
+    """`slipstream run` alone runs what `make run` runs: the packaged quickstart, which is the
+    file configs/quickstart.toml points at."""
+    from pathlib import Path
+
+    from slipstream.config import QUICKSTART
+
+    repo_copy = Path(__file__).parents[2] / "configs" / "quickstart.toml"
+    assert repo_copy.resolve() == QUICKSTART.resolve()
+    assert main(["config", "show"]) == 0
+    bare = capsys.readouterr().out
+    assert main(["config", "show", "-c", str(repo_copy)]) == 0
+    assert capsys.readouterr().out == bare
+    assert load_config(QUICKSTART) != load_config(None)  # the quickstart is not the bare defaults

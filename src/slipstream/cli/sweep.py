@@ -108,7 +108,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=RUN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_config_args(run)
+    add_config_args(run, quickstart_default=False)
     d = SweepConfig()
     m = run.add_argument_group("matrix")
     m.add_argument(

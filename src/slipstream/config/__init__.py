@@ -2,7 +2,8 @@
 loaded from TOML and overridable from the command line (`--trainer.lr=3e-4`).
 
 Imports without torch. `load_config(path, overrides)` fails with ConfigError naming key, value and
-file before any work starts.
+file before any work starts. `QUICKSTART` is the embedded job config (also `configs/quickstart.toml`
+in the repository): what the CLI loads when no `-c FILE` is given.
 """
 
 from __future__ import annotations
@@ -21,9 +22,12 @@ from slipstream.config.sandbox import SandboxConfig
 from slipstream.config.sft import SFTConfig
 from slipstream.config.task import TaskConfig
 
+QUICKSTART = Path(__file__).with_name("quickstart.toml")
+
 
 class SlipstreamConfig(Section):
-    """The whole job. Every section has defaults: an empty file is the embedded quickstart."""
+    """The whole job. Every section has defaults (an empty file is valid); the embedded quickstart
+    (`QUICKSTART`) sets the tiny model, task, SFT and RL recipe that `make run` runs."""
 
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -46,6 +50,7 @@ def load_config(
 
 
 __all__ = [
+    "QUICKSTART",
     "ConfigError",
     "Section",
     "SlipstreamConfig",
