@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything slipstream needs on a fresh Debian machine (Python 3.11, root for apt-get).
 #   scripts/setup.sh            core + extras for running (serve, hf)
-#   scripts/setup.sh --dev      also test tools (pytest, moto, ...) and the Debian packages the tests use
+#   scripts/setup.sh --dev      also test tools (pytest, moto, ray, ...) and the Debian packages the tests use
 # Idempotent: the venv is reused, and pip runs again only when pyproject.toml changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +35,7 @@ if [[ ! -x .venv/bin/python ]]; then
   "$PY" -m venv .venv
 fi
 EXTRAS="serve,hf"
-((DEV)) && EXTRAS="serve,hf,s3,dev"
+((DEV)) && EXTRAS="serve,hf,s3,ray,dev"
 stamp=".venv/.slipstream-installed-$EXTRAS"
 if [[ ! -f "$stamp" || pyproject.toml -nt "$stamp" ]]; then
   .venv/bin/pip install -q --upgrade pip

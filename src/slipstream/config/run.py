@@ -18,3 +18,9 @@ class RunConfig(Section):
     """Parameter/compute dtype for the policy model."""
     num_threads: int = Field(default=0, ge=0)
     """torch intra-op threads; 0 leaves torch's default."""
+    launcher: Literal["local", "ray"] = "local"
+    """Where rollout workers run: `local` = processes on this machine (launch/local.py); `ray` =
+    Ray actors (launch/ray.py, needs the `ray` extra)."""
+    ray_address: str = ""
+    """With `launcher = "ray"`: empty starts a private local Ray instance for this job; `auto`
+    joins the existing cluster this machine belongs to; `host:port` joins that cluster."""

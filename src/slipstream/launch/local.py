@@ -176,7 +176,12 @@ def run_local(cfg: SlipstreamConfig, console: Any = None, *, display: bool = Tru
         if dp is not None:
             dp.close(timeout_s=0)
         raise
-    launcher = LocalLauncher(cfg, controller.coord)
+    if cfg.run.launcher == "ray":  # workers as Ray actors (launch/ray.py, the `ray` extra)
+        from slipstream.launch.ray import RayLauncher
+
+        launcher: LocalLauncher | RayLauncher = RayLauncher(cfg, controller.coord)
+    else:
+        launcher = LocalLauncher(cfg, controller.coord)
 
     def on_sigterm(signum: int, frame: Any) -> None:
         # Trainer pod terminated: unwind so `finally` drains and stops the workers. The run
@@ -184,7 +189,13 @@ def run_local(cfg: SlipstreamConfig, console: Any = None, *, display: bool = Tru
         raise SystemExit(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
-    launcher.start()
+    try:
+        launcher.start()
+    except BaseException:  # e.g. the sandbox backend check: nothing ran, undo what did
+        signal.signal(signal.SIGTERM, previous)
+        if dp is not None:
+            dp.close(timeout_s=0)
+        raise
     try:
         with progress:
             result = controller.run()

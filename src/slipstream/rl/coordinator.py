@@ -13,8 +13,9 @@ authkey. The trainer process serves the one Coordinator object from a background
 socket, one connection per calling thread. Exceptions raised in the coordinator are re-raised in
 the worker. A worker killed with SIGKILL only drops its connections; its leases expire.
 
-Not covered: authentication beyond the shared authkey, transport across hosts (bind address is
-loopback), a coordinator that outlives the trainer process (the checkpoint carries its state).
+Not covered: authentication beyond the shared authkey, encryption (the Ray launcher binds the
+node's IP so other hosts can connect; run it on a private network; never run across real hosts),
+a coordinator that outlives the trainer process (the checkpoint carries its state).
 """
 
 from __future__ import annotations
@@ -131,14 +132,18 @@ class _Manager(BaseManager):
     pass
 
 
-def serve(coordinator: Coordinator, authkey: bytes, port: int = 0) -> tuple[str, int]:
-    """Serve `coordinator` on 127.0.0.1 from a daemon thread; returns the (host, port)."""
+def serve(
+    coordinator: Coordinator, authkey: bytes, port: int = 0, host: str = "127.0.0.1"
+) -> tuple[str, int]:
+    """Serve `coordinator` on host (loopback by default) from a daemon thread; returns the
+    (host, port). A non-loopback host (the Ray launcher passes the node's IP) makes it reachable
+    from other machines, guarded by the authkey only."""
 
     class M(BaseManager):
         pass
 
     M.register("coordinator", callable=lambda: coordinator)
-    server = M(address=("127.0.0.1", port), authkey=authkey).get_server()
+    server = M(address=(host, port), authkey=authkey).get_server()
     threading.Thread(target=server.serve_forever, daemon=True, name="coordinator-rpc").start()
     return server.address
 

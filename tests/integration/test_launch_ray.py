@@ -1,0 +1,145 @@
+"""The job with `run.launcher=ray`: rollout workers are Ray actors on a private local Ray instance
+(1 logical CPU per worker). The real job runs as a subprocess on a tiny random model; it must
+finish all steps and train each task once, also when the worker actor's process is SIGKILLed
+mid-run (the launcher replaces the dead actor)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from slipstream.config import load_config
+from slipstream.model import MoEForCausalLM, save_pretrained
+from slipstream.tasks import get_taskset
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+ray = pytest.importorskip("ray")
+
+TINY = [
+    "model.hidden_size=32", "model.num_hidden_layers=1", "model.num_attention_heads=2",
+    "model.num_key_value_heads=1", "model.head_dim=8", "model.intermediate_size=32",
+    "model.moe_intermediate_size=16", "model.num_experts=4", "model.max_position_embeddings=64",
+    "engine.max_seq_len=64", "engine.max_new_tokens=8", "eval.num_prompts=4", "run.num_threads=1",
+    "task.num_heldout=4", "trainer.mode=sync", "trainer.groups_per_step=2", "rollout.group_size=4",
+    "rollout.num_workers=1", "trainer.lr=0.01", "rollout.lease_ttl_s=3",
+    "rollout.drain_timeout_s=5", "trainer.skip_no_signal=false", "trainer.checkpoint_every=0",
+    "run.launcher=ray",
+]  # fmt: skip
+
+
+def steps(metrics: Path) -> dict[int, dict]:
+    if not metrics.exists():
+        return {}
+    recs = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return {r["step"]: r for r in recs if "loss" in r}
+
+
+def start_job(tmp: Path, *overrides: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    (tmp / "empty.toml").write_text("")
+    cfg = load_config(None, TINY)
+    ts = get_taskset(cfg.task)
+    torch.manual_seed(0)
+    save_pretrained(
+        MoEForCausalLM(cfg.model.model_copy(update={"vocab_size": ts.tokenizer.vocab_size})),
+        tmp / "init",
+    )
+    cmd = [sys.executable, "-m", "slipstream.launch.local", "run", str(tmp / "empty.toml"),
+           f"run.output_dir={tmp / 'run'}", f"model.init_from={tmp / 'init'}", *TINY, *overrides]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_DISABLE_USAGE_STATS="1", **(env or {}))
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=open(tmp / "job.err", "wb"))  # fmt: skip
+
+
+def finish(job: subprocess.Popen, tmp: Path, timeout_s: float) -> dict[int, dict]:
+    try:
+        assert job.wait(timeout=timeout_s) == 0, (tmp / "job.err").read_text()[-3000:]
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    out = steps(tmp / "run" / "metrics.jsonl")
+    trained = [t for s in sorted(out) for t in out[s]["task_ids"]]
+    assert len(trained) == len(set(trained)), trained
+    assert (tmp / "run" / "report.md").exists()
+    return out
+
+
+def test_job_with_ray_actors(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    out = finish(start_job(tmp_path, "trainer.steps=4"), tmp_path, timeout_s=120)
+    assert sorted(out) == [1, 2, 3, 4]
+    workers = (tmp_path / "run" / "launch" / "ray_workers.jsonl").read_text().splitlines()
+    assert [json.loads(w)["worker_id"] for w in workers] == ["w0.0"]
+    print(f"ray job: 4 steps in {time.monotonic() - t0:.1f} s (process wall)")
+
+
+def test_killed_actor_is_replaced(tmp_path: Path) -> None:
+    job = start_job(tmp_path, "trainer.steps=6")
+    record = tmp_path / "run" / "launch" / "ray_workers.jsonl"
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    try:
+        while not (record.exists() and max(steps(metrics), default=0) >= 2):
+            assert job.poll() is None, (tmp_path / "job.err").read_text()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        os.kill(json.loads(record.read_text().splitlines()[0])["pid"], signal.SIGKILL)
+    except BaseException:
+        os.killpg(job.pid, signal.SIGKILL)
+        raise
+    out = finish(job, tmp_path, timeout_s=150)
+    assert sorted(out) == list(range(1, 7))
+    ids = [json.loads(w)["worker_id"] for w in record.read_text().splitlines()]
+    assert ids[:2] == ["w0.0", "w0.1"], ids
+    report = (tmp_path / "run" / "report.md").read_text()
+    restarts = re.search(r"\*\*worker restarts\*\*: (\d+)", report)
+    assert restarts and int(restarts.group(1)) >= 1, report
+
+
+def test_two_node_cluster(tmp_path: Path, moto: int) -> None:
+    """A cluster of 2 nodes (two raylets of ray.cluster_utils on this machine, 1 CPU each): the
+    default store, a local path, is refused before any actor starts; with the store on s3:// (a
+    moto server on loopback) the job runs one worker actor on each node."""
+    from ray.cluster_utils import Cluster
+
+    from s3util import make_bucket
+    from slipstream.launch.ray import RayLauncher
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        cluster.add_node(num_cpus=1)
+        address = f"run.ray_address={cluster.address}"
+        cfg = load_config(None, [*TINY, f"run.output_dir={tmp_path}", address])
+        launcher = RayLauncher(cfg, coordinator=None)
+        with pytest.raises(RuntimeError, match="store.url to s3://"):
+            launcher.start()
+        assert launcher.actors == {}
+        ray.shutdown()  # this process's driver; the cluster stays up
+
+        make_bucket(moto)
+        creds = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_DEFAULT_REGION": "us-west-2"}  # fmt: skip
+        job = start_job(tmp_path, "trainer.steps=4", "rollout.num_workers=2", address,
+                        "store.url=s3://bucket/run", f"store.endpoint_url=http://127.0.0.1:{moto}",
+                        env=creds)  # fmt: skip
+        out = finish(job, tmp_path, timeout_s=150)
+        assert sorted(out) == [1, 2, 3, 4]
+        assert not (tmp_path / "run" / "store").exists()
+        report = (tmp_path / "run" / "report.md").read_text()
+        assert "**worker exit codes**: {0: 0, 1: 0}" in report, report  # both drained
+        record = (tmp_path / "run" / "launch" / "ray_workers.jsonl").read_text().splitlines()
+        assert len({json.loads(w)["node_id"] for w in record}) == 2, record
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
