@@ -10,51 +10,29 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-import torch
 
+from jobutil import TINY_MODEL, job_cmd, save_random_init, trained_steps
 from slipstream.config import load_config
-from slipstream.model import MoEForCausalLM, save_pretrained
-from slipstream.tasks import get_taskset
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 ray = pytest.importorskip("ray")
 
 TINY = [
-    "model.hidden_size=32", "model.num_hidden_layers=1", "model.num_attention_heads=2",
-    "model.num_key_value_heads=1", "model.head_dim=8", "model.intermediate_size=32",
-    "model.moe_intermediate_size=16", "model.num_experts=4", "model.max_position_embeddings=64",
-    "engine.max_seq_len=64", "engine.max_new_tokens=8", "eval.num_prompts=4", "run.num_threads=1",
-    "task.num_heldout=4", "trainer.mode=sync", "trainer.groups_per_step=2", "rollout.group_size=4",
+    *TINY_MODEL, "trainer.mode=sync", "trainer.groups_per_step=2", "rollout.group_size=4",
     "rollout.num_workers=1", "trainer.lr=0.01", "rollout.lease_ttl_s=3",
     "rollout.drain_timeout_s=5", "trainer.skip_no_signal=false", "trainer.checkpoint_every=0",
     "run.launcher=ray",
 ]  # fmt: skip
 
 
-def steps(metrics: Path) -> dict[int, dict]:
-    if not metrics.exists():
-        return {}
-    recs = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    return {r["step"]: r for r in recs if "loss" in r}
-
-
 def start_job(tmp: Path, *overrides: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    (tmp / "empty.toml").write_text("")
-    cfg = load_config(None, TINY)
-    ts = get_taskset(cfg.task)
-    torch.manual_seed(0)
-    save_pretrained(
-        MoEForCausalLM(cfg.model.model_copy(update={"vocab_size": ts.tokenizer.vocab_size})),
-        tmp / "init",
-    )
-    cmd = [sys.executable, "-m", "slipstream.launch.local", "run", str(tmp / "empty.toml"),
-           f"run.output_dir={tmp / 'run'}", f"model.init_from={tmp / 'init'}", *TINY, *overrides]  # fmt: skip
+    save_random_init(tmp / "init", TINY)
+    cmd = job_cmd(tmp, tmp / "run", [*TINY, *overrides])
     env = dict(os.environ, OMP_NUM_THREADS="1", RAY_DISABLE_USAGE_STATS="1", **(env or {}))
     env.pop("RAY_ADDRESS", None)
     return subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
@@ -68,7 +46,7 @@ def finish(job: subprocess.Popen, tmp: Path, timeout_s: float) -> dict[int, dict
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
-    out = steps(tmp / "run" / "metrics.jsonl")
+    out = trained_steps(tmp / "run" / "metrics.jsonl")
     trained = [t for s in sorted(out) for t in out[s]["task_ids"]]
     assert len(trained) == len(set(trained)), trained
     assert (tmp / "run" / "report.md").exists()
@@ -90,7 +68,7 @@ def test_killed_actor_is_replaced(tmp_path: Path) -> None:
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.monotonic() + 120
     try:
-        while not (record.exists() and max(steps(metrics), default=0) >= 2):
+        while not (record.exists() and max(trained_steps(metrics), default=0) >= 2):
             assert job.poll() is None, (tmp_path / "job.err").read_text()[-3000:]
             assert time.monotonic() < deadline
             time.sleep(0.1)

@@ -5,26 +5,18 @@ resumed from its checkpoint (the follower restores the same trainer state as ran
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from slipstream.config import load_config
-from slipstream.model import MoEForCausalLM, save_pretrained
+from jobutil import TINY_MODEL, job_cmd, save_random_init, trained_steps
 from slipstream.rl.weights import WeightStore
-from slipstream.tasks import get_taskset
 
 TINY = [
-    "model.hidden_size=32", "model.num_hidden_layers=1", "model.num_attention_heads=2",
-    "model.num_key_value_heads=1", "model.head_dim=8", "model.intermediate_size=32",
-    "model.moe_intermediate_size=16", "model.num_experts=4", "model.max_position_embeddings=64",
-    "engine.max_seq_len=64", "engine.max_new_tokens=8", "eval.num_prompts=4", "run.num_threads=1",
-    "task.num_heldout=4", "trainer.mode=sync", "trainer.deterministic=true", "trainer.steps=3",
+    *TINY_MODEL, "trainer.mode=sync", "trainer.deterministic=true", "trainer.steps=3",
     "trainer.checkpoint_every=0", "trainer.groups_per_step=4", "rollout.group_size=4",
     "rollout.num_workers=1", "trainer.lr=0.01", "rollout.lease_ttl_s=5",
     # DP equals one process for equal shards under seq_mean, without the MoE load-balancing loss
@@ -36,29 +28,21 @@ TINY = [
 
 
 def run_job(tmp: Path, out: str, *extra: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "slipstream.launch.local", "run", str(tmp / "empty.toml"),
-           f"run.output_dir={tmp / out}", f"model.init_from={tmp / 'init'}", *TINY, *extra]  # fmt: skip
-    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+    """The job's per-step records, in step order."""
+    proc = subprocess.run(job_cmd(tmp, tmp / out, [*TINY, *extra]), env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
                           timeout=240)  # fmt: skip
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
-    return [json.loads(line) for line in (tmp / out / "metrics.jsonl").read_text().splitlines()]
+    return sorted(trained_steps(tmp / out / "metrics.jsonl").values(), key=lambda r: r["step"])
 
 
 @pytest.mark.slow
 def test_two_trainer_ranks_train_like_one(tmp_path: Path) -> None:
-    (tmp_path / "empty.toml").write_text("")
-    cfg = load_config(None, TINY)
-    ts = get_taskset(cfg.task)
-    torch.manual_seed(0)
-    save_pretrained(
-        MoEForCausalLM(cfg.model.model_copy(update={"vocab_size": ts.tokenizer.vocab_size})),
-        tmp_path / "init",
-    )
-    one = [r for r in run_job(tmp_path, "one") if "loss" in r]
+    save_random_init(tmp_path / "init", TINY)
+    one = run_job(tmp_path, "one")
     run_job(tmp_path, "two", "trainer.num_processes=2", "trainer.steps=2")
     resumed_log = tmp_path / "two" / "launch" / "logs" / "trainer-rank1.log"
     assert "done after 2 steps (version 2)" in resumed_log.read_text()
-    two = [r for r in run_job(tmp_path, "two", "trainer.num_processes=2") if "loss" in r]
+    two = run_job(tmp_path, "two", "trainer.num_processes=2")
     assert "resumed from checkpoint step 2" in resumed_log.read_text()
     assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3]
     for a, b in zip(one, two, strict=True):

@@ -11,37 +11,22 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
+from jobutil import TINY_MODEL, save_random_init
 from slipstream.config import SlipstreamConfig, load_config
 from slipstream.launch.local import LocalLauncher
-from slipstream.model import MoEForCausalLM, save_pretrained
 from slipstream.rl.buffer import ExperienceBuffer
 from slipstream.rl.controller import Controller, hf_weights, store_url
 from slipstream.rl.coordinator import Coordinator
 from slipstream.rl.queue import TaskQueue
 from slipstream.rl.weights import WeightStore
-from slipstream.tasks import get_taskset
-
-TINY = [
-    "model.hidden_size=32", "model.num_hidden_layers=1", "model.num_attention_heads=2",
-    "model.num_key_value_heads=1", "model.head_dim=8", "model.intermediate_size=32",
-    "model.moe_intermediate_size=16", "model.num_experts=4", "model.max_position_embeddings=64",
-    "engine.max_seq_len=64", "engine.max_new_tokens=8", "eval.num_prompts=4", "run.num_threads=1",
-    "task.num_heldout=4",
-]  # fmt: skip
 
 
 def tiny_config(tmp: Path, *overrides: str) -> SlipstreamConfig:
-    cfg = load_config(None, [f"run.output_dir={tmp}/run", *TINY, *overrides])
-    ts = get_taskset(cfg.task)
-    torch.manual_seed(0)
+    cfg = load_config(None, [f"run.output_dir={tmp}/run", *TINY_MODEL, *overrides])
     init = tmp / "init"
     if not (init / "config.json").exists():
-        save_pretrained(
-            MoEForCausalLM(cfg.model.model_copy(update={"vocab_size": ts.tokenizer.vocab_size})),
-            init,
-        )
+        save_random_init(init, [*TINY_MODEL, *overrides])
     cfg.model.init_from = str(init)
     return cfg
 

@@ -1,0 +1,48 @@
+"""The tiny RL job the integration tests run: config overrides for a 1-layer MoE model, a saved
+random start checkpoint, the job's command line, and its per-step metrics.
+Importable from any test module (`pythonpath = ["tests"]` in pyproject)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from slipstream.config import load_config
+from slipstream.model import MoEForCausalLM, save_pretrained
+from slipstream.tasks import get_taskset
+
+# A model that runs a job step in well under a second on one core.
+TINY_MODEL = [
+    "model.hidden_size=32", "model.num_hidden_layers=1", "model.num_attention_heads=2",
+    "model.num_key_value_heads=1", "model.head_dim=8", "model.intermediate_size=32",
+    "model.moe_intermediate_size=16", "model.num_experts=4", "model.max_position_embeddings=64",
+    "engine.max_seq_len=64", "engine.max_new_tokens=8", "eval.num_prompts=4", "run.num_threads=1",
+    "task.num_heldout=4",
+]  # fmt: skip
+
+
+def save_random_init(directory: Path, overrides: list[str]) -> None:
+    """A random (seed 0) model for the config `overrides` describe, saved as a start checkpoint."""
+    cfg = load_config(None, overrides)
+    vocab = get_taskset(cfg.task).tokenizer.vocab_size
+    torch.manual_seed(0)
+    save_pretrained(MoEForCausalLM(cfg.model.model_copy(update={"vocab_size": vocab})), directory)
+
+
+def job_cmd(tmp: Path, output_dir: Path, overrides: list[str]) -> list[str]:
+    """`python -m slipstream.launch.local run` on built-in defaults + overrides, starting from
+    tmp/init (see save_random_init)."""
+    (tmp / "empty.toml").write_text("")
+    return [sys.executable, "-m", "slipstream.launch.local", "run", str(tmp / "empty.toml"),
+            f"run.output_dir={output_dir}", f"model.init_from={tmp / 'init'}", *overrides]  # fmt: skip
+
+
+def trained_steps(metrics: Path) -> dict[int, dict]:
+    """step -> its metrics record; a resumed run re-logs steps after its checkpoint: the last wins."""
+    if not metrics.exists():
+        return {}
+    recs = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return {r["step"]: r for r in recs if "loss" in r}
