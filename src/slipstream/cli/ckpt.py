@@ -36,18 +36,18 @@ def _stores(args: argparse.Namespace):
 
     cfg = load_config(args.config, args.overrides)
     weights = WeightStore(store_url(cfg), cfg.store.keep_last, storage_options(cfg))
-    return weights, CheckpointStore(weights.blob, cfg.store.keep_checkpoints)
+    return cfg, weights, CheckpointStore(weights.blob, cfg.store.keep_checkpoints)
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    weights, ckpts = _stores(args)
+    _, weights, ckpts = _stores(args)
     print(json.dumps({"store": weights.blob.url, "weight_versions": weights.versions(),
                       "checkpoint_steps": ckpts.steps()}, indent=1))  # fmt: skip
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    weights, _ = _stores(args)
+    cfg, weights, _ = _stores(args)
     version = args.version if args.version is not None else weights.latest()
     if version is None:
         print(f"slipstream ckpt: no published weights in {weights.blob.url}")
@@ -57,6 +57,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     # carries that one and loads anywhere a checkpoint does.
     from slipstream.tasks import get_taskset
 
-    get_taskset(load_config(args.config, args.overrides).task).tokenizer.save(out)
+    get_taskset(cfg.task).tokenizer.save(out)
     print(out)
     return 0

@@ -131,10 +131,8 @@ def _die_with_parent() -> None:
 
 
 def follower_main(argv: list[str]) -> int:
-    from slipstream.model import load_pretrained
     from slipstream.rl.checkpoint import CheckpointStore
-    from slipstream.rl.controller import storage_options, store_url
-    from slipstream.rl.trainer import Trainer
+    from slipstream.rl.controller import build_trainer, storage_options, store_url
     from slipstream.rl.weights import WeightStore
     from slipstream.tasks import get_taskset
 
@@ -150,13 +148,8 @@ def follower_main(argv: list[str]) -> int:
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
     device = _init(cfg, args.rank, spec["port"])
-    # Built exactly as the Controller builds rank 0's, so every rank starts from the same weights.
-    torch.manual_seed(cfg.run.seed)
-    taskset = get_taskset(cfg.task)
-    model = load_pretrained(spec["init"], device=device, dtype=getattr(torch, cfg.run.dtype))
-    model.train()
-    trainer = Trainer(model, cfg.trainer, pad_id=taskset.tokenizer.pad_id, device=device,
-                      temperature=cfg.rollout.temperature or 1.0)  # fmt: skip
+    # Built as the Controller builds rank 0's, so every rank starts from the same state.
+    trainer = build_trainer(cfg, spec["init"], device, get_taskset(cfg.task).tokenizer.pad_id)
     step = _broadcast(None)
     if step is not None:
         weights = WeightStore(store_url(cfg), cfg.store.keep_last, storage_options(cfg))

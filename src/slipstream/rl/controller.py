@@ -93,6 +93,20 @@ class RunResult:
     records: list[dict[str, Any]] = field(default_factory=list)
 
 
+def build_trainer(
+    cfg: SlipstreamConfig, init_checkpoint: str, device: torch.device, pad_id: int
+) -> Trainer:
+    """The policy loaded from the start checkpoint, in train mode, and its Trainer. Every
+    data-parallel rank builds it with this function, so all start from the same state."""
+    from slipstream.model import load_pretrained
+
+    torch.manual_seed(cfg.run.seed)
+    model = load_pretrained(init_checkpoint, device=device, dtype=getattr(torch, cfg.run.dtype))
+    model.train()
+    return Trainer(model, cfg.trainer, pad_id=pad_id, device=device,
+                   temperature=cfg.rollout.temperature or 1.0)  # fmt: skip
+
+
 class Controller:
     """Trainer-side job. `on_record(record)` is called after every logged step (live display)."""
 
@@ -101,7 +115,6 @@ class Controller:
                  evaluate: bool = True, dp: Any = None) -> None:  # fmt: skip
         """`dp`: a started `launch.dp.DataParallel` when trainer.num_processes > 1 (this process
         is rank 0 of its process group and hands every batch to the other ranks)."""
-        from slipstream.model import load_pretrained
         from slipstream.sft import resolve_device
         from slipstream.tasks import get_taskset
 
@@ -117,19 +130,14 @@ class Controller:
         self.evaluate = evaluate
         self.dp = dp
         self.dp_done = False  # the other ranks were told the run is over
-        torch.manual_seed(cfg.run.seed)
         self.out_dir = Path(cfg.run.output_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.taskset = get_taskset(cfg.task)
         self.device = resolve_device(cfg.run)  # "auto" -> CUDA when torch sees one
-        self.model = load_pretrained(
-            init_checkpoint, device=self.device, dtype=getattr(torch, cfg.run.dtype)
+        self.trainer = build_trainer(
+            cfg, init_checkpoint, self.device, self.taskset.tokenizer.pad_id
         )
-        self.model.train()
-        self.trainer = Trainer(
-            self.model, cfg.trainer, pad_id=self.taskset.tokenizer.pad_id, device=self.device,
-            temperature=cfg.rollout.temperature or 1.0,
-        )  # fmt: skip
+        self.model = self.trainer.model
         self.weights = WeightStore(store_url(cfg), cfg.store.keep_last, storage_options(cfg))
         self.ckpts = CheckpointStore(self.weights.blob, cfg.store.keep_checkpoints)
         self.max_staleness = effective_staleness(cfg)
