@@ -13,12 +13,11 @@ hash of (seed, problem), so the demonstration set is deterministic. The verifier
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
 from typing import TYPE_CHECKING, Any
 
-from slipstream.tasks.base import GeneratedTaskSet, Task, Verdict
+from slipstream.tasks.base import GeneratedTaskSet, Task, Verdict, keyed_uniform
 
 if TYPE_CHECKING:
     from slipstream.config.task import TaskConfig
@@ -75,14 +74,9 @@ class ArithmeticTaskSet(GeneratedTaskSet):
         rate = self.cfg.demo_drop_carry
         if rate > 0 and meta["op"] in ("+", "-"):
             wrong = _carryless(meta["a"], meta["op"], meta["b"])
-            if wrong != meta["answer"] and self._teacher_draw(task.key) < rate:
+            if wrong != meta["answer"] and keyed_uniform(self.cfg.seed, "teacher", task.key) < rate:
                 return str(wrong)
         return str(meta["answer"])
-
-    def _teacher_draw(self, key: str) -> float:
-        """Uniform in [0, 1), fixed per (task seed, problem)."""
-        digest = hashlib.sha256(f"{self.cfg.seed}|teacher|{key}".encode()).digest()
-        return int.from_bytes(digest[:8], "big") / 2**64
 
     def verify(self, task: Task, completion: str) -> Verdict:
         if len(completion) > MAX_ANSWER_CHARS:

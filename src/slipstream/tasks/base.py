@@ -44,6 +44,13 @@ _MODULES: dict[str, str] = {}
 MAX_DRAWS = 10_000
 
 
+def keyed_uniform(*parts: object) -> float:
+    """A uniform number in [0, 1) that is a fixed function of `parts` (a keyed hash, so splits
+    and other per-problem choices are deterministic for a seed, on any machine)."""
+    digest = hashlib.sha256("|".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
 class Verdict(NamedTuple):
     reward: float
     """In [0, 1]."""
@@ -122,8 +129,7 @@ class GeneratedTaskSet(TaskSet):
         self._heldout: list[Task] | None = None
 
     def is_heldout_key(self, key: str) -> bool:
-        digest = hashlib.sha256(f"{self.cfg.seed}|{self.name}|{key}".encode()).digest()
-        return int.from_bytes(digest[:8], "big") / 2**64 < self.cfg.heldout_fraction
+        return keyed_uniform(self.cfg.seed, self.name, key) < self.cfg.heldout_fraction
 
     def train(self, index: int) -> Task:
         if index < 0:

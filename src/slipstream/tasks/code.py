@@ -19,7 +19,6 @@ the reward (only correctness counts).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import math
@@ -29,7 +28,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from slipstream.sandbox.errors import BackendUnavailable, SandboxError
-from slipstream.tasks.base import Task, TaskSet, Verdict
+from slipstream.tasks.base import Task, TaskSet, Verdict, keyed_uniform
 from slipstream.tasks.code_problems import PROBLEMS, CodeProblem
 
 if TYPE_CHECKING:
@@ -198,9 +197,8 @@ class CodeTaskSet(TaskSet):
         super().__init__(cfg, tokenizer)
         held, train = [], []
         for p in PROBLEMS:
-            digest = hashlib.sha256(f"{cfg.seed}|code|{p.name}".encode()).digest()
             (
-                held if int.from_bytes(digest[:8], "big") / 2**64 < cfg.heldout_fraction else train
+                held if keyed_uniform(cfg.seed, "code", p.name) < cfg.heldout_fraction else train
             ).append(p)
         if not held:
             held.append(train.pop())
