@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 
 from slipstream.config.model import ModelConfig
 from slipstream.config.rl import TrainerConfig
+from slipstream.launch.teardown import exit_distributed_process
 from slipstream.model import MoEForCausalLM
 from slipstream.rl.trainer import Trainer, lr_factor
 from slipstream.rl.types import Batch, Group, Sample, TaskRef
@@ -102,7 +103,7 @@ def _dp_worker(rank: int, init_file: str, out_dir: str) -> None:
     for _ in range(2):
         trainer.step(make_batch(4))
     torch.save(model.state_dict(), os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    exit_distributed_process(0)  # a plain return can abort in gloo's teardown (see the module)
 
 
 def test_two_process_gloo_matches_single_process(tmp_path: Path) -> None:

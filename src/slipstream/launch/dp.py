@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream.config import SlipstreamConfig
+from slipstream.launch.teardown import exit_distributed_process
 
 log = logging.getLogger(__name__)
 
@@ -161,9 +162,8 @@ def follower_main(argv: list[str]) -> int:
         trainer.step(batch)
         num_steps += 1
     log.info("done after %d steps (version %d)", num_steps, trainer.version)
-    dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(follower_main(sys.argv[1:]))
+    exit_distributed_process(follower_main(sys.argv[1:]))

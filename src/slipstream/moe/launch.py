@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from slipstream.launch.teardown import exit_distributed_process
 from slipstream.moe.topology import EPGroup
 
 
@@ -55,8 +56,10 @@ def _entry(
         result = _resolve(target)(group, **kwargs)
         torch.save(result, f"{tmp}/result_{rank}.pt")
         dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    exit_distributed_process(0)  # see launch/teardown.py: a normal exit can abort in gloo
 
 
 def spawn_ep(
