@@ -121,3 +121,35 @@ def test_two_node_cluster(tmp_path: Path, moto: int) -> None:
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def test_actor_that_cannot_start_fails_the_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Worker actors on a node with a broken image (torch shadowed by a package that raises on
+    import; the private Ray instance's workers inherit this process's environment): the launcher
+    retries with backoff, then the trainer's wait ends with the actor's error."""
+    from slipstream.launch.ray import RayLauncher
+    from slipstream.rl.controller import Controller
+    from slipstream.rl.types import RolloutFailed
+
+    save_random_init(tmp_path / "init", TINY)
+    cfg = load_config(None, [*TINY, f"run.output_dir={tmp_path}/run", "trainer.steps=2",
+                             f"model.init_from={tmp_path / 'init'}", "rollout.max_start_failures=2",
+                             "rollout.restart_backoff_s=0.2"])  # fmt: skip
+    broken = tmp_path / "broken-image" / "torch"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('torch is missing (simulated image)')\n")
+    monkeypatch.setenv("PYTHONPATH", str(broken.parent))
+    monkeypatch.setenv("RAY_DISABLE_USAGE_STATS", "1")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    controller = Controller(cfg, cfg.model.init_from, evaluate=False)
+    launcher = RayLauncher(cfg, controller.coord)
+    launcher.start()
+    try:
+        with pytest.raises(RolloutFailed, match="slot 0 failed to start 2 times in a row") as err:
+            controller.run()
+    finally:
+        launcher.stop()
+    assert "torch is missing (simulated image)" in str(err.value)
+    assert launcher.num_restarts == 1

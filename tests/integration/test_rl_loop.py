@@ -19,6 +19,7 @@ from slipstream.rl.buffer import ExperienceBuffer
 from slipstream.rl.controller import Controller, hf_weights, store_url
 from slipstream.rl.coordinator import Coordinator
 from slipstream.rl.queue import TaskQueue
+from slipstream.rl.types import RolloutFailed
 from slipstream.rl.weights import WeightStore
 
 
@@ -125,3 +126,32 @@ def test_sigterm_drains_worker(tmp_path: Path) -> None:
 
 if __name__ == "__main__":
     pytest.main([__file__, "-v"])
+
+
+def test_worker_that_cannot_start_fails_the_job_with_its_output(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node with a broken image: the worker process dies on import, every time. The job fails
+    after rollout.max_start_failures tries, with the worker's error, not after the batch timeout."""
+    cfg = tiny_config(
+        tmp_path, "rollout.num_workers=1", "rollout.max_start_failures=3",
+        "rollout.restart_backoff_s=0.2", "trainer.batch_timeout_s=600", "trainer.steps=2",
+        "trainer.checkpoint_every=0",
+    )  # fmt: skip
+    broken = tmp_path / "broken-image" / "torch"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('torch is missing (simulated image)')\n")
+    monkeypatch.setenv("PYTHONPATH", str(broken.parent))  # reaches the worker processes only
+    controller = Controller(cfg, cfg.model.init_from, evaluate=False)
+    launcher = LocalLauncher(cfg, controller.coord)
+    launcher.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RolloutFailed, match="slot 0 failed to start 3 times in a row") as err:
+            controller.run()
+    finally:
+        codes = launcher.stop()
+    assert time.monotonic() - t0 < 120  # backoff 0.2 + 0.4 s plus three interpreter starts
+    assert "torch is missing (simulated image)" in str(err.value)
+    assert launcher.num_restarts == 2 and codes == {0: 1}
+    assert len(list((tmp_path / "run" / "launch" / "logs").glob("w0.*.log"))) == 3

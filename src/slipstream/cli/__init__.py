@@ -18,6 +18,7 @@ import sys
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from slipstream.config import ConfigError
+from slipstream.rl.types import RolloutFailed
 
 # Subcommand modules, in the order `--help` lists them.
 SUBCOMMANDS = [
@@ -96,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"slipstream: {e}", file=sys.stderr)
         return 2
+    except RolloutFailed as e:  # e.g. a worker slot crash-loops: the reason ends with its output
+        print(f"slipstream: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("slipstream: interrupted", file=sys.stderr)
         return 130

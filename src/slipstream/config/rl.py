@@ -43,6 +43,14 @@ class RolloutConfig(Section):
     seeded: bool = False
     """Deterministic sampling: each sample's seed is a function of (run.seed, task id, sample
     index), so a sync run is reproducible (used by the kill-and-resume determinism test)."""
+    max_start_failures: int = Field(default=5, ge=1)
+    """A worker slot whose worker ends this many times in a row before it ever reaches the
+    coordinator is crash-looping: the job fails with the worker's last output (launch/restarts.py).
+    Workers lost after they started (killed, node gone) are always replaced."""
+    restart_backoff_s: float = Field(default=1.0, ge=0)
+    """Wait before restarting a worker that failed to start; doubles with each failure in a row."""
+    restart_backoff_max_s: float = Field(default=30.0, ge=0)
+    """Cap of that wait."""
 
 
 class BufferConfig(Section):

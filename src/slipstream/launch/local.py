@@ -5,7 +5,9 @@
 - Weights travel through the WeightStore (same URL for everyone): a worker builds its engine from
   the newest published version and follows new ones.
 - A supervisor thread restarts a worker process that exits or is killed (like a Spot node group
-  replacing capacity) until the run stops; its leases expire and are redelivered.
+  replacing capacity) until the run stops; its leases expire and are redelivered. A worker that
+  keeps failing before it reaches the coordinator is retried with backoff and then fails the job
+  (launch/restarts.py).
 - Shutdown: the coordinator's stop flag makes workers drain and exit 0; stragglers get SIGTERM
   after `rollout.drain_timeout_s`, then SIGKILL.
 - Verification: each worker verifies with `make_verifier` (rl/verifier.py): tasks that execute
@@ -35,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from slipstream.config import SlipstreamConfig
+from slipstream.launch.restarts import RestartPolicy, fail_job, log_tail
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,8 @@ class LocalLauncher:
         self.procs: dict[int, subprocess.Popen] = {}
         self.generation: dict[int, int] = {}
         self.num_restarts = 0
+        self.policy = RestartPolicy.from_config(cfg.rollout)
+        self.failure: str | None = None  # set when a slot crash-loops (launch/restarts.py)
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self.launch_dir = Path(cfg.run.output_dir) / "launch"
@@ -84,17 +89,24 @@ class LocalLauncher:
     def _supervise(self) -> None:
         while not self._stopping.wait(0.2):
             with self._lock:
-                for i, p in list(self.procs.items()):
-                    stopping = self._stopping.is_set() or self.coord.stopping()
-                    if p.poll() is not None and not stopping and self.restart:
-                        log.warning(
-                            "rollout worker %d (pid %d) exited with %s; restarting",
-                            i,
-                            p.pid,
-                            p.returncode,
-                        )
-                        self.num_restarts += 1
-                        self._spawn(i)
+                if self._stopping.is_set() or self.coord.stopping() or not self.restart:
+                    continue
+                now = time.monotonic()
+                for i, p in self.procs.items():
+                    if self.policy.waiting(i) or p.poll() is None:
+                        continue
+                    wid = f"w{i}.{self.generation[i]}"
+                    delay_s = self.policy.schedule(i, self.coord.reached(wid), now)
+                    if delay_s is None:
+                        self.failure = fail_job(self.coord, i, wid, p.returncode,
+                                                self.policy.max_start_failures,
+                                                log_tail(self.log_dir / f"{wid}.log"))  # fmt: skip
+                        return
+                    log.warning("rollout worker %d (%s, pid %d) exited with %s; restarting in %.1f s",
+                                i, wid, p.pid, p.returncode, delay_s)  # fmt: skip
+                for i in self.policy.due(now):
+                    self.num_restarts += 1
+                    self._spawn(i)
 
     def pids(self) -> list[int]:
         with self._lock:

@@ -18,7 +18,9 @@ Contract:
   `s3://...` or `file:///...` on a filesystem mounted at the same path on every node.
 - Supervision: a thread replaces an actor whose `run()` ended (actor died: RayActorError, e.g. its
   process was killed or its node lost; or run() raised) until the job stops; `num_restarts`
-  counts replacements. The replaced worker's leases expire and are redelivered.
+  counts replacements. The replaced worker's leases expire and are redelivered. An actor that
+  keeps ending before it reaches the coordinator is retried with backoff and then fails the job
+  with its error (the policy of launch/restarts.py, as in the local launcher).
 - `stop()`: the coordinator's stop flag makes workers drain and return 0; stragglers get
   `request_stop()` after `rollout.drain_timeout_s` + 10 s, then `ray.kill` after another
   `drain_timeout_s` + 5 s. Codes: run()'s return value, 1 if run() raised, None if the actor died
@@ -48,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from slipstream.config import SlipstreamConfig
+from slipstream.launch.restarts import RestartPolicy, fail_job
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +116,8 @@ class RayLauncher:
         self.coord = coordinator
         self.restart = restart
         self.num_restarts = 0
+        self.policy = RestartPolicy.from_config(cfg.rollout)
+        self.failure: str | None = None  # set when a slot crash-loops (launch/restarts.py)
         self.actors: dict[int, Any] = {}
         self.runs: dict[int, Any] = {}  # index -> ObjectRef of the actor's run()
         self.generation: dict[int, int] = {}
@@ -214,29 +219,40 @@ class RayLauncher:
         while not self._stopping.wait(0.2):
             with self._lock:
                 self._record_info(ray)
-                for i, ref in list(self.runs.items()):
-                    ready, _ = ray.wait([ref], timeout=0)
-                    if not ready or self._stopping.is_set() or self.coord.stopping():
+                if self._stopping.is_set() or self.coord.stopping() or not self.restart:
+                    continue
+                now = time.monotonic()
+                for i, ref in self.runs.items():
+                    if self.policy.waiting(i) or not ray.wait([ref], timeout=0)[0]:
                         continue
-                    code = self._result(ray, ref)
-                    if not self.restart:
-                        continue
-                    log.warning("rollout worker actor %d (w%d.%d) ended with %s; replacing",
-                                i, i, self.generation[i], code)  # fmt: skip
+                    code, error = self._outcome(ray, ref)
                     ray.kill(self.actors[i])  # run() may have raised in a live actor
+                    wid = f"w{i}.{self.generation[i]}"
+                    delay_s = self.policy.schedule(i, self.coord.reached(wid), now)
+                    if delay_s is None:
+                        self.failure = fail_job(self.coord, i, wid, code,
+                                                self.policy.max_start_failures, error)  # fmt: skip
+                        return
+                    log.warning("rollout worker actor %d (%s) ended with %s; replacing in %.1f s",
+                                i, wid, code, delay_s)  # fmt: skip
+                for i in self.policy.due(now):
                     self.num_restarts += 1
                     self._spawn(i)
 
     @staticmethod
-    def _result(ray: Any, ref: Any) -> int | None:
-        """run()'s return value; 1 if it raised; None if the actor died."""
+    def _outcome(ray: Any, ref: Any) -> tuple[int | None, str]:
+        """(run()'s return value, ''); (1, the error) if it raised; (None, why) if the actor died."""
         try:
-            return int(ray.get(ref))
-        except ray.exceptions.RayActorError:
-            return None
+            return int(ray.get(ref)), ""
+        except ray.exceptions.RayActorError as e:
+            return None, str(e)
         except ray.exceptions.RayTaskError as e:
             log.warning("rollout worker failed: %s", e)
-            return 1
+            return 1, str(e)
+
+    @classmethod
+    def _result(cls, ray: Any, ref: Any) -> int | None:
+        return cls._outcome(ray, ref)[0]
 
     def pids(self) -> list[int]:
         """PIDs (on their nodes) of actors that reported in and whose run() has not ended."""

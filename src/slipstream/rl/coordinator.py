@@ -27,7 +27,7 @@ from typing import Any
 
 from slipstream.rl.buffer import ExperienceBuffer
 from slipstream.rl.queue import TaskQueue
-from slipstream.rl.types import Batch, Group, Lease
+from slipstream.rl.types import Batch, Group, Lease, RolloutFailed
 
 
 class Coordinator:
@@ -43,6 +43,11 @@ class Coordinator:
         self.worker_stats: dict[str, dict[str, float]] = {}
         self.worker_seen_s: dict[str, float] = {}
         self.num_acked = 0
+        self._failure: str | None = None
+
+    def reached(self, worker_id: str) -> bool:
+        """Whether this worker ever leased or reported (it started up)."""
+        return worker_id in self.worker_seen_s
 
     def _sink(self, group: Group) -> None:
         self.buffer.put(group)
@@ -91,10 +96,21 @@ class Coordinator:
     def request_stop(self) -> None:
         self._stopping.set()
 
+    def fail(self, reason: str) -> None:
+        """The launcher gave up on the rollout workers (e.g. a slot crash-loops): stop the workers
+        and make the trainer's next or current get_batch raise RolloutFailed(reason)."""
+        self._failure = reason
+        self._stopping.set()
+        with self._arrived:
+            self._arrived.notify_all()
+
     def get_batch(self, n: int, timeout_s: float) -> Batch | None:
-        """Wait up to timeout_s for n fresh groups."""
+        """Wait up to timeout_s for n fresh groups; None on timeout. Raises RolloutFailed after
+        fail()."""
         deadline = time.monotonic() + timeout_s
         while True:
+            if self._failure is not None:
+                raise RolloutFailed(self._failure)
             batch = self.buffer.get_batch(n, self._version)
             if batch is not None or time.monotonic() >= deadline:
                 return batch

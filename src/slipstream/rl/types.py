@@ -13,6 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+class RolloutFailed(RuntimeError):
+    """The rollout side cannot produce data: the launcher gave up (Coordinator.fail), e.g.
+    because a worker slot crash-loops. The message says why and ends with the worker's output."""
+
+
 @dataclass(frozen=True)
 class TaskRef:
     """A unit of work in the queue. `task_id` is unique for the whole run (it is the queue's

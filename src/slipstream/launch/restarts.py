@@ -1,0 +1,104 @@
+"""When to replace a rollout worker that ended, and when to give up: one policy for both launchers.
+
+A worker that ended after it reached the coordinator (it leased or reported at least once) was
+lost the way a Spot node is lost: it is replaced at once and the slot's failure count is reset.
+A worker that ended before it ever reached the coordinator failed to start (a bad engine
+option, a missing dependency on the node, a broken image); restarting it again and again only
+burns CPU and fills the log directory. Such start failures are retried with exponential
+backoff (`rollout.restart_backoff_s`, doubling, at most `rollout.restart_backoff_max_s`), and
+after `rollout.max_start_failures` in a row the slot is declared crash-looping: the launcher
+fails the job through `Coordinator.fail`, with the worker's last output in the message, instead
+of the trainer waiting out `trainer.batch_timeout_s`.
+
+Not covered: a worker that starts, leases once, and then crashes on every task (each incarnation
+counts as a loss, not a start failure); the trainer's batch timeout still bounds that case.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from slipstream.config.rl import RolloutConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RestartPolicy:
+    """Per worker slot: schedule() when its worker ended, due() for the slots to start now."""
+
+    max_start_failures: int
+    backoff_s: float
+    backoff_max_s: float
+    start_failures: dict[int, int] = field(default_factory=dict)
+    """Slot index -> start failures in a row."""
+    restart_at: dict[int, float] = field(default_factory=dict)
+    """Slot index -> monotonic time its replacement starts (slots waiting out a backoff)."""
+
+    @classmethod
+    def from_config(cls, rc: RolloutConfig) -> RestartPolicy:
+        return cls(rc.max_start_failures, rc.restart_backoff_s, rc.restart_backoff_max_s)
+
+    def delay_s(self, index: int, reached_coordinator: bool) -> float | None:
+        """Record that slot `index`'s worker ended; -> seconds to wait before starting its
+        replacement, or None when the slot has failed to start max_start_failures times in a row."""
+        if reached_coordinator:
+            self.start_failures[index] = 0
+            return 0.0
+        n = self.start_failures.get(index, 0) + 1
+        self.start_failures[index] = n
+        if n >= self.max_start_failures:
+            return None
+        return min(self.backoff_s * 2 ** (n - 1), self.backoff_max_s)
+
+    def schedule(self, index: int, reached_coordinator: bool, now_s: float) -> float | None:
+        """delay_s(), and remember when the replacement is due; None: crash loop, give up."""
+        delay_s = self.delay_s(index, reached_coordinator)
+        if delay_s is not None:
+            self.restart_at[index] = now_s + delay_s
+        return delay_s
+
+    def waiting(self, index: int) -> bool:
+        """Whether the slot's replacement is scheduled and not started yet."""
+        return index in self.restart_at
+
+    def due(self, now_s: float) -> list[int]:
+        """The slots whose replacement should start now (each is returned once)."""
+        ready = [i for i, t in self.restart_at.items() if now_s >= t]
+        for i in ready:
+            del self.restart_at[i]
+        return ready
+
+
+def fail_job(coord: Any, index: int, worker_id: str, code: int | None, n: int, output: str) -> str:
+    """Give up on slot `index`: log it, fail the coordinator (the trainer's wait raises
+    RolloutFailed), and return the reason."""
+    reason = crash_loop_message(index, worker_id, code, n, output)
+    log.error("rollout worker slot %d crash-loops (%s); failing the job", index, worker_id)
+    coord.fail(reason)
+    return reason
+
+
+def crash_loop_message(index: int, worker_id: str, code: int | None, n: int, output: str) -> str:
+    """The job's failure reason for a crash-looping slot, ending with the worker's last output."""
+    lines = output.strip().splitlines()[-20:]
+    tail = "\n".join(f"  | {line}" for line in lines) if lines else "  | (no output)"
+    return (
+        f"rollout worker slot {index} failed to start {n} times in a row (last: {worker_id}, "
+        f"exit {code}) before it ever reached the coordinator; not restarting it. "
+        f"Its last output:\n{tail}"
+    )
+
+
+def log_tail(path: Path, max_bytes: int = 8192) -> str:
+    """The end of a worker's log file ('' when it is missing)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - max_bytes))
+            return f.read().decode(errors="replace")
+    except FileNotFoundError:
+        return ""
