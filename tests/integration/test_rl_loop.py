@@ -1,15 +1,20 @@
 """The RL loop with real processes: rollout workers killed with SIGKILL again and again lose no
 task and train none twice; no trained token is older than max_staleness; SIGTERM drains a worker
-(exit 0, unfinished tasks nacked, finished groups acked)."""
+(exit 0, unfinished tasks nacked, finished groups acked); a worker that cannot start fails the
+job; workers roll out through a served engine (engine.type = http)."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from jobutil import TINY_MODEL, save_random_init
@@ -32,6 +37,26 @@ def tiny_config(tmp: Path, *overrides: str) -> SlipstreamConfig:
     return cfg
 
 
+class TrainedBatches:
+    """Wraps the controller's trainer.step: asserts no trained token is older than max_staleness
+    and records the task ids and per-token versions of every trained batch."""
+
+    def __init__(self, controller: Controller, max_staleness: int) -> None:
+        self.task_ids: list[int] = []
+        self.token_versions: list[int] = []
+        real_step = controller.trainer.step
+
+        def checked_step(batch):
+            for s in batch.samples:
+                lag = batch.trainer_version - min(s.versions)
+                assert lag <= max_staleness, (batch.trainer_version, s.versions)
+                self.token_versions.extend(s.versions)
+            self.task_ids.extend(batch.task_ids)
+            return real_step(batch)
+
+        controller.trainer.step = checked_step  # type: ignore[method-assign]
+
+
 def test_kill9_workers_nothing_lost_and_staleness_holds(tmp_path: Path) -> None:
     max_staleness = 1
     cfg = tiny_config(
@@ -42,19 +67,7 @@ def test_kill9_workers_nothing_lost_and_staleness_holds(tmp_path: Path) -> None:
         "rollout.verify_latency_p50_s=0.15", "trainer.checkpoint_every=0", "trainer.lr=0.01",
     )  # fmt: skip
     controller = Controller(cfg, cfg.model.init_from, evaluate=False)
-    trained: list[int] = []
-    real_step = controller.trainer.step
-
-    def checked_step(batch):
-        for s in batch.samples:
-            assert batch.trainer_version - min(s.versions) <= max_staleness, (
-                batch.trainer_version,
-                s.versions,
-            )
-        trained.extend(batch.task_ids)
-        return real_step(batch)
-
-    controller.trainer.step = checked_step  # type: ignore[method-assign]
+    trained = TrainedBatches(controller, max_staleness).task_ids
     launcher = LocalLauncher(cfg, controller.coord)
     launcher.start()
     result: dict = {}
@@ -155,3 +168,53 @@ def test_worker_that_cannot_start_fails_the_job_with_its_output(
     assert "torch is missing (simulated image)" in str(err.value)
     assert launcher.num_restarts == 2 and codes == {0: 1}
     assert len(list((tmp_path / "run" / "launch" / "logs").glob("w0.*.log"))) == 3
+
+
+def test_workers_roll_out_through_a_served_engine(tmp_path: Path) -> None:
+    """engine.type = http: the rollout worker is a client of `slipstream serve` (a separate process
+    on loopback), pushes every published version to it by location, and trains on its samples."""
+    save_random_init(tmp_path / "init", TINY_MODEL)
+    (tmp_path / "empty.toml").write_text("")
+    with socket.socket() as s:  # a free port; the server binds it a moment later
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [sys.executable, "-c", "from slipstream.cli import main; raise SystemExit(main())",
+         "serve", "--model", str(tmp_path / "init"), "--port", str(port),
+         "-c", str(tmp_path / "empty.toml"), *(f"--{o}" for o in TINY_MODEL)],
+        stdout=open(tmp_path / "server.log", "wb"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "server did not become healthy"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        cfg = tiny_config(
+            tmp_path, "engine.type=http", f"engine.url={url}", "trainer.mode=async",
+            "buffer.max_staleness=1", "trainer.steps=6", "trainer.groups_per_step=2",
+            "rollout.group_size=2", "trainer.checkpoint_every=0", "trainer.lr=0.01",
+            "trainer.skip_no_signal=false",
+        )  # fmt: skip
+        controller = Controller(cfg, cfg.model.init_from, evaluate=False)
+        token_versions = TrainedBatches(controller, max_staleness=1).token_versions
+        launcher = LocalLauncher(cfg, controller.coord)
+        launcher.start()
+        try:
+            result = controller.run()
+        finally:
+            codes = launcher.stop()
+        assert result.steps == 6 and codes == {0: 0}
+        assert min(token_versions) >= 0  # the server reported which weights made every token
+        assert max(token_versions) >= 3  # ... and it followed the trainer
+        info = httpx.get(f"{url}/get_model_info", timeout=5).json()
+        assert int(info["weight_version"]) >= 5, info
+        assert launcher.num_restarts == 0
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

@@ -38,6 +38,14 @@ def test_override_error_names_command_line():
     assert "command-line" in str(e.value) and "trainer.lr = -1" in str(e.value)
 
 
+def test_http_engine_needs_a_url():
+    with pytest.raises(ConfigError, match="engine.type = 'http' needs engine.url"):
+        load_config(None, ["engine.type=http"])
+    assert (
+        load_config(None, ["engine.type=http", "engine.url=http://h:1"]).engine.url == "http://h:1"
+    )
+
+
 def test_missing_file_and_bad_toml(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml")

@@ -44,6 +44,9 @@ def test_file_store_roundtrip_and_partial_publish_invisible(tmp_path: Path) -> N
     assert store.latest() == 5 and torch.equal(store.fetch(5)["b.weight"], sd(5)["b.weight"])
     out = store.fetch_to_dir(5, str(tmp_path / "hf"))
     assert (Path(out) / "model.safetensors").is_file()
+    # what an engine server is told to load: the version's directory itself
+    assert store.location(5) == str(tmp_path / "store" / "weights" / "v00000005")
+    assert (Path(store.location(5)) / "model.safetensors").is_file()
 
 
 class Proxy:
@@ -103,7 +106,10 @@ class Proxy:
 
 def test_s3_store_roundtrip(moto: int) -> None:
     make_bucket(moto)
-    check_roundtrip(WeightStore("s3://bucket/run1", keep_last=3, storage_options=s3_options(moto)))
+    store = WeightStore("s3://bucket/run1", keep_last=3, storage_options=s3_options(moto))
+    check_roundtrip(store)
+    assert store.location(4) == "s3://bucket/run1/weights/v00000004"
+    assert store.blob.fs.isfile(store.location(4) + "/model.safetensors")
 
 
 def test_s3_server_killed_mid_publish(moto: int) -> None:

@@ -2,14 +2,16 @@
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from slipstream.config.base import Section
 
 
 class EngineConfig(Section):
     type: Literal["native", "http"] = "native"
-    """`native`: slipstream's in-process engine. `http`: a server speaking SGLang's native API."""
+    """`native`: slipstream's in-process engine. `http`: a server speaking SGLang's native API
+    (`slipstream serve`, SGLang); in the RL job each rollout worker is then a client of it and
+    pushes every weight version to it by location (see docs/rl.md, "HTTP engine")."""
     url: str | None = None
     """Base URL of the server when type = "http" (e.g. http://127.0.0.1:30000)."""
     max_batch_size: int = Field(default=64, ge=1)
@@ -34,3 +36,12 @@ class EngineConfig(Section):
     """HTTP client: most requests in flight at once."""
     max_retries: int = Field(default=3, ge=0)
     """HTTP client: retries on connection errors and 5xx (exponential backoff)."""
+
+    @model_validator(mode="after")
+    def _http_needs_url(self) -> "EngineConfig":
+        if self.type == "http" and not self.url:
+            raise ValueError(
+                "engine.type = 'http' needs engine.url, the server's base URL "
+                "(e.g. http://127.0.0.1:30000)"
+            )
+        return self

@@ -45,6 +45,9 @@ class EngineHTTPError(RuntimeError):
 class HTTPEngine:
     """Client `Engine` for a server at `url` (e.g. http://127.0.0.1:30000)."""
 
+    weights_by_location = True
+    """update_weights takes the path/URL of a checkpoint directory the server reads, not tensors."""
+
     def __init__(
         self,
         url: str,

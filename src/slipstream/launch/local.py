@@ -239,8 +239,6 @@ def build_worker(spec: dict[str, Any], worker_id: str, coord: Any = None):
     """Everything a rollout worker process needs, from the launcher's spec."""
     import torch
 
-    from slipstream.engine.native import NativeEngine
-    from slipstream.model import load_pretrained
     from slipstream.rl.controller import storage_options
     from slipstream.rl.coordinator import connect
     from slipstream.rl.verifier import LatencyInjector, close_verifier, make_verifier
@@ -258,17 +256,8 @@ def build_worker(spec: dict[str, Any], worker_id: str, coord: Any = None):
         if time.monotonic() > deadline:
             raise TimeoutError(f"no weights published in {spec['store_url']} within 120 s")
         time.sleep(0.1)
-    with tempfile.TemporaryDirectory() as tmp:
-        model = load_pretrained(
-            store.fetch_to_dir(version, tmp), dtype=getattr(torch, cfg.run.dtype)
-        )
     taskset = get_taskset(cfg.task)
-    engine_cfg = cfg.engine.model_copy(
-        update={
-            "weight_update_policy": "continue_new" if cfg.rollout.partial_rollouts else "finish_old"
-        }
-    )
-    engine = NativeEngine(model, engine_cfg, tokenizer=taskset.tokenizer, version=version)
+    engine = _build_engine(cfg, store, version, taskset.tokenizer)
     try:
         verifier: Any = make_verifier(cfg.sandbox, taskset)  # owns a SandboxPool for `code`
     except BaseException:
@@ -286,6 +275,34 @@ def build_worker(spec: dict[str, Any], worker_id: str, coord: Any = None):
         engine.close()
         raise
     return worker, engine
+
+
+def _build_engine(cfg: SlipstreamConfig, store: Any, version: int, tokenizer: Any) -> Any:
+    """The worker's engine at weight `version`. Native: the model loaded here. HTTP: a client of
+    the server at engine.url, which is told to load `version` from the store now, whatever it
+    was started with (the server's own config decides what happens to in-flight requests on an
+    update; rollout.partial_rollouts applies to the native engine only)."""
+    import torch
+
+    from slipstream.engine import NativeEngine, build_engine
+    from slipstream.model import load_pretrained
+
+    if cfg.engine.type == "http":
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # else a log line per request
+        engine = build_engine(cfg.engine)
+        try:
+            engine.update_weights(version, store.location(version))
+        except BaseException:
+            engine.close()
+            raise
+        return engine
+    with tempfile.TemporaryDirectory() as tmp:
+        model = load_pretrained(
+            store.fetch_to_dir(version, tmp), dtype=getattr(torch, cfg.run.dtype)
+        )
+    policy = "continue_new" if cfg.rollout.partial_rollouts else "finish_old"
+    engine_cfg = cfg.engine.model_copy(update={"weight_update_policy": policy})
+    return NativeEngine(model, engine_cfg, tokenizer=tokenizer, version=version)
 
 
 def close_worker(worker: Any, engine: Any) -> None:

@@ -188,6 +188,14 @@ class WeightStore:
         _, files = read_manifested(self.blob, self._dir(version))
         return json.loads(files["config.json"]) if "config.json" in files else None
 
+    def location(self, version: int) -> str:
+        """Where a version's HF-format directory lives: a local path, or a URL (s3://...) for
+        other stores. For engine servers that load weights themselves
+        (`/update_weights_from_disk`); they must reach it (the same filesystem, or credentials of
+        their own) and, unlike `fetch`, do not check the manifest's hashes."""
+        path = self.blob.path(self._dir(version))
+        return path if self.blob.local else self.blob.fs.unstrip_protocol(path)
+
     def fetch_to_dir(self, version: int, local_dir: str) -> str:
         """Copy a published version into a local HF-format directory; returns it."""
         import os

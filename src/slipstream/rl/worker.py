@@ -30,6 +30,7 @@ from typing import Any
 
 from slipstream.config.rl import RolloutConfig
 from slipstream.engine.base import Completion, GenerateRequest, SamplingParams
+from slipstream.engine.http_client import EngineHTTPError
 from slipstream.rl.types import Group, Lease, Sample, TaskRef
 from slipstream.rl.verifier import Verifier
 from slipstream.rl.weights import WeightStore
@@ -113,10 +114,9 @@ class RolloutWorker:
                 latest = self.weights.latest()
                 if latest is not None and latest > self.engine.version:
                     try:
-                        state = self.weights.fetch(latest)
+                        self._load(latest)
                     except FileNotFoundError:  # retention removed it meanwhile: ask again
                         continue
-                    self.engine.update_weights(latest, state)
                     self.stats["weight_updates"] += 1
                 if self.engine.version >= min_version:
                     return
@@ -126,6 +126,20 @@ class RolloutWorker:
                         f"{self.weights.blob.url} within {timeout_s} s (latest {latest})"
                     )
                 time.sleep(0.05)
+
+    def _load(self, version: int) -> None:
+        """Bring the engine to `version`: tensors for an in-process engine; the directory's
+        location for a server that loads it itself (HTTP engine). FileNotFoundError when
+        retention removed the version meanwhile."""
+        if not getattr(self.engine, "weights_by_location", False):
+            self.engine.update_weights(version, self.weights.fetch(version))
+            return
+        try:
+            self.engine.update_weights(version, self.weights.location(version))
+        except EngineHTTPError:
+            if version not in self.weights.versions():
+                raise FileNotFoundError(self.weights.location(version)) from None
+            raise
 
     def _watch_weights(self) -> None:
         while not self._stop.wait(self.cfg.weight_poll_s):
