@@ -170,9 +170,25 @@ def test_worker_that_cannot_start_fails_the_job_with_its_output(
     assert len(list((tmp_path / "run" / "launch" / "logs").glob("w0.*.log"))) == 3
 
 
-def test_workers_roll_out_through_a_served_engine(tmp_path: Path) -> None:
+@pytest.mark.parametrize("store", ["local", "s3+stage"])
+def test_workers_roll_out_through_a_served_engine(
+    tmp_path: Path, store: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """engine.type = http: the rollout worker is a client of `slipstream serve` (a separate process
-    on loopback), pushes every published version to it by location, and trains on its samples."""
+    on loopback), pushes every published version to it by location, and trains on its samples.
+    `s3+stage`: the store is on S3 (moto), which the server cannot read; the worker copies each
+    version into engine.weights_stage_dir and gives the server that path."""
+    store_args: list[str] = []
+    if store == "s3+stage":
+        from s3util import make_bucket
+
+        port = request.getfixturevalue("moto")
+        make_bucket(port)
+        for key, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
+                           ("AWS_DEFAULT_REGION", "us-west-2")):  # fmt: skip
+            monkeypatch.setenv(key, value)  # the trainer here and its worker processes
+        store_args = ["store.url=s3://bucket/served", f"store.endpoint_url=http://127.0.0.1:{port}",
+                      f"engine.weights_stage_dir={tmp_path / 'stage'}"]  # fmt: skip
     save_random_init(tmp_path / "init", TINY_MODEL)
     (tmp_path / "empty.toml").write_text("")
     with socket.socket() as s:  # a free port; the server binds it a moment later
@@ -199,7 +215,7 @@ def test_workers_roll_out_through_a_served_engine(tmp_path: Path) -> None:
             tmp_path, "engine.type=http", f"engine.url={url}", "trainer.mode=async",
             "buffer.max_staleness=1", "trainer.steps=6", "trainer.groups_per_step=2",
             "rollout.group_size=2", "trainer.checkpoint_every=0", "trainer.lr=0.01",
-            "trainer.skip_no_signal=false",
+            "trainer.skip_no_signal=false", *store_args,
         )  # fmt: skip
         controller = Controller(cfg, cfg.model.init_from, evaluate=False)
         token_versions = TrainedBatches(controller, max_staleness=1).token_versions
@@ -211,10 +227,16 @@ def test_workers_roll_out_through_a_served_engine(tmp_path: Path) -> None:
             codes = launcher.stop()
         assert result.steps == 6 and codes == {0: 0}
         assert min(token_versions) >= 0  # the server reported which weights made every token
-        assert max(token_versions) >= 3  # ... and it followed the trainer
+        # ... and it followed the trainer: step 6 trains at version 5, so with staleness 1 its
+        # tokens came from version 4 or later
+        assert max(token_versions) >= 4
         info = httpx.get(f"{url}/get_model_info", timeout=5).json()
-        assert int(info["weight_version"]) >= 5, info
+        assert int(info["weight_version"]) >= max(token_versions), info
         assert launcher.num_restarts == 0
+        if store == "s3+stage":  # only the version the server holds stays staged
+            staged = [p.name for p in (tmp_path / "stage").iterdir()]
+            assert staged == [f"v{int(info['weight_version']):08d}"], staged
+            assert not (tmp_path / "run" / "store").exists()
     finally:
         server.terminate()
         server.wait(timeout=30)

@@ -14,6 +14,11 @@ class EngineConfig(Section):
     pushes every weight version to it by location (see docs/rl.md, "HTTP engine")."""
     url: str | None = None
     """Base URL of the server when type = "http" (e.g. http://127.0.0.1:30000)."""
+    weights_stage_dir: str | None = None
+    """type = "http" in the RL job: a local directory the server can read (e.g. a volume shared
+    with an SGLang sidecar) into which each rollout worker copies every weight version from the
+    store before telling the server to load it. Needed when the server cannot read the store
+    itself (SGLang and an s3:// store). Unset: the server is given the store's location."""
     max_batch_size: int = Field(default=64, ge=1)
     """Most sequences decoded together."""
     kv_cache_tokens: int = Field(default=16384, ge=64)

@@ -269,7 +269,10 @@ def build_worker(spec: dict[str, Any], worker_id: str, coord: Any = None):
                                    seed=hash(worker_id) & 0xFFFF)  # fmt: skip
     try:
         worker = RolloutWorker(worker_id, coord, engine, taskset, verifier, rc, weights=store,
-                               max_new_tokens=cfg.engine.max_new_tokens, run_seed=cfg.run.seed)  # fmt: skip
+                               max_new_tokens=cfg.engine.max_new_tokens, run_seed=cfg.run.seed,
+                               weights_stage_dir=cfg.engine.weights_stage_dir)  # fmt: skip
+        if cfg.engine.type == "http":  # the server holds whatever it was started with
+            worker.load_weights(version)
     except BaseException:
         close_verifier(verifier)
         engine.close()
@@ -278,10 +281,10 @@ def build_worker(spec: dict[str, Any], worker_id: str, coord: Any = None):
 
 
 def _build_engine(cfg: SlipstreamConfig, store: Any, version: int, tokenizer: Any) -> Any:
-    """The worker's engine at weight `version`. Native: the model loaded here. HTTP: a client of
-    the server at engine.url, which is told to load `version` from the store now, whatever it
-    was started with (the server's own config decides what happens to in-flight requests on an
-    update; rollout.partial_rollouts applies to the native engine only)."""
+    """The worker's engine. Native: the model at `version`, loaded here. HTTP: a client of the
+    server at engine.url (build_worker then has it load `version`; the server's own config decides
+    what happens to in-flight requests on an update; rollout.partial_rollouts applies to the
+    native engine only)."""
     import torch
 
     from slipstream.engine import NativeEngine, build_engine
@@ -289,13 +292,7 @@ def _build_engine(cfg: SlipstreamConfig, store: Any, version: int, tokenizer: An
 
     if cfg.engine.type == "http":
         logging.getLogger("httpx").setLevel(logging.WARNING)  # else a log line per request
-        engine = build_engine(cfg.engine)
-        try:
-            engine.update_weights(version, store.location(version))
-        except BaseException:
-            engine.close()
-            raise
-        return engine
+        return build_engine(cfg.engine)
     with tempfile.TemporaryDirectory() as tmp:
         model = load_pretrained(
             store.fetch_to_dir(version, tmp), dtype=getattr(torch, cfg.run.dtype)

@@ -22,10 +22,12 @@ lease, ack, nack, extend, version, stopping, report.
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from slipstream.config.rl import RolloutConfig
@@ -69,7 +71,11 @@ class RolloutWorker:
         weights: WeightStore | None = None,
         max_new_tokens: int = 32,
         run_seed: int = 0,
+        weights_stage_dir: str | None = None,
     ) -> None:
+        """`weights_stage_dir`: for engines that load weights by location (HTTP), a local
+        directory the server reads, into which each version is copied from the store first (the
+        server cannot read the store itself); None: the server is given the store's location."""
         self.worker_id = worker_id
         self.coord = coordinator
         self.engine = engine
@@ -79,6 +85,7 @@ class RolloutWorker:
         self.weights = weights
         self.max_new_tokens = cfg.max_new_tokens or max_new_tokens
         self.run_seed = run_seed
+        self.weights_stage_dir = weights_stage_dir
         self._stop = threading.Event()
         self._lock = threading.Condition()
         self._tasks: dict[int, _TaskWork] = {}  # task_id -> work
@@ -114,7 +121,7 @@ class RolloutWorker:
                 latest = self.weights.latest()
                 if latest is not None and latest > self.engine.version:
                     try:
-                        self._load(latest)
+                        self.load_weights(latest)
                     except FileNotFoundError:  # retention removed it meanwhile: ask again
                         continue
                     self.stats["weight_updates"] += 1
@@ -127,12 +134,23 @@ class RolloutWorker:
                     )
                 time.sleep(0.05)
 
-    def _load(self, version: int) -> None:
-        """Bring the engine to `version`: tensors for an in-process engine; the directory's
-        location for a server that loads it itself (HTTP engine). FileNotFoundError when
-        retention removed the version meanwhile."""
+    def load_weights(self, version: int) -> None:
+        """Bring the engine to `version` of the store: tensors for an in-process engine; a
+        directory location for a server that loads it itself (HTTP engine): the store's, or a
+        manifest-checked copy under weights_stage_dir (older copies are then removed).
+        FileNotFoundError when retention removed the version meanwhile."""
+        if self.weights is None:
+            raise RuntimeError(f"worker {self.worker_id}: load_weights needs a WeightStore")
         if not getattr(self.engine, "weights_by_location", False):
             self.engine.update_weights(version, self.weights.fetch(version))
+            return
+        if self.weights_stage_dir is not None:
+            staged = Path(self.weights_stage_dir) / f"v{version:08d}"
+            self.weights.fetch_to_dir(version, str(staged))
+            self.engine.update_weights(version, str(staged))
+            for old in Path(self.weights_stage_dir).glob("v*"):
+                if old != staged:
+                    shutil.rmtree(old, ignore_errors=True)
             return
         try:
             self.engine.update_weights(version, self.weights.location(version))
