@@ -335,3 +335,26 @@ def test_slipstream_serve_command(tmp_path, model):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+def test_wait_ready_waits_for_a_starting_server_and_times_out_naming_it(model) -> None:
+    """A rollout worker may start before the server beside it: wait_ready polls /health."""
+    from slipstream.engine.server import create_app
+
+    cfg = EngineConfig(kv_cache_tokens=4 * 128, max_seq_len=128, max_batch_size=4)
+    engine = NativeEngine(model, cfg, tokenizer=CharTokenizer())
+    server = Server(create_app(engine, CharTokenizer()))
+    client = HTTPEngine(server.url, max_retries=0)
+    try:
+        with pytest.raises(EngineHTTPError, match=f"{server.url}/health: server not ready"):
+            client.wait_ready(timeout_s=0.3, poll_s=0.1)  # bound, not listening yet
+        starter = threading.Timer(0.5, server.__enter__)
+        starter.start()
+        t0 = time.monotonic()
+        client.wait_ready(timeout_s=30, poll_s=0.1)
+        assert time.monotonic() - t0 >= 0.4
+        starter.join()
+    finally:
+        client.close()
+        server.__exit__()
+        engine.close()

@@ -14,6 +14,9 @@ class EngineConfig(Section):
     pushes every weight version to it by location (see docs/rl.md, "HTTP engine")."""
     url: str | None = None
     """Base URL of the server when type = "http" (e.g. http://127.0.0.1:30000)."""
+    server_wait_s: float = Field(default=600.0, ge=0)
+    """type = "http" in the RL job: how long a starting rollout worker waits for the server's
+    /health (a server started beside it may still be loading its model) before it fails."""
     weights_stage_dir: str | None = None
     """type = "http" in the RL job: a local directory the server can read (e.g. a volume shared
     with an SGLang sidecar) into which each rollout worker copies every weight version from the

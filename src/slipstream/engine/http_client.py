@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -127,6 +128,26 @@ class HTTPEngine:
 
     def flush_cache(self) -> None:
         self._call(self._post("/flush_cache", {}, expect_json=False))
+
+    def wait_ready(self, timeout_s: float, poll_s: float = 1.0) -> None:
+        """Block until GET /health answers 200 (our server and SGLang both serve it); a server
+        that is still starting (connection refused, 503) is waited for. EngineHTTPError naming
+        the URL and the last answer after timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        last = "no answer yet"
+        while True:
+            try:
+                resp = httpx.get(f"{self.url}/health", timeout=max(poll_s, 1.0))
+                if resp.status_code == 200:
+                    return
+                last = f"HTTP {resp.status_code}"
+            except httpx.TransportError as e:
+                last = f"{type(e).__name__}: {e}"
+            if time.monotonic() >= deadline:
+                raise EngineHTTPError(
+                    f"{self.url}/health: server not ready within {timeout_s} s ({last})"
+                )
+            time.sleep(poll_s)
 
     def get_model_info(self) -> dict[str, Any]:
         return self._call(self._request("GET", "/get_model_info", None))

@@ -292,7 +292,13 @@ def _build_engine(cfg: SlipstreamConfig, store: Any, version: int, tokenizer: An
 
     if cfg.engine.type == "http":
         logging.getLogger("httpx").setLevel(logging.WARNING)  # else a log line per request
-        return build_engine(cfg.engine)
+        engine = build_engine(cfg.engine)
+        try:
+            engine.wait_ready(cfg.engine.server_wait_s)
+        except BaseException:
+            engine.close()
+            raise
+        return engine
     with tempfile.TemporaryDirectory() as tmp:
         model = load_pretrained(
             store.fetch_to_dir(version, tmp), dtype=getattr(torch, cfg.run.dtype)
