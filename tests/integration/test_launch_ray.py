@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -153,3 +154,53 @@ def test_actor_that_cannot_start_fails_the_job(
         launcher.stop()
     assert "torch is missing (simulated image)" in str(err.value)
     assert launcher.num_restarts == 1
+
+
+def test_drain_file_drains_the_actor_and_keeps_new_ones_off_the_node(tmp_path: Path) -> None:
+    """A Spot node being reclaimed (the preStop hook of deploy/kuberay/rayjob.yaml creates the
+    drain file): the actor stops leasing and returns its unfinished tasks at once (leases live 300 s
+    here, so waiting for expiry would stall the job); replacements refuse to start on the node
+    while the file is there; once it is gone (the node replaced) the job finishes, every task once."""
+    from slipstream.launch.ray import RayLauncher
+    from slipstream.rl.controller import Controller
+
+    drain = tmp_path / "drain"
+    save_random_init(tmp_path / "init", TINY)
+    cfg = load_config(None, [*TINY, f"run.output_dir={tmp_path}/run", "trainer.steps=12",
+                             f"model.init_from={tmp_path / 'init'}", f"rollout.drain_file={drain}",
+                             "rollout.lease_ttl_s=300", "rollout.restart_backoff_s=0.2"])  # fmt: skip
+    os.environ.pop("RAY_ADDRESS", None)
+    controller = Controller(cfg, cfg.model.init_from, evaluate=False)
+    trained: list[int] = []
+    real_step = controller.trainer.step
+
+    def recorded_step(batch):
+        trained.extend(batch.task_ids)
+        return real_step(batch)
+
+    controller.trainer.step = recorded_step  # type: ignore[method-assign]
+    launcher = RayLauncher(cfg, controller.coord)
+    launcher.start()
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.update(r=controller.run()))
+    t0 = time.monotonic()
+    runner.start()
+    try:
+        while controller.trainer.step_count < 2:
+            assert runner.is_alive() and time.monotonic() - t0 < 120
+            time.sleep(0.05)
+        drain.touch()
+        while launcher.num_restarts < 3:  # the drained actor replaced, then refusals on the node
+            assert runner.is_alive() and time.monotonic() - t0 < 120
+            time.sleep(0.05)
+        held = controller.trainer.step_count
+        time.sleep(1.0)
+        assert controller.trainer.step_count <= held + 1  # no worker while the node drains
+        drain.unlink()
+        runner.join(timeout=120)
+    finally:
+        launcher.stop()
+    assert "r" in result and result["r"].steps == 12
+    assert len(trained) == len(set(trained)), trained
+    assert controller.coord.queue.stats().num_expired_leases == 0  # returned, not expired
+    assert time.monotonic() - t0 < 200

@@ -96,6 +96,18 @@ def test_entrypoint_is_a_valid_ray_job_with_http_rollouts() -> None:
     )
 
 
+def test_spot_eviction_drains_the_rollout_actor_within_the_grace_period() -> None:
+    cfg, _ = job_config()
+    (rollout,) = rayjob()["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    pod = rollout["template"]
+    hook = " ".join(container(pod, "ray-worker")["lifecycle"]["preStop"]["exec"]["command"])
+    assert cfg.rollout.drain_file and f"touch {cfg.rollout.drain_file}" in hook
+    wait_s = float(re.search(r"sleep (\d+)", hook).group(1))
+    # the actor sees the file within 0.5 s and drains within drain_timeout_s; the hook waits for
+    # that, and Kubernetes waits for the hook
+    assert cfg.rollout.drain_timeout_s + 1 <= wait_s < pod["spec"]["terminationGracePeriodSeconds"]
+
+
 def _flag(command: list[str], name: str) -> str:
     return next(a.split("=", 1)[1] for a in command if a.startswith(name + "="))
 

@@ -43,6 +43,11 @@ class RolloutConfig(Section):
     seeded: bool = False
     """Deterministic sampling: each sample's seed is a function of (run.seed, task id, sample
     index), so a sync run is reproducible (used by the kill-and-resume determinism test)."""
+    drain_file: str = ""
+    """Ray launcher: when this file exists on an actor's node, the rollout actor drains as a
+    worker process does on SIGTERM (stop leasing, finish or nack in-flight tasks, exit 0), and no
+    new actor starts on that node. A Kubernetes preStop hook creates it when a Spot node is
+    reclaimed (deploy/kuberay/rayjob.yaml). Empty: off."""
     max_start_failures: int = Field(default=5, ge=1)
     """A worker slot whose worker ends this many times in a row before it ever reaches the
     coordinator is crash-looping: the job fails with the worker's last output (launch/restarts.py).

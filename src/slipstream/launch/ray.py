@@ -21,6 +21,11 @@ Contract:
   counts replacements. The replaced worker's leases expire and are redelivered. An actor that
   keeps ending before it reaches the coordinator is retried with backoff and then fails the job
   with its error (the policy of launch/restarts.py, as in the local launcher).
+- Node draining (`rollout.drain_file`, for Spot on Kubernetes): when the file appears on an
+  actor's node, the actor drains as a worker process does on SIGTERM (stop leasing, finish or
+  nack in-flight tasks, return 0) and is replaced; an actor started on a node where the file
+  exists returns NODE_DRAINING at once, and its slot is retried every `rollout.restart_backoff_s`
+  without counting as a start failure, until the actor lands on another node.
 - `stop()`: the coordinator's stop flag makes workers drain and return 0; stragglers get
   `request_stop()` after `rollout.drain_timeout_s` + 10 s, then `ray.kill` after another
   `drain_timeout_s` + 5 s. Codes: run()'s return value, 1 if run() raised, None if the actor died
@@ -55,7 +60,8 @@ from slipstream.launch.restarts import RestartPolicy, fail_job
 log = logging.getLogger(__name__)
 
 _OBJECT_STORE_BYTES = 100 * 1024 * 1024  # private instance: workers pass no large objects
-_FORWARDED_ENV = ("AWS_",)  # environment variables the driver passes on to worker actors
+_FORWARDED_ENV = ("AWS_",)
+NODE_DRAINING = 75  # run()'s code when rollout.drain_file exists on the node (EX_TEMPFAIL)  # environment variables the driver passes on to worker actors
 
 
 def _import_ray() -> Any:
@@ -93,16 +99,31 @@ class RolloutActor:
     def run(self) -> int:
         from slipstream.launch.local import build_worker, close_worker
 
+        drain_file = self.spec["config"]["rollout"]["drain_file"]
+        if drain_file and os.path.exists(drain_file):
+            log.warning("%s exists: this node is draining; not starting", drain_file)
+            return NODE_DRAINING
         worker, engine = build_worker(self.spec, self.worker_id)
         self.worker = worker
         if self._stop.is_set():  # stop requested while the worker was being built
             worker.request_stop()
+        if drain_file:
+            threading.Thread(target=self._watch_drain_file, args=(drain_file,), daemon=True,
+                             name="drain-file").start()  # fmt: skip
         try:
             rc = worker.run()
         finally:
+            self._stop.set()
             close_worker(worker, engine)
         log.info("exiting %d: %s", rc, worker.stats)
         return rc
+
+    def _watch_drain_file(self, path: str) -> None:
+        while not self._stop.wait(0.5):
+            if os.path.exists(path):
+                log.warning("%s appeared (node reclaimed): draining", path)
+                self.worker.request_stop()
+                return
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -228,6 +249,9 @@ class RayLauncher:
                     code, error = self._outcome(ray, ref)
                     ray.kill(self.actors[i])  # run() may have raised in a live actor
                     wid = f"w{i}.{self.generation[i]}"
+                    if code == NODE_DRAINING:
+                        self.policy.schedule_draining(i, now)
+                        continue
                     delay_s = self.policy.schedule(i, self.coord.reached(wid), now)
                     if delay_s is None:
                         self.failure = fail_job(self.coord, i, wid, code,

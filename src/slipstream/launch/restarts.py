@@ -61,6 +61,13 @@ class RestartPolicy:
             self.restart_at[index] = now_s + delay_s
         return delay_s
 
+    def schedule_draining(self, index: int, now_s: float) -> float:
+        """The slot's actor found its node draining and did not start: try again after
+        backoff_s (by then the node may be gone and the actor placed elsewhere). Not a start
+        failure: a reclaimed node is not a broken image."""
+        self.restart_at[index] = now_s + self.backoff_s
+        return self.backoff_s
+
     def waiting(self, index: int) -> bool:
         """Whether the slot's replacement is scheduled and not started yet."""
         return index in self.restart_at
