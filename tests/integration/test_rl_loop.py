@@ -137,10 +137,6 @@ def test_sigterm_drains_worker(tmp_path: Path) -> None:
     assert set(snap["pending"]) | set(snap["done"]) == set(range(snap["next_task_id"]))
 
 
-if __name__ == "__main__":
-    pytest.main([__file__, "-v"])
-
-
 def test_worker_that_cannot_start_fails_the_job_with_its_output(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -195,12 +191,13 @@ def test_workers_roll_out_through_a_served_engine(
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen(
-        [sys.executable, "-c", "from slipstream.cli import main; raise SystemExit(main())",
-         "serve", "--model", str(tmp_path / "init"), "--port", str(port),
-         "-c", str(tmp_path / "empty.toml"), *(f"--{o}" for o in TINY_MODEL)],
-        stdout=open(tmp_path / "server.log", "wb"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    with open(tmp_path / "server.log", "wb") as server_log:
+        server = subprocess.Popen(
+            [sys.executable, "-c", "from slipstream.cli import main; raise SystemExit(main())",
+             "serve", "--model", str(tmp_path / "init"), "--port", str(port),
+             "-c", str(tmp_path / "empty.toml"), *(f"--{o}" for o in TINY_MODEL)],
+            stdout=server_log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
     try:  # no wait for the server here: the worker waits for its /health (engine.server_wait_s)
         cfg = tiny_config(
             tmp_path, "engine.type=http", f"engine.url={url}", "engine.server_wait_s=60",
@@ -225,10 +222,15 @@ def test_workers_roll_out_through_a_served_engine(
         info = httpx.get(f"{url}/get_model_info", timeout=5).json()
         assert int(info["weight_version"]) >= max(token_versions), info
         assert launcher.num_restarts == 0
-        if store == "s3+stage":  # only the version the server holds stays staged
-            staged = [p.name for p in (tmp_path / "stage").iterdir()]
+        if store == "s3+stage":  # only the version the server holds stays staged, per slot
+            assert [p.name for p in (tmp_path / "stage").iterdir()] == ["w0"]
+            staged = [p.name for p in (tmp_path / "stage" / "w0").iterdir()]
             assert staged == [f"v{int(info['weight_version']):08d}"], staged
             assert not (tmp_path / "run" / "store").exists()
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    pytest.main([__file__, "-v"])

@@ -106,6 +106,9 @@ def test_spot_eviction_drains_the_rollout_actor_within_the_grace_period() -> Non
     # the actor sees the file within 0.5 s and drains within drain_timeout_s; the hook waits for
     # that, and Kubernetes waits for the hook
     assert cfg.rollout.drain_timeout_s + 1 <= wait_s < pod["spec"]["terminationGracePeriodSeconds"]
+    # the server beside it gets SIGTERM after its own preStop: it must outlast the drain
+    server_hook = container(pod, "sglang")["lifecycle"]["preStop"]["exec"]["command"]
+    assert server_hook[0] == "sleep" and float(server_hook[1]) >= wait_s
 
 
 def _flag(command: list[str], name: str) -> str:

@@ -45,17 +45,27 @@ class RolloutConfig(Section):
     index), so a sync run is reproducible (used by the kill-and-resume determinism test)."""
     drain_file: str = ""
     """Ray launcher: when this file exists on an actor's node, the rollout actor drains as a
-    worker process does on SIGTERM (stop leasing, finish or nack in-flight tasks, exit 0), and no
-    new actor starts on that node. A Kubernetes preStop hook creates it when a Spot node is
-    reclaimed (deploy/kuberay/rayjob.yaml). Empty: off."""
+    worker process does on SIGTERM (stop leasing, finish or nack in-flight tasks, exit 0); an
+    actor placed on that node afterwards does not start work there and is re-placed every
+    restart_backoff_s. A Kubernetes preStop hook creates it when a Spot node is reclaimed
+    (deploy/kuberay/rayjob.yaml). Empty: off."""
     max_start_failures: int = Field(default=5, ge=1)
     """A worker slot whose worker ends this many times in a row before it ever reaches the
     coordinator is crash-looping: the job fails with the worker's last output (launch/restarts.py).
     Workers lost after they started (killed, node gone) are always replaced."""
-    restart_backoff_s: float = Field(default=1.0, ge=0)
+    restart_backoff_s: float = Field(default=1.0, gt=0)
     """Wait before restarting a worker that failed to start; doubles with each failure in a row."""
-    restart_backoff_max_s: float = Field(default=30.0, ge=0)
-    """Cap of that wait."""
+    restart_backoff_max_s: float = Field(default=30.0, gt=0)
+    """Cap of that wait (at least restart_backoff_s)."""
+
+    @model_validator(mode="after")
+    def _backoff_cap(self) -> "RolloutConfig":
+        if self.restart_backoff_max_s < self.restart_backoff_s:
+            raise ValueError(
+                f"rollout.restart_backoff_max_s ({self.restart_backoff_max_s}) must be at least "
+                f"rollout.restart_backoff_s ({self.restart_backoff_s})"
+            )
+        return self
 
 
 class BufferConfig(Section):

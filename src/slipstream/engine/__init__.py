@@ -36,6 +36,7 @@ def build_engine(config: Any, model: Any = None, tokenizer: Any = None, version:
         max_concurrency=config.max_concurrency,
         timeout_s=config.request_timeout_s,
         max_retries=config.max_retries,
+        version=version,
     )
 
 

@@ -58,7 +58,10 @@ class HTTPEngine:
         max_retries: int = 3,
         backoff_s: float = 0.25,
         model: str | None = None,
+        version: int = 0,
     ) -> None:
+        """`version`: what the client assumes the server holds until update_weights (-1: unknown,
+        so a RolloutWorker's first weight sync loads the store's latest version into it)."""
         if api not in ("sglang", "openai"):
             raise ValueError(f"api must be 'sglang' or 'openai', got {api!r}")
         self.url = url.rstrip("/")
@@ -68,7 +71,7 @@ class HTTPEngine:
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.model = model
-        self._version = 0
+        self._version = version
         self._group_sizes: dict[str, int] = {}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(

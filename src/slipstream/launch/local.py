@@ -271,8 +271,6 @@ def build_worker(spec: dict[str, Any], worker_id: str, coord: Any = None):
         worker = RolloutWorker(worker_id, coord, engine, taskset, verifier, rc, weights=store,
                                max_new_tokens=cfg.engine.max_new_tokens, run_seed=cfg.run.seed,
                                weights_stage_dir=cfg.engine.weights_stage_dir)  # fmt: skip
-        if cfg.engine.type == "http":  # the server holds whatever it was started with
-            worker.load_weights(version)
     except BaseException:
         close_verifier(verifier)
         engine.close()
@@ -282,9 +280,9 @@ def build_worker(spec: dict[str, Any], worker_id: str, coord: Any = None):
 
 def _build_engine(cfg: SlipstreamConfig, store: Any, version: int, tokenizer: Any) -> Any:
     """The worker's engine. Native: the model at `version`, loaded here. HTTP: a client of the
-    server at engine.url (build_worker then has it load `version`; the server's own config decides
-    what happens to in-flight requests on an update; rollout.partial_rollouts applies to the
-    native engine only)."""
+    server at engine.url, once its /health answers (the worker's first weight sync then loads the
+    store's latest version into it; the server's own config decides what happens to in-flight
+    requests on an update; rollout.partial_rollouts applies to the native engine only)."""
     import torch
 
     from slipstream.engine import NativeEngine, build_engine
@@ -292,7 +290,9 @@ def _build_engine(cfg: SlipstreamConfig, store: Any, version: int, tokenizer: An
 
     if cfg.engine.type == "http":
         logging.getLogger("httpx").setLevel(logging.WARNING)  # else a log line per request
-        engine = build_engine(cfg.engine)
+        # version -1: the server holds whatever it was started with, so the worker's first
+        # sync_weights (in run(), retrying if retention removed a version) loads the latest.
+        engine = build_engine(cfg.engine, version=-1)
         try:
             engine.wait_ready(cfg.engine.server_wait_s)
         except BaseException:

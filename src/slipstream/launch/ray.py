@@ -23,9 +23,10 @@ Contract:
   with its error (the policy of launch/restarts.py, as in the local launcher).
 - Node draining (`rollout.drain_file`, for Spot on Kubernetes): when the file appears on an
   actor's node, the actor drains as a worker process does on SIGTERM (stop leasing, finish or
-  nack in-flight tasks, return 0) and is replaced; an actor started on a node where the file
-  exists returns NODE_DRAINING at once, and its slot is retried every `rollout.restart_backoff_s`
-  without counting as a start failure, until the actor lands on another node.
+  nack in-flight tasks, return 0) and is replaced. Ray may place the replacement on the same
+  node; it then returns NODE_DRAINING before building anything, and the slot is tried again
+  every `rollout.restart_backoff_s` (counted in `num_drain_retries`, not as a restart or a start
+  failure) until the actor lands on another node or the draining node is gone.
 - `stop()`: the coordinator's stop flag makes workers drain and return 0; stragglers get
   `request_stop()` after `rollout.drain_timeout_s` + 10 s, then `ray.kill` after another
   `drain_timeout_s` + 5 s. Codes: run()'s return value, 1 if run() raised, None if the actor died
@@ -60,8 +61,8 @@ from slipstream.launch.restarts import RestartPolicy, fail_job
 log = logging.getLogger(__name__)
 
 _OBJECT_STORE_BYTES = 100 * 1024 * 1024  # private instance: workers pass no large objects
-_FORWARDED_ENV = ("AWS_",)
-NODE_DRAINING = 75  # run()'s code when rollout.drain_file exists on the node (EX_TEMPFAIL)  # environment variables the driver passes on to worker actors
+_FORWARDED_ENV = ("AWS_",)  # environment variables the driver passes on to worker actors
+NODE_DRAINING = 75  # run()'s code when rollout.drain_file exists on the node (EX_TEMPFAIL)
 
 
 def _import_ray() -> Any:
@@ -137,6 +138,8 @@ class RayLauncher:
         self.coord = coordinator
         self.restart = restart
         self.num_restarts = 0
+        self.num_drain_retries = 0  # actors re-placed because their node was draining
+        self._drain_retry: set[int] = set()
         self.policy = RestartPolicy.from_config(cfg.rollout)
         self.failure: str | None = None  # set when a slot crash-loops (launch/restarts.py)
         self.actors: dict[int, Any] = {}
@@ -251,6 +254,7 @@ class RayLauncher:
                     wid = f"w{i}.{self.generation[i]}"
                     if code == NODE_DRAINING:
                         self.policy.schedule_draining(i, now)
+                        self._drain_retry.add(i)
                         continue
                     delay_s = self.policy.schedule(i, self.coord.reached(wid), now)
                     if delay_s is None:
@@ -260,7 +264,11 @@ class RayLauncher:
                     log.warning("rollout worker actor %d (%s) ended with %s; replacing in %.1f s",
                                 i, wid, code, delay_s)  # fmt: skip
                 for i in self.policy.due(now):
-                    self.num_restarts += 1
+                    if i in self._drain_retry:
+                        self._drain_retry.discard(i)
+                        self.num_drain_retries += 1
+                    else:
+                        self.num_restarts += 1
                     self._spawn(i)
 
     @staticmethod
@@ -273,6 +281,9 @@ class RayLauncher:
         except ray.exceptions.RayTaskError as e:
             log.warning("rollout worker failed: %s", e)
             return 1, str(e)
+        except ray.exceptions.RayError as e:  # e.g. the object was lost with its node
+            log.warning("rollout worker result lost: %s", e)
+            return None, str(e)
 
     @classmethod
     def _result(cls, ray: Any, ref: Any) -> int | None:

@@ -11,7 +11,8 @@ two-rank runs with torch 2.13 (core dump: `ProcessGroupGloo::runLoop` -> `~Async
 
 So a process whose work is done (results saved, files closed) flushes what Python buffers
 and leaves with os._exit. Not covered: the error path, which exits normally so its traceback
-prints; a process that still has unsaved state must not call this.
+prints; a process that still has unsaved state must not call this; atexit handlers do not run
+(e.g. coverage data of a spawned child is not written).
 """
 
 from __future__ import annotations

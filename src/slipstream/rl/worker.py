@@ -145,11 +145,18 @@ class RolloutWorker:
             self.engine.update_weights(version, self.weights.fetch(version))
             return
         if self.weights_stage_dir is not None:
-            staged = Path(self.weights_stage_dir) / f"v{version:08d}"
-            self.weights.fetch_to_dir(version, str(staged))
+            # One folder per worker slot ("w3" of "w3.1"): workers sharing a server and a stage
+            # dir never rewrite or delete a copy the server is reading for another worker.
+            slot_dir = Path(self.weights_stage_dir).resolve() / self.worker_id.rsplit(".", 1)[0]
+            staged = slot_dir / f"v{version:08d}"
+            if not staged.is_dir():  # copy, then rename: the server never sees a partial copy
+                partial = slot_dir / f".partial-v{version:08d}"
+                shutil.rmtree(partial, ignore_errors=True)
+                self.weights.fetch_to_dir(version, str(partial))
+                partial.rename(staged)
             self.engine.update_weights(version, str(staged))
-            for old in Path(self.weights_stage_dir).glob("v*"):
-                if old != staged:
+            for old in slot_dir.glob("v*"):
+                if old.name < staged.name:  # v%08d sorts by version
                     shutil.rmtree(old, ignore_errors=True)
             return
         try:
@@ -305,6 +312,13 @@ class RolloutWorker:
             )
         for t in threads:
             t.start()
+        self._run_loop()
+        self._drain()
+        # A weight load in progress finishes before the caller closes the engine.
+        threads[-1].join(timeout=max(30.0, self.cfg.drain_timeout_s))
+        return 0
+
+    def _run_loop(self) -> None:
         idle_s = 0.005
         while not self._stop.is_set():
             if self.coord.stopping():
@@ -324,8 +338,6 @@ class RolloutWorker:
             self.stats["leases"] += 1
             self.sync_weights(min_version=lease.policy_version)
             self._start(lease)
-        self._drain()
-        return 0
 
     def _drain(self) -> None:
         deadline = time.monotonic() + (self.cfg.drain_timeout_s if self._stop.is_set() else 0.0)
