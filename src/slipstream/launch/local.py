@@ -224,6 +224,8 @@ def run_local(cfg: SlipstreamConfig, console: Any = None, *, display: bool = Tru
         "worker restarts": launcher.num_restarts, "worker exit codes": codes,
         "buffer": controller.coord.buffer.metrics(),
     }  # fmt: skip
+    if cfg.run.launcher == "ray":  # actors re-placed off a draining node (rollout.drain_file)
+        summary["worker drain re-placements"] = launcher.num_drain_retries  # type: ignore[union-attr]
     if dp is not None:
         summary["trainer processes (data parallel)"] = cfg.trainer.num_processes
         summary["trainer rank exit codes"] = dp_codes
