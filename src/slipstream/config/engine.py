@@ -20,8 +20,9 @@ class EngineConfig(Section):
     weights_stage_dir: str | None = None
     """type = "http" in the RL job: a local directory the server can read (e.g. a volume shared
     with an SGLang sidecar) into which each rollout worker copies every weight version from the
-    store (into <dir>/w<slot>/v<version>) before telling the server to load it. Needed when the server cannot read the store
-    itself (SGLang and an s3:// store). Unset: the server is given the store's location."""
+    store (into <dir>/w<slot>/v<version>) before telling the server to load it. Needed when the
+    server cannot read the store itself (SGLang and an s3:// store). Unset: the server is given
+    the store's location."""
     max_batch_size: int = Field(default=64, ge=1)
     """Most sequences decoded together."""
     kv_cache_tokens: int = Field(default=16384, ge=64)
