@@ -314,8 +314,10 @@ class RolloutWorker:
             t.start()
         self._run_loop()
         self._drain()
-        # A weight load in progress finishes before the caller closes the engine.
-        threads[-1].join(timeout=max(30.0, self.cfg.drain_timeout_s))
+        # _drain set the stop flag: the weight thread may still be mid-load; let it finish
+        # before the caller closes the engine.
+        for t in threads:
+            t.join(timeout=max(30.0, self.cfg.drain_timeout_s))
         return 0
 
     def _run_loop(self) -> None:
