@@ -151,6 +151,7 @@ def test_image_pins_agree_with_the_repo() -> None:
     assert f'pip install -q "{args["TORCH_SPEC"]}"' in setup  # same torch as the dev setup
     assert args["RAY_VERSION"] == rayjob()["spec"]["rayClusterSpec"]["rayVersion"]
     assert '".[serve,s3]"' in dockerfile  # the entrypoint's store is s3://
+    assert "-c /tmp/torch-pin.txt" in dockerfile  # the extras do not swap the torch build
     spec = rayjob()["spec"]["rayClusterSpec"]
     (rollout,) = spec["workerGroupSpecs"]
     head_image = container(spec["headGroupSpec"]["template"], "ray-head")["image"]
