@@ -5,6 +5,8 @@ Importable from any test module (`pythonpath = ["tests"]` in pyproject)."""
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -46,3 +48,21 @@ def trained_steps(metrics: Path) -> dict[int, dict]:
         return {}
     recs = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     return {r["step"]: r for r in recs if "loss" in r}
+
+
+def start_server(tmp: Path, model_dir: Path) -> tuple[subprocess.Popen, str]:
+    """`slipstream serve --model model_dir` (TINY_MODEL engine sizes) as a subprocess on a free
+    loopback port, logging to tmp/server.log; -> (process, base URL). Not waited for: a rollout
+    worker on engine.type = http waits for its /health. The caller terminates it."""
+    (tmp / "empty.toml").write_text("")
+    with socket.socket() as s:  # a free port; the server binds it a moment later
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with open(tmp / "server.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "from slipstream.cli import main; raise SystemExit(main())",
+             "serve", "--model", str(model_dir), "--port", str(port),
+             "-c", str(tmp / "empty.toml"), *(f"--{o}" for o in TINY_MODEL)],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    return proc, f"http://127.0.0.1:{port}"

@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from jobutil import TINY_MODEL, job_cmd, save_random_init, trained_steps
@@ -206,3 +207,35 @@ def test_drain_file_drains_the_actor_and_keeps_new_ones_off_the_node(tmp_path: P
     assert len(trained) == len(set(trained)), trained
     assert controller.coord.queue.stats().num_expired_leases == 0  # returned, not expired
     assert time.monotonic() - t0 < 200
+
+
+def test_rayjob_settings_on_one_machine(tmp_path: Path, moto: int) -> None:
+    """The combination deploy/kuberay/rayjob.yaml uses, on this host: the job with Ray actors whose
+    engine is an SGLang-API server (`slipstream serve` here, SGLang there) reached over HTTP,
+    weights on S3 (moto) staged into a directory the server reads, a drain file configured."""
+    from jobutil import start_server
+    from s3util import make_bucket
+
+    make_bucket(moto)
+    save_random_init(tmp_path / "init", TINY)
+    server, url = start_server(tmp_path, tmp_path / "init")
+    creds = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+             "AWS_DEFAULT_REGION": "us-west-2"}  # fmt: skip
+    try:
+        job = start_job(tmp_path, "trainer.steps=4", "store.url=s3://bucket/rayjob",
+                        f"store.endpoint_url=http://127.0.0.1:{moto}", "engine.type=http",
+                        f"engine.url={url}", "engine.server_wait_s=60",
+                        f"engine.weights_stage_dir={tmp_path / 'stage'}",
+                        f"rollout.drain_file={tmp_path / 'drain'}", env=creds)  # fmt: skip
+        out = finish(job, tmp_path, timeout_s=150)
+        info = httpx.get(f"{url}/get_model_info", timeout=5).json()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert sorted(out) == [1, 2, 3, 4]
+    assert int(info["weight_version"]) >= 3  # sync mode: step 4 trained on version-3 samples
+    staged = [p.name for p in (tmp_path / "stage" / "w0").iterdir()]
+    assert staged == [f"v{int(info['weight_version']):08d}"], staged
+    assert not (tmp_path / "run" / "store").exists()
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "**worker exit codes**: {0: 0}" in report, report

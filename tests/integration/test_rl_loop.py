@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -17,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from jobutil import TINY_MODEL, save_random_init
+from jobutil import TINY_MODEL, save_random_init, start_server
 from slipstream.config import SlipstreamConfig, load_config
 from slipstream.launch.local import LocalLauncher
 from slipstream.rl.buffer import ExperienceBuffer
@@ -186,18 +183,7 @@ def test_workers_roll_out_through_a_served_engine(
         store_args = ["store.url=s3://bucket/served", f"store.endpoint_url=http://127.0.0.1:{moto_port}",
                       f"engine.weights_stage_dir={tmp_path / 'stage'}"]  # fmt: skip
     save_random_init(tmp_path / "init", TINY_MODEL)
-    (tmp_path / "empty.toml").write_text("")
-    with socket.socket() as s:  # a free port; the server binds it a moment later
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    with open(tmp_path / "server.log", "wb") as server_log:
-        server = subprocess.Popen(
-            [sys.executable, "-c", "from slipstream.cli import main; raise SystemExit(main())",
-             "serve", "--model", str(tmp_path / "init"), "--port", str(port),
-             "-c", str(tmp_path / "empty.toml"), *(f"--{o}" for o in TINY_MODEL)],
-            stdout=server_log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+    server, url = start_server(tmp_path, tmp_path / "init")
     try:  # no wait for the server here: the worker waits for its /health (engine.server_wait_s)
         cfg = tiny_config(
             tmp_path, "engine.type=http", f"engine.url={url}", "engine.server_wait_s=60",
