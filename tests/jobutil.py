@@ -5,7 +5,6 @@ Importable from any test module (`pythonpath = ["tests"]` in pyproject)."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -54,10 +53,10 @@ def start_server(tmp: Path, model_dir: Path) -> tuple[subprocess.Popen, str]:
     """`slipstream serve --model model_dir` (TINY_MODEL engine sizes) as a subprocess on a free
     loopback port, logging to tmp/server.log; -> (process, base URL). Not waited for: a rollout
     worker on engine.type = http waits for its /health. The caller terminates it."""
+    from s3util import free_port
+
     (tmp / "empty.toml").write_text("")
-    with socket.socket() as s:  # a free port; the server binds it a moment later
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # the server binds it a moment later
     with open(tmp / "server.log", "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-c", "from slipstream.cli import main; raise SystemExit(main())",

@@ -51,7 +51,6 @@ class LocalLauncher:
         self.generation: dict[int, int] = {}
         self.num_restarts = 0
         self.policy = RestartPolicy.from_config(cfg.rollout)
-        self.failure: str | None = None  # set when a slot crash-loops (launch/restarts.py)
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self.launch_dir = Path(cfg.run.output_dir) / "launch"
@@ -98,9 +97,8 @@ class LocalLauncher:
                     wid = f"w{i}.{self.generation[i]}"
                     delay_s = self.policy.schedule(i, self.coord.reached(wid), now)
                     if delay_s is None:
-                        self.failure = fail_job(self.coord, i, wid, p.returncode,
-                                                self.policy.max_start_failures,
-                                                log_tail(self.log_dir / f"{wid}.log"))  # fmt: skip
+                        fail_job(self.coord, i, wid, p.returncode, self.policy.max_start_failures,
+                                 log_tail(self.log_dir / f"{wid}.log"))  # fmt: skip
                         return
                     log.warning("rollout worker %d (%s, pid %d) exited with %s; restarting in %.1f s",
                                 i, wid, p.pid, p.returncode, delay_s)  # fmt: skip

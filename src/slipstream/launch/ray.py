@@ -141,7 +141,6 @@ class RayLauncher:
         self.num_drain_retries = 0  # actors re-placed because their node was draining
         self._drain_retry: set[int] = set()
         self.policy = RestartPolicy.from_config(cfg.rollout)
-        self.failure: str | None = None  # set when a slot crash-loops (launch/restarts.py)
         self.actors: dict[int, Any] = {}
         self.runs: dict[int, Any] = {}  # index -> ObjectRef of the actor's run()
         self.generation: dict[int, int] = {}
@@ -258,8 +257,7 @@ class RayLauncher:
                         continue
                     delay_s = self.policy.schedule(i, self.coord.reached(wid), now)
                     if delay_s is None:
-                        self.failure = fail_job(self.coord, i, wid, code,
-                                                self.policy.max_start_failures, error)  # fmt: skip
+                        fail_job(self.coord, i, wid, code, self.policy.max_start_failures, error)
                         return
                     log.warning("rollout worker actor %d (%s) ended with %s; replacing in %.1f s",
                                 i, wid, code, delay_s)  # fmt: skip
@@ -284,10 +282,6 @@ class RayLauncher:
         except ray.exceptions.RayError as e:  # e.g. the object was lost with its node
             log.warning("rollout worker result lost: %s", e)
             return None, str(e)
-
-    @classmethod
-    def _result(cls, ray: Any, ref: Any) -> int | None:
-        return cls._outcome(ray, ref)[0]
 
     def pids(self) -> list[int]:
         """PIDs (on their nodes) of actors that reported in and whose run() has not ended."""
@@ -335,6 +329,6 @@ class RayLauncher:
             ready, _ = ray.wait(list(pending.values()), num_returns=1, timeout=min(left, 1.0))
             for i, ref in list(pending.items()):
                 if ref in ready:
-                    codes[i] = self._result(ray, ref)
+                    codes[i] = self._outcome(ray, ref)[0]
                     del pending[i]
         return pending

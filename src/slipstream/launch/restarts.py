@@ -80,13 +80,11 @@ class RestartPolicy:
         return ready
 
 
-def fail_job(coord: Any, index: int, worker_id: str, code: int | None, n: int, output: str) -> str:
-    """Give up on slot `index`: log it, fail the coordinator (the trainer's wait raises
-    RolloutFailed), and return the reason."""
-    reason = crash_loop_message(index, worker_id, code, n, output)
+def fail_job(coord: Any, index: int, worker_id: str, code: int | None, n: int, output: str) -> None:
+    """Give up on slot `index`: log it and fail the coordinator with the reason (the trainer's
+    wait raises RolloutFailed carrying it)."""
     log.error("rollout worker slot %d crash-loops (%s); failing the job", index, worker_id)
-    coord.fail(reason)
-    return reason
+    coord.fail(crash_loop_message(index, worker_id, code, n, output))
 
 
 def crash_loop_message(index: int, worker_id: str, code: int | None, n: int, output: str) -> str:
