@@ -36,6 +36,7 @@ DISPATCHER_TYPES = {
     "padded": "slipstream.moe.padded:PaddedDispatcher",
     "exact": "slipstream.moe.exact:ExactDispatcher",
     "hierarchical": "slipstream.moe.hierarchical:HierarchicalDispatcher",
+    "deepep": "slipstream.moe.deepep:DeepEPDispatcher",  # needs deep_ep + CUDA; never run here
 }
 
 
