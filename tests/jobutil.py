@@ -34,11 +34,13 @@ def save_random_init(directory: Path, overrides: list[str]) -> None:
 
 
 def job_cmd(tmp: Path, output_dir: Path, overrides: list[str]) -> list[str]:
-    """`python -m slipstream.launch.local run` on built-in defaults + overrides, starting from
-    tmp/init (see save_random_init)."""
+    """`slipstream run --plain` (the installed entry point, as a user types it) on built-in
+    defaults + overrides, starting from tmp/init (see save_random_init)."""
     (tmp / "empty.toml").write_text("")
-    return [sys.executable, "-m", "slipstream.launch.local", "run", str(tmp / "empty.toml"),
-            f"run.output_dir={output_dir}", f"model.init_from={tmp / 'init'}", *overrides]  # fmt: skip
+    slipstream = str(Path(sys.executable).parent / "slipstream")
+    return [slipstream, "run", "--plain", "-c", str(tmp / "empty.toml"),
+            f"--run.output_dir={output_dir}", f"--model.init_from={tmp / 'init'}",
+            *(f"--{o}" for o in overrides)]  # fmt: skip
 
 
 def trained_steps(metrics: Path) -> dict[int, dict]:

@@ -2,23 +2,26 @@
 
 Shape legend: B batch (sequences decoded together), P prompt length, V vocab.
 
-    report = run_eval(cfg, checkpoint_dir=None)     # -> EvalReport; also printed and saved as JSON
+    report = run_eval(cfg, checkpoint_dir)          # -> EvalReport; also printed and saved as JSON
 
-Decoding (`generate`) is a simple batched loop over a StaticKVCache. Prompts are grouped by
-length so every row of a batch starts at the same position: no padding, hence no attention mask
-is needed and each row's logits equal its unbatched logits. A row stops at EOS (not included in the
-completion) or at max_new_tokens. pass@k uses the unbiased estimator of Chen et al. (2021) with
-n = eval.num_samples samples per prompt: 1 - C(n-c, k) / C(n, k).
+Decoding (`decode`) runs through the rollout engine (`NativeEngine`) on the given model, so the
+policy is evaluated by the same decoder, KV cache and sampler that produce its rollouts: greedy
+for pass@1 (argmax of each row's logits, which equal its unbatched logits within float
+rounding), and seeded sampling at eval.temperature for pass@k (n = eval.num_samples samples per
+prompt, a group sharing its prompt's prefill). A completion stops at EOS (not included) or at
+max_new_tokens. pass@k uses the unbiased estimator of Chen et al. (2021):
+1 - C(n-c, k) / C(n, k).
 
-Writes <run.output_dir>/eval/results.json (figures, config, per-prompt samples).
-Not covered: top-p/top-k sampling, stop strings, continuous batching (the inference engine's job).
+`heldout_pass_at_1(model, taskset, cfg)` is what the RL job reports before, during and after
+training; `run_eval(cfg)` is `slipstream eval`. Writes <run.output_dir>/eval/results.json
+(figures, config, per-prompt samples). Not covered: top-p/top-k at evaluation, stop strings.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,7 +33,7 @@ from rich.table import Table
 from slipstream.config import SlipstreamConfig
 from slipstream.model.tokenizer import load_tokenizer
 from slipstream.observe.metrics import make_progress
-from slipstream.sft import setup_torch, sft_dir
+from slipstream.runtime import setup_torch
 from slipstream.tasks import Task, TaskSet, get_taskset
 
 if TYPE_CHECKING:
@@ -65,72 +68,71 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - prob_all_wrong
 
 
-@torch.no_grad()
-def generate(
-    model: torch.nn.Module,
+def decode(
+    model: MoEForCausalLM,
     prompts: list[list[int]],
     max_new_tokens: int,
     eos_id: int,
+    *,
     temperature: float = 0.0,
-    generator: torch.Generator | None = None,
+    num_samples: int = 1,
+    seed: int = 0,
     max_batch_size: int = 512,
 ) -> list[list[int]]:
-    """Completion token ids for each prompt (EOS stripped). temperature 0 = greedy."""
-    from slipstream.model import StaticKVCache
+    """Completion token ids (EOS stripped) of each prompt, `num_samples` per prompt in prompt
+    order (greedy when temperature is 0), decoded by a NativeEngine over `model` that lives for
+    this call. The model is left in the train/eval mode it came in."""
+    from slipstream.config.engine import EngineConfig
+    from slipstream.engine import GenerateRequest, NativeEngine, SamplingParams
 
-    device = next(model.parameters()).device
+    if not prompts:
+        return []
+    if any(not p for p in prompts):
+        raise ValueError("every prompt needs at least one token (BOS)")
     max_pos = model.config.max_position_embeddings
-    by_len: dict[int, list[int]] = defaultdict(list)
-    for i, p in enumerate(prompts):
-        if not p:
-            raise ValueError(f"prompt {i} is empty (it needs at least BOS)")
-        by_len[len(p)].append(i)
-    results: list[list[int]] = [[] for _ in prompts]
-    for plen, idx in sorted(by_len.items()):
-        new_tokens = min(max_new_tokens, max_pos - plen)
-        if new_tokens <= 0:
-            raise ValueError(
-                f"prompt of {plen} tokens leaves no room in max_position_embeddings {max_pos}"
-            )
-        for s in range(0, len(idx), max_batch_size):
-            chunk = idx[s : s + max_batch_size]
-            prompt_BP = torch.tensor([prompts[i] for i in chunk], device=device)
-            rows = _decode(
-                model, prompt_BP, new_tokens, eos_id, temperature, generator, StaticKVCache
-            )
-            for i, row in zip(chunk, rows, strict=True):
-                results[i] = row
-    return results
+    slot_len = min(max_pos, max(len(p) for p in prompts) + max_new_tokens)
+    num_slots = max(num_samples, min(max_batch_size, len(prompts) * num_samples))
+    engine_cfg = EngineConfig(
+        max_batch_size=num_slots, kv_cache_tokens=max(64, num_slots * slot_len),
+        max_seq_len=slot_len, max_new_tokens=max_new_tokens,
+        device=str(next(model.parameters()).device),
+    )  # fmt: skip
+    requests = [
+        GenerateRequest(
+            p,
+            SamplingParams(
+                temperature=temperature,
+                max_new_tokens=min(max_new_tokens, slot_len - len(p)),
+                n=num_samples,
+                seed=None if temperature == 0 else seed * 1_000_003 + i,
+            ),
+        )  # fmt: skip
+        for i, p in enumerate(prompts)
+    ]
+    was_training = model.training
+    engine = NativeEngine(model, engine_cfg, eos_token_ids=[eos_id])
+    try:
+        completions = engine.generate(requests)
+    finally:
+        engine.close()
+        model.train(was_training)
+    out = []
+    for c in completions:
+        ids = c.token_ids
+        out.append(ids[: ids.index(eos_id)] if eos_id in ids else ids)
+    return out
 
 
-def _decode(
-    model: MoEForCausalLM,
-    prompt_BP: torch.Tensor,
-    new_tokens: int,
-    eos_id: int,
-    temperature: float,
-    generator: torch.Generator | None,
-    cache_cls: type,
-) -> list[list[int]]:
-    B, P = prompt_BP.shape
-    cache = cache_cls.for_model(model, B, P + new_tokens)
-    logits_BV = model(prompt_BP, cache=cache).logits_BTV[:, -1]
-    done_B = torch.zeros(B, dtype=torch.bool, device=prompt_BP.device)
-    steps = []
-    for t in range(new_tokens):
-        if temperature > 0:
-            probs_BV = torch.softmax(logits_BV / temperature, dim=-1)
-            next_B = torch.multinomial(probs_BV, 1, generator=generator).squeeze(1)
-        else:
-            next_B = logits_BV.argmax(dim=-1)
-        next_B = torch.where(done_B, torch.full_like(next_B, eos_id), next_B)
-        steps.append(next_B)
-        done_B |= next_B == eos_id
-        if bool(done_B.all()) or t + 1 == new_tokens:
-            break
-        logits_BV = model(next_B[:, None], cache=cache).logits_BTV[:, -1]
-    tokens_BN = torch.stack(steps, dim=1).tolist()
-    return [row[: row.index(eos_id)] if eos_id in row else row for row in tokens_BN]
+def heldout_pass_at_1(model: MoEForCausalLM, taskset: TaskSet, cfg: SlipstreamConfig) -> float:
+    """Greedy pass@1 on the first eval.num_prompts held-out tasks (what the RL job reports)."""
+    tasks = taskset.heldout()[: cfg.eval.num_prompts]
+    outs = decode(model, [taskset.prompt_ids(t) for t in tasks], cfg.eval.max_new_tokens,
+                  taskset.tokenizer.eos_id, max_batch_size=cfg.eval.batch_size)  # fmt: skip
+    correct = sum(
+        taskset.verify(t, taskset.tokenizer.decode(o)).reward
+        for t, o in zip(tasks, outs, strict=True)
+    )
+    return correct / len(tasks)
 
 
 def load_for_eval(
@@ -158,40 +160,30 @@ def _score(
 
 
 def run_eval(
-    cfg: SlipstreamConfig, checkpoint_dir: str | Path | None = None, console: Console | None = None
+    cfg: SlipstreamConfig, checkpoint_dir: str | Path, console: Console | None = None
 ) -> EvalReport:
-    """Evaluate per [eval]; prints a table and writes <run.output_dir>/eval/results.json."""
+    """Evaluate an HF-format checkpoint directory per [eval]; prints a table and writes
+    <run.output_dir>/eval/results.json."""
     console = console or Console()
     ec = cfg.eval
-    checkpoint = Path(checkpoint_dir or ec.checkpoint or sft_dir(cfg) / "checkpoint")
+    checkpoint = Path(checkpoint_dir)
     if not (checkpoint / "config.json").is_file():
         raise FileNotFoundError(f"no checkpoint at {checkpoint} (run `slipstream sft` first?)")
     start = time.perf_counter()
-    model, taskset, device = load_for_eval(checkpoint, cfg)
+    model, taskset, _ = load_for_eval(checkpoint, cfg)
     tasks = taskset.heldout()[: ec.num_prompts]
     prompts = [taskset.prompt_ids(t) for t in tasks]
     n = ec.num_samples or ec.k
     eos = taskset.tokenizer.eos_id
-    gen = torch.Generator(device=device).manual_seed(cfg.run.seed)
     with make_progress(console) as progress:
         bar = progress.add_task(
             "eval", total=2, stats=f"{len(tasks)} prompts, greedy + {n} samples"
         )
-        greedy = _score(
-            taskset,
-            tasks,
-            generate(model, prompts, ec.max_new_tokens, eos, 0.0, None, ec.batch_size),
-        )
+        greedy_ids = decode(model, prompts, ec.max_new_tokens, eos, max_batch_size=ec.batch_size)
+        greedy = _score(taskset, tasks, greedy_ids)
         progress.advance(bar)
-        sampled_ids = generate(
-            model,
-            [p for p in prompts for _ in range(n)],
-            ec.max_new_tokens,
-            eos,
-            ec.temperature,
-            gen,
-            ec.batch_size,
-        )
+        sampled_ids = decode(model, prompts, ec.max_new_tokens, eos, temperature=ec.temperature,
+                             num_samples=n, seed=cfg.run.seed, max_batch_size=ec.batch_size)  # fmt: skip
         sampled = _score(taskset, [t for t in tasks for _ in range(n)], sampled_ids)
         progress.advance(bar)
     num_correct = [sum(r for r, _, _ in sampled[i * n : (i + 1) * n]) for i in range(len(tasks))]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,10 +30,10 @@ import torch.nn.functional as F
 from rich.console import Console
 
 from slipstream.config import SlipstreamConfig
-from slipstream.config.run import RunConfig
 from slipstream.config.sft import SFTConfig
 from slipstream.model.tokenizer import Tokenizer
 from slipstream.observe.metrics import MetricsWriter, fmt_rate, make_progress
+from slipstream.runtime import setup_torch
 from slipstream.tasks import Task, TaskSet, get_taskset
 
 if TYPE_CHECKING:
@@ -54,23 +53,6 @@ class SFTResult:
     """Process CPU time (all threads): on a shared machine, a contention-free estimate of cost."""
     tokens_per_s: float
     """Non-pad tokens through forward+backward per second (whole run)."""
-
-
-def resolve_device(run: RunConfig) -> torch.device:
-    if run.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if run.device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("run.device = 'cuda' but torch sees no CUDA device")
-    return torch.device(run.device)
-
-
-def setup_torch(run: RunConfig) -> tuple[torch.device, torch.dtype]:
-    """Threads, seeds, device and dtype for a job, from [run]."""
-    if run.num_threads:
-        torch.set_num_threads(run.num_threads)
-    torch.manual_seed(run.seed)
-    random.seed(run.seed)
-    return resolve_device(run), getattr(torch, run.dtype)
 
 
 def sft_dir(cfg: SlipstreamConfig) -> Path:

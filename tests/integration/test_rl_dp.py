@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from jobutil import TINY_MODEL, job_cmd, save_random_init, trained_steps
-from slipstream.rl.weights import WeightStore
+from slipstream.storage import WeightStore
 
 TINY = [
     *TINY_MODEL, "trainer.mode=sync", "trainer.deterministic=true", "trainer.steps=3",

@@ -17,12 +17,13 @@ import pytest
 from jobutil import TINY_MODEL, save_random_init, start_server
 from slipstream.config import SlipstreamConfig, load_config
 from slipstream.launch.local import LocalLauncher
+from slipstream.model import hf_weights
 from slipstream.rl.buffer import ExperienceBuffer
-from slipstream.rl.controller import Controller, hf_weights, store_url
+from slipstream.rl.controller import Controller
 from slipstream.rl.coordinator import Coordinator
 from slipstream.rl.queue import TaskQueue
 from slipstream.rl.types import RolloutFailed
-from slipstream.rl.weights import WeightStore
+from slipstream.storage import WeightStore
 
 
 def tiny_config(tmp: Path, *overrides: str) -> SlipstreamConfig:
@@ -111,7 +112,7 @@ def test_sigterm_drains_worker(tmp_path: Path) -> None:
     )  # fmt: skip
     from slipstream.model import load_pretrained
 
-    store = WeightStore(store_url(cfg))
+    store = WeightStore(cfg.store.url)
     store.publish(0, *hf_weights(load_pretrained(cfg.model.init_from)))
     coord = Coordinator(TaskQueue(cfg.task.num_train), ExperienceBuffer(8, 4))
     launcher = LocalLauncher(cfg, coord, restart=False)

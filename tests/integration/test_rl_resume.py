@@ -43,8 +43,7 @@ def test_kill_and_resume_with_the_store_on_s3(tmp_path: Path, moto: int) -> None
     checkpoints there, workers load weights from there, and the resumed trainer restores from there;
     nothing of the run's state is on local disk but logs and metrics."""
     from s3util import make_bucket, s3_options
-    from slipstream.rl.checkpoint import CheckpointStore
-    from slipstream.rl.weights import WeightStore
+    from slipstream.storage import CheckpointStore, WeightStore
 
     make_bucket(moto)
     store = ["store.url=s3://bucket/{out}", f"store.endpoint_url=http://127.0.0.1:{moto}"]

@@ -17,10 +17,9 @@ import torch
 
 from slipstream.config import load_config
 from slipstream.config.task import TaskConfig
-from slipstream.launch.local import build_worker, close_worker
-from slipstream.model import MoEForCausalLM, load_pretrained, save_pretrained
+from slipstream.launch.worker import WorkerSpec, build_worker, close_worker
+from slipstream.model import MoEForCausalLM, hf_weights, load_pretrained, save_pretrained
 from slipstream.rl.buffer import ExperienceBuffer
-from slipstream.rl.controller import hf_weights, store_url
 from slipstream.rl.coordinator import Coordinator
 from slipstream.rl.queue import TaskQueue
 from slipstream.rl.verifier import (
@@ -30,10 +29,10 @@ from slipstream.rl.verifier import (
     make_verifier,
     wants_sandbox,
 )
-from slipstream.rl.weights import WeightStore
 from slipstream.sandbox import PoolOptions, SandboxTemplate
 from slipstream.sandbox.cgroups import CgroupManager
 from slipstream.sandbox.journal import Journal, process_alive
+from slipstream.storage import WeightStore
 from slipstream.tasks import Task, get_taskset
 from slipstream.tasks.code import BY_NAME
 
@@ -172,12 +171,11 @@ def test_rollout_worker_on_code_task_verifies_in_sandbox_pool(tmp_path: Path) ->
     save_pretrained(
         MoEForCausalLM(cfg.model.model_copy(update={"vocab_size": ts.tokenizer.vocab_size})), init
     )
-    store = WeightStore(store_url(cfg))
+    store = WeightStore(cfg.store.url)
     store.publish(0, *hf_weights(load_pretrained(init)))
     coord = Coordinator(TaskQueue(cfg.task.num_train), ExperienceBuffer(8, 4))
-    spec = {"address": ["127.0.0.1", 0], "authkey": "00", "store_url": store_url(cfg),
-            "config": cfg.model_dump(mode="json")}  # fmt: skip
-    worker, engine = build_worker(spec, "w0.0", coord=coord)
+    spec = WorkerSpec(("127.0.0.1", 0), b"\0", cfg.model_dump(mode="json"))  # coord is given
+    worker = build_worker(spec, "w0.0", coord=coord)
     assert isinstance(worker.verifier, LatencyInjector)  # wraps the sandbox verifier
     verifier = worker.verifier.inner
     assert isinstance(verifier, SandboxVerifier)
@@ -195,7 +193,7 @@ def test_rollout_worker_on_code_task_verifies_in_sandbox_pool(tmp_path: Path) ->
     finally:
         worker.request_stop()
         runner.join(timeout=30)
-        close_worker(worker, engine)
+        close_worker(worker)
     done = coord.queue.stats().num_done
     assert summary["acquires"] >= done * cfg.rollout.group_size >= 4
     assert summary["verified"] == summary["acquires"] and summary["infra_failures"] == 0
@@ -224,7 +222,7 @@ def test_worker_process_sigterm_stops_its_pool(tmp_path: Path) -> None:
     save_pretrained(
         MoEForCausalLM(cfg.model.model_copy(update={"vocab_size": ts.tokenizer.vocab_size})), init
     )
-    WeightStore(store_url(cfg)).publish(0, *hf_weights(load_pretrained(init)))
+    WeightStore(cfg.store.url).publish(0, *hf_weights(load_pretrained(init)))
     coord = Coordinator(TaskQueue(cfg.task.num_train), ExperienceBuffer(8, 4))
     launcher = LocalLauncher(cfg, coord, restart=False)
     launcher.start()

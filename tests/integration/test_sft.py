@@ -99,11 +99,11 @@ def test_pass_at_k_estimator(n, c, k, expected) -> None:
 
 
 def test_batched_cached_greedy_decode_matches_naive_loop() -> None:
-    """generate() (length buckets + StaticKVCache) == a full-forward argmax loop per prompt."""
+    """decode() (the rollout engine, greedy) == a full-forward argmax loop per prompt."""
     import torch
 
     from slipstream.config.model import ModelConfig
-    from slipstream.evaluate import generate
+    from slipstream.evaluate import decode
     from slipstream.model import MoEForCausalLM
 
     torch.manual_seed(0)
@@ -120,7 +120,7 @@ def test_batched_cached_greedy_decode_matches_naive_loop() -> None:
     model = MoEForCausalLM(cfg).eval()
     prompts = [[1, 5, 6], [1, 7], [1, 5, 6, 9, 9], [1, 8], [1, 3, 4]]
     eos = 2
-    got = generate(model, prompts, max_new_tokens=6, eos_id=eos, max_batch_size=2)
+    got = decode(model, prompts, max_new_tokens=6, eos_id=eos, max_batch_size=2)
     for prompt, completion in zip(prompts, got, strict=True):
         seq = list(prompt)
         expected: list[int] = []

@@ -6,11 +6,12 @@ import math
 import pytest
 import torch
 
+from cacheutil import decode_rows, extend_rows
+from slipstream.engine.kv_cache import SlotKVCache
 from slipstream.model import (
     KVCache,
     ModelConfig,
     MoEForCausalLM,
-    StaticKVCache,
     causal_attend,
     hf_config_from_model_config,
     load_balancing_loss,
@@ -80,19 +81,20 @@ def test_incremental_decoding_matches_full_forward():
     ids = _ids(seq=14)
     with torch.no_grad():
         full = model(ids).logits_BTV
-        cache = StaticKVCache.for_model(model, batch_size=2, max_len=32)
-        steps = [model(ids[:, :5], cache=cache).logits_BTV]
-        steps.append(model(ids[:, 5:9], cache=cache).logits_BTV)  # chunk after a prefix: masked
+        cache = SlotKVCache.for_model(model, num_slots=2, slot_len=32)
+        steps = [extend_rows(model, cache, ids[:, :5], start=0)]
+        steps.append(extend_rows(model, cache, ids[:, 5:9], start=5))  # chunk after a prefix
         for t in range(9, 14):
-            steps.append(model(ids[:, t : t + 1], cache=cache).logits_BTV)
-    assert cache.length == 14
+            steps.append(decode_rows(model, cache, ids[:, t : t + 1], pos=t))
+    assert cache.k_LNKSD[:, :2, :, :14].abs().sum(-1).gt(0).all()  # 14 positions stored
+    assert cache.k_LNKSD[:, :2, :, 14:].abs().sum() == 0
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
-    cache.truncate(9)
+    # back to a 9-token prefix: positions are given per call, so 9 and 10 are simply rewritten
     with torch.no_grad():
-        redo = model(ids[:, 9:11], cache=cache).logits_BTV
+        redo = extend_rows(model, cache, ids[:, 9:11], start=9)
     torch.testing.assert_close(redo, full[:, 9:11], atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="overflow"):
-        model(_ids(seq=40)[:, :30], cache=cache)
+        extend_rows(model, cache, _ids(seq=40)[:, :30], start=9)
 
 
 class _RecordingCache:

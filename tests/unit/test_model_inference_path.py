@@ -5,8 +5,10 @@ cache follows in-place weight updates (the engine's hot-swap)."""
 import pytest
 import torch
 
+from cacheutil import decode_rows, extend_rows
 from slipstream.config.model import ModelConfig
-from slipstream.model import MoEForCausalLM, StaticKVCache, load_hf_state_dict, sdpa
+from slipstream.engine.kv_cache import SlotKVCache
+from slipstream.model import MoEForCausalLM, load_hf_state_dict, sdpa
 from slipstream.model.kv_cache import decode_attend
 
 
@@ -40,9 +42,9 @@ def test_cached_decode_equals_full_forward_no_grad():
     model, ids = _model(1), _ids(seq=12)
     with torch.no_grad():
         full = model(ids).logits_BTV
-        cache = StaticKVCache.for_model(model, ids.shape[0], 16)
-        steps = [model(ids[:, :5], cache=cache).logits_BTV]
-        steps += [model(ids[:, t : t + 1], cache=cache).logits_BTV for t in range(5, 12)]
+        cache = SlotKVCache.for_model(model, ids.shape[0], 16)
+        steps = [extend_rows(model, cache, ids[:, :5], start=0)]
+        steps += [decode_rows(model, cache, ids[:, t : t + 1], pos=t) for t in range(5, 12)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from slipstream.launch.restarts import RestartPolicy, crash_loop_message, log_tail
+from slipstream.launch.supervise import RestartPolicy, crash_loop_message, log_tail
 from slipstream.rl.buffer import ExperienceBuffer
 from slipstream.rl.coordinator import Coordinator
 from slipstream.rl.queue import TaskQueue

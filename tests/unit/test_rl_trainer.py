@@ -13,10 +13,10 @@ import torch.multiprocessing as mp
 
 from slipstream.config.model import ModelConfig
 from slipstream.config.rl import TrainerConfig
-from slipstream.launch.teardown import exit_distributed_process
 from slipstream.model import MoEForCausalLM
 from slipstream.rl.trainer import Trainer, lr_factor
 from slipstream.rl.types import Batch, Group, Sample, TaskRef
+from slipstream.runtime import exit_distributed_process
 
 
 def tiny_model(seed: int = 0, aux: float = 0.001) -> MoEForCausalLM:

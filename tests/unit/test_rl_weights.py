@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from s3util import free_port, make_bucket, s3_options, start_moto
-from slipstream.rl.weights import WeightStore
+from slipstream.storage import WeightStore
 
 
 def sd(seed: int) -> dict[str, torch.Tensor]:
@@ -182,9 +182,8 @@ def test_ckpt_export_writes_a_checkpoint_eval_can_load(tmp_path: Path) -> None:
     --checkpoint` and `serve --model` load."""
     from slipstream.cli import main
     from slipstream.config.model import ModelConfig
-    from slipstream.model import MoEForCausalLM, load_pretrained
+    from slipstream.model import MoEForCausalLM, hf_weights, load_pretrained
     from slipstream.model.tokenizer import load_tokenizer
-    from slipstream.rl.controller import hf_weights
 
     torch.manual_seed(0)
     model = MoEForCausalLM(

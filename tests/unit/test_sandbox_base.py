@@ -12,10 +12,10 @@ import pytest
 
 from slipstream.config.sandbox import SandboxConfig
 from slipstream.sandbox import base
-from slipstream.sandbox.base import SandboxRecord, SandboxTemplate, make_backend
+from slipstream.sandbox.base import SandboxTemplate, make_backend
 from slipstream.sandbox.cgroups import CgroupLimits, CgroupManager
 from slipstream.sandbox.errors import BackendUnavailable
-from slipstream.sandbox.journal import Journal, process_alive, process_start_ticks
+from slipstream.sandbox.journal import Journal, SandboxRecord, process_alive, process_start_ticks
 from slipstream.sandbox.seccomp import BLOCKED_X86_64, SECCOMP_RET_ALLOW, build_filter
 
 
@@ -111,7 +111,7 @@ def test_journal_orphans_only_for_dead_owners(tmp_path):
     leftover.mkdir()
     code = (
         "import sys; sys.path[:0] = sys.argv[1:2];"
-        "from slipstream.sandbox.journal import Journal; from slipstream.sandbox.base import SandboxRecord;"
+        "from slipstream.sandbox.journal import Journal, SandboxRecord;"
         f"Journal({str(tmp_path)!r}).write(SandboxRecord(sandbox_id='dead', backend='nope', dirs=[{str(leftover)!r}]))"
     )
     subprocess.run(

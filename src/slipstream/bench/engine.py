@@ -7,8 +7,8 @@ same random weights:
 - baseline (b): Hugging Face transformers `generate` on the same weights (save_pretrained ->
   AutoModelForCausalLM.from_pretrained), do_sample, num_return_sequences=G, run in chunks of
   max_batch_size // G prompts (the engine's concurrency),
-- limit (c): slipstream's model decoding a full batch of max_batch_size rows with a preallocated
-  StaticKVCache and no scheduling or sampling (forward passes only), over the same context range.
+- limit (c): slipstream's model decoding a full batch of max_batch_size rows in the engine's
+  SlotKVCache with no scheduling or sampling (forward passes only), over the same context range.
 Metric: output tokens per second (tokens up to and including EOS; HF's post-EOS padding is not
 counted). Temperature 1.0, no top-k/top-p, up to --max-new-tokens.
 
@@ -183,21 +183,25 @@ def _run_limit(
 ) -> dict[str, Any]:
     import torch
 
-    from slipstream.model import StaticKVCache
+    from slipstream.engine.kv_cache import Part, SlotKVCache
 
-    cache = StaticKVCache.for_model(model, batch_size, prompt_len + steps + 1)
+    cache = SlotKVCache.for_model(model, batch_size, prompt_len + steps + 1)
     vocab = model.config.vocab_size
     ids = torch.randint(3, vocab, (batch_size, prompt_len), device=device)
     # Random tokens per step (pregenerated): rows must route to different experts, as real
     # samples do; a constant token would send every row to the same top-k experts.
     feed = torch.randint(3, vocab, (steps, batch_size, 1), device=device)
+    parts = [Part(b, b * prompt_len, prompt_len) for b in range(batch_size)]
+    prefill_pos = torch.arange(prompt_len, device=device).repeat(batch_size)[None]
     with torch.inference_mode():
         for _ in range(2):  # the first pass warms up; the second is timed
-            cache.reset()
-            model(ids, cache=cache)
+            cache.begin_mixed(torch.empty(0, dtype=torch.long, device=device), -1, parts)
+            model(ids.reshape(1, -1), position_ids_BT=prefill_pos, cache=cache)
             t0 = time.perf_counter()
             for step in range(steps):
-                model(feed[step], cache=cache)
+                pos_B = torch.full((batch_size,), prompt_len + step, device=device)
+                cache.begin_decode(pos_B, prompt_len + step)
+                model(feed[step], position_ids_BT=pos_B[:, None], cache=cache)
             wall = time.perf_counter() - t0
     return {
         "batch": batch_size,

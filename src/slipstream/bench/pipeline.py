@@ -72,11 +72,11 @@ def _start_checkpoint(cfg: Any, init: str | None, tmp: Path) -> tuple[str, str]:
 
 
 def run_mode(cfg: Any, init: str) -> dict[str, Any]:
-    from slipstream.launch.local import LocalLauncher
+    from slipstream.launch.base import make_launcher
     from slipstream.rl.controller import Controller
 
     controller = Controller(cfg, init)
-    launcher = LocalLauncher(cfg, controller.coord)
+    launcher = make_launcher(cfg, controller.coord)
     launcher.start()
     try:
         result = controller.run()

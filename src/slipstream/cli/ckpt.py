@@ -30,13 +30,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _stores(args: argparse.Namespace):
-    from slipstream.rl.checkpoint import CheckpointStore
-    from slipstream.rl.controller import storage_options, store_url
-    from slipstream.rl.weights import WeightStore
+    from slipstream.storage import open_stores
 
     cfg = load_config(args.config, args.overrides)
-    weights = WeightStore(store_url(cfg), cfg.store.keep_last, storage_options(cfg))
-    return cfg, weights, CheckpointStore(weights.blob, cfg.store.keep_checkpoints)
+    stores = open_stores(cfg)
+    return cfg, stores.weights, stores.checkpoints
 
 
 def cmd_list(args: argparse.Namespace) -> int:

@@ -31,6 +31,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     prefer_passive_omp()
     from slipstream.evaluate import run_eval
+    from slipstream.sft import sft_dir
 
-    run_eval(cfg, args.checkpoint)
+    run_eval(cfg, args.checkpoint or cfg.eval.checkpoint or sft_dir(cfg) / "checkpoint")
     return 0

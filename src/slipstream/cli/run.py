@@ -1,6 +1,7 @@
 """`slipstream run`: the main job. SFT warm start when no start checkpoint exists (skipped when
 <run.output_dir>/sft/checkpoint is complete or model.init_from is set), then the RL loop: the
-trainer in this process and rollout.num_workers rollout worker processes (launch/local.py), a
+trainer in this process and rollout.num_workers rollout workers (local processes, or Ray actors
+with run.launcher = "ray"; launch/job.py drives the job), a
 live progress display, JSON-lines metrics, TensorBoard events when installed, and a final report
 with the reward curve (<run.output_dir>/report.md, reward_curve.png)."""
 
@@ -34,7 +35,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from slipstream.launch.local import run_local
+    from slipstream.launch.job import run_job
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     console = Console()
@@ -42,7 +43,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         from slipstream.sft import run_sft
 
         run_sft(cfg, console)
-    result = run_local(cfg, console, display=not args.plain)
+    result = run_job(cfg, console, display=not args.plain)
 
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{100 * x:.1f}%"

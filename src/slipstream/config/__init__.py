@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from slipstream.config.base import ConfigError, Section, apply_overrides, load_model, parse_override
 from slipstream.config.engine import EngineConfig
@@ -40,6 +40,33 @@ class SlipstreamConfig(Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+
+    @model_validator(mode="after")
+    def _resolve_derived(self) -> SlipstreamConfig:
+        """Settings that follow from others, resolved once here so no code derives (or
+        mutates) them later; `slipstream config show` prints the resolved values.
+
+        - `buffer.max_staleness` is the one staleness bound: `trainer.mode` = "sync" sets it to 0,
+          "one_step_off" to 1; "async" keeps the configured value.
+        - `trainer.deterministic` needs `trainer.mode = "sync"` and turns on `rollout.seeded`.
+        - `store.url` empty -> `<run.output_dir>/store` as an absolute path, so every process of
+          the job (rollout workers, trainer ranks) opens the same store whatever its directory.
+        """
+        implied = {"sync": 0, "one_step_off": 1}.get(self.trainer.mode)
+        if implied is not None and self.buffer.max_staleness != implied:
+            self.buffer.max_staleness = implied
+        if self.trainer.deterministic:
+            if self.trainer.mode != "sync":
+                raise ValueError(
+                    f"trainer.deterministic needs trainer.mode = 'sync' (got "
+                    f"{self.trainer.mode!r}): in the other modes which weights produced which "
+                    "tokens depends on timing"
+                )
+            if not self.rollout.seeded:
+                self.rollout.seeded = True
+        if not self.store.url:
+            self.store.url = str(Path(self.run.output_dir).resolve() / "store")
+        return self
 
 
 def load_config(

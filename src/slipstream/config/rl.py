@@ -51,7 +51,7 @@ class RolloutConfig(Section):
     (deploy/kuberay/rayjob.yaml). Empty: off."""
     max_start_failures: int = Field(default=5, ge=1)
     """A worker slot whose worker ends this many times in a row before it ever reaches the
-    coordinator is crash-looping: the job fails with the worker's last output (launch/restarts.py).
+    coordinator is crash-looping: the job fails with the worker's last output (launch/supervise.py).
     Workers lost after they started (killed, node gone) are always replaced."""
     restart_backoff_s: float = Field(default=1.0, gt=0)
     """Wait before restarting a worker that failed to start; doubles with each failure in a row."""
@@ -71,7 +71,8 @@ class RolloutConfig(Section):
 class BufferConfig(Section):
     max_staleness: int = Field(default=2, ge=0)
     """Most policy versions a trained token may lag the trainer in `async` mode (counted from the
-    oldest token of a group). `sync` uses 0 and `one_step_off` 1 whatever this says."""
+    oldest token of a group). `trainer.mode` = `sync` resolves it to 0 and `one_step_off` to 1 when
+    the config loads (whatever was written here); `async` uses the value given."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (no GRPO signal); admission control over-samples
     to keep batches full."""
@@ -145,8 +146,11 @@ class TrainerConfig(Section):
     checkpoint_every: int = Field(default=10, ge=0)
     """Write a resumable checkpoint every this many steps (0 = only at the end)."""
     deterministic: bool = False
-    """Reproducible run: forces rollout.seeded, sync-style admission order and one worker thread
-    of verification, so a killed and resumed run reproduces per-step losses exactly."""
+    """Reproducible run: needs `mode = "sync"` and turns on rollout.seeded (resolved at load), so
+    every sample's seed is a function of (run.seed, task id) and the weights that produced it
+    are fixed by the sync schedule; a killed and resumed run then reproduces per-step losses on
+    the same machine. Not covered: verification order (rewards do not depend on it) and kernels
+    that are nondeterministic on CUDA."""
     batch_timeout_s: float = Field(default=600.0, gt=0)
     """Fail loudly when no batch arrives for this long (workers dead or stuck)."""
 

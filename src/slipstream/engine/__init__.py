@@ -15,6 +15,7 @@ from slipstream.engine.base import (
     Engine,
     FinishReason,
     GenerateRequest,
+    PublishedWeights,
     SamplingParams,
 )
 from slipstream.engine.http_client import EngineHTTPError, HTTPEngine
@@ -23,8 +24,16 @@ from slipstream.engine.sampling import RowParams, processed_logprobs
 from slipstream.engine.weights import load_weights_into
 
 
-def build_engine(config: Any, model: Any = None, tokenizer: Any = None, version: int = 0) -> Engine:
-    """The engine named by an `EngineConfig` (`type` = "native" needs `model`; "http" needs `url`)."""
+def build_engine(
+    config: Any,
+    model: Any = None,
+    tokenizer: Any = None,
+    version: int = 0,
+    stage_dir: str | None = None,
+) -> Engine:
+    """The engine named by an `EngineConfig`: "native" needs `model`; "http" needs `config.url`
+    and takes `stage_dir`, this client's own directory for staged weight copies (see
+    `HTTPEngine`), when the server cannot read the weight store itself."""
     if config.type == "native":
         if model is None:
             raise ValueError("engine.type = 'native' needs a model")
@@ -37,6 +46,7 @@ def build_engine(config: Any, model: Any = None, tokenizer: Any = None, version:
         timeout_s=config.request_timeout_s,
         max_retries=config.max_retries,
         version=version,
+        stage_dir=stage_dir,
     )
 
 
@@ -49,6 +59,7 @@ __all__ = [
     "GenerateRequest",
     "HTTPEngine",
     "NativeEngine",
+    "PublishedWeights",
     "RowParams",
     "SamplingParams",
     "build_engine",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -102,13 +103,45 @@ class Completion:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
+class PublishedWeights(Protocol):
+    """What an engine needs from a store of published policy versions (`storage.WeightStore`
+    implements it) to load one: its tensors, a local copy, or where it lives. Each raises
+    FileNotFoundError when the version is not (or no longer) published."""
+
+    def fetch(self, version: int) -> dict[str, Any]:
+        """The version's state dict (HF parameter names), checked against its manifest."""
+        ...
+
+    def fetch_to_dir(self, version: int, local_dir: str) -> str:
+        """A checked HF-format copy of the version in local_dir; returns local_dir."""
+        ...
+
+    def location(self, version: int) -> str:
+        """The version's HF-format directory as a path or URL a server can load from."""
+        ...
+
+    def versions(self) -> list[int]:
+        """Published versions, ascending."""
+        ...
+
+
 @runtime_checkable
 class Engine(Protocol):
-    """What a rollout worker needs from an inference engine (in-process or over HTTP)."""
+    """What a rollout worker needs from an inference engine (in-process or over HTTP). A caller
+    never needs to know which one it has: every method below means the same on both.
+
+    Lifecycle: built by `build_engine`; `wait_ready` before the first request (a server may still
+    be loading); `close` once, after the last request has finished."""
 
     @property
     def version(self) -> int:
-        """Policy version of the weights new tokens are sampled with."""
+        """Policy version of the weights new tokens are sampled with (-1: not known yet, e.g. a
+        server the client has not told which version to load)."""
+        ...
+
+    def submit(self, request: GenerateRequest) -> Future[list[Completion]]:
+        """Start one request; the future resolves to its n completions (sample index order) or
+        to the error that ended it. Returns at once."""
         ...
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
@@ -120,9 +153,25 @@ class Engine(Protocol):
         ...
 
     def update_weights(self, version: int, source: Any) -> None:
-        """Swap in new weights (a state dict or an HF-format directory) tagged `version`."""
+        """Swap in new weights tagged `version`. `source`: a state dict or an HF-format directory
+        (native engine); a directory path or URL the server reads (HTTP engine)."""
+        ...
+
+    def load_version(self, version: int, weights: PublishedWeights) -> None:
+        """Bring the engine to `version` of a weight store, however this engine loads weights
+        (tensors in-process; a location, or a staged local copy, for a server). Raises
+        FileNotFoundError when the store no longer holds the version (retention removed it
+        meanwhile: ask for the newest version again)."""
         ...
 
     def abort(self, request_id: str) -> None:
         """Stop a request: finished samples keep their tokens, finish_reason "abort"."""
+        ...
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Block until the engine can serve requests; raise (naming why) after timeout_s."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine (threads, connections, KV cache). In-flight requests are aborted."""
         ...

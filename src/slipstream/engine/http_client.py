@@ -14,13 +14,15 @@ return_tokens_as_token_ids so token ids come back exactly; versions are -1 (unkn
 
 What the logprobs mean is the server's business: slipstream's are behaviour logprobs after all
 sampling processing; other servers may report them before top-k/top-p processing.
-Not covered: streaming, update_weights on api="openai" (vLLM has no standard endpoint).
+Not covered: streaming, update_weights / load_version on api="openai" (vLLM has no standard
+endpoint).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Sequence
@@ -30,7 +32,7 @@ from typing import Any
 
 import httpx
 
-from slipstream.engine.base import ALL_TOKENS, Completion, GenerateRequest
+from slipstream.engine.base import ALL_TOKENS, Completion, GenerateRequest, PublishedWeights
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +48,6 @@ class EngineHTTPError(RuntimeError):
 class HTTPEngine:
     """Client `Engine` for a server at `url` (e.g. http://127.0.0.1:30000)."""
 
-    weights_by_location = True
-    """update_weights takes the path/URL of a checkpoint directory the server reads, not tensors."""
-
     def __init__(
         self,
         url: str,
@@ -59,9 +58,14 @@ class HTTPEngine:
         backoff_s: float = 0.25,
         model: str | None = None,
         version: int = 0,
+        stage_dir: str | Path | None = None,
     ) -> None:
         """`version`: what the client assumes the server holds until update_weights (-1: unknown,
-        so a RolloutWorker's first weight sync loads the store's latest version into it)."""
+        so a RolloutWorker's first weight sync loads the store's latest version into it).
+        `stage_dir`: for `load_version`, a local directory the *server* can read, owned by this
+        client alone, into which each version is copied from the store before the server is
+        told to load it (the server cannot read the store: SGLang and an s3:// store). None:
+        the server is given the store's own location."""
         if api not in ("sglang", "openai"):
             raise ValueError(f"api must be 'sglang' or 'openai', got {api!r}")
         self.url = url.rstrip("/")
@@ -72,6 +76,7 @@ class HTTPEngine:
         self.backoff_s = backoff_s
         self.model = model
         self._version = version
+        self.stage_dir = Path(stage_dir).resolve() if stage_dir is not None else None
         self._group_sizes: dict[str, int] = {}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -101,6 +106,10 @@ class HTTPEngine:
     def version(self) -> int:
         return self._version
 
+    def submit(self, request: GenerateRequest) -> Future:
+        """One request on the client's event loop; the future resolves to its completions."""
+        return self._spawn(self._generate_all([request]))
+
     def generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
         return self._call(self._generate_all(list(requests)))
 
@@ -110,8 +119,9 @@ class HTTPEngine:
     def update_weights(self, version: int, source: Any) -> None:
         """`source` must be a directory path the *server* can read (HF format)."""
         if self.api != "sglang":
-            raise NotImplementedError(
-                "update_weights needs the SGLang-style /update_weights_from_disk"
+            raise RuntimeError(
+                f"HTTPEngine(api={self.api!r}) cannot update weights: the OpenAI API (vLLM) has "
+                "no weight-update endpoint; use api='sglang' (slipstream serve, SGLang)"
             )
         if not isinstance(source, str | Path):
             raise TypeError(
@@ -122,6 +132,30 @@ class HTTPEngine:
         if not out.get("success", False):
             raise EngineHTTPError(f"update_weights_from_disk failed: {out.get('message')}")
         self._version = version
+
+    def load_version(self, version: int, weights: PublishedWeights) -> None:
+        """Tell the server to load `version` by location: the store's own, or a manifest-checked
+        copy under stage_dir (copied under a temporary name, then renamed, so the server never
+        sees a partial copy; older copies in stage_dir are removed after the switch).
+        FileNotFoundError when the store no longer holds the version."""
+        if self.stage_dir is None:
+            try:
+                self.update_weights(version, weights.location(version))
+            except EngineHTTPError:
+                if version not in weights.versions():  # retention removed it meanwhile
+                    raise FileNotFoundError(weights.location(version)) from None
+                raise
+            return
+        staged = self.stage_dir / f"v{version:08d}"
+        if not staged.is_dir():
+            partial = self.stage_dir / f".partial-v{version:08d}"
+            shutil.rmtree(partial, ignore_errors=True)
+            weights.fetch_to_dir(version, str(partial))
+            partial.rename(staged)
+        self.update_weights(version, str(staged))
+        for old in self.stage_dir.glob("v*"):
+            if old.name < staged.name:  # v%08d sorts by version
+                shutil.rmtree(old, ignore_errors=True)
 
     def abort(self, request_id: str) -> None:
         n = self._group_sizes.get(request_id, 1)

@@ -10,11 +10,16 @@ slots [0, B) as a view with no gather. Two modes, set before each forward:
 - `begin_decode(pos_B)`: one new token per row for rows [0, B), written at position pos_B[b];
   row b attends over positions [0, pos_B[b]] (its own valid prefix plus the new token).
 - `begin_mixed(pos_B, parts)`: one ragged forward of shape [1, T]: first one decode token for
-  each row [0, B) (as in decode), then the tokens of each new prompt (slot, offset, length) laid
-  end to end, each written to positions [0, length) of its slot and causal within itself. This lets newly admitted prompts
-  ride in the same forward as the running rows instead of costing a forward of their own.
+  each row [0, B) (as in decode), then the tokens of each `Part` (slot, offset, length, start)
+  laid end to end, each written to positions [start, start + length) of its slot, attending to
+  the slot's cached positions [0, start) and causally within itself. start = 0 is a new prompt;
+  start > 0 extends a cached prefix (a later chunk, or the next turn of a conversation) without
+  re-prefilling it. Newly admitted tokens thus ride in the same forward as the running rows
+  instead of costing a forward of their own.
 
-Not covered: prefill on top of an existing prefix (chunked prefill / radix prefix cache), paging.
+This is slipstream's one KV cache: the engine's (rollouts, evaluation, serving). Positions are
+given per call, so rewriting a position (rolling back to a shorter prefix) is just writing it
+again. Not covered: paging, prefix sharing across requests other than a group's copy.
 
 Legend: L layers, N slots, K kv heads, H query heads, S slot length, D head dim, B rows,
 T tokens in this forward, P tokens of one prompt.
@@ -22,10 +27,21 @@ T tokens in this forward, P tokens of one prompt.
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from typing import NamedTuple
 
-from slipstream.model.kv_cache import decode_attend
+import torch
+
+from slipstream.model.kv_cache import decode_attend, sdpa
+
+
+class Part(NamedTuple):
+    """New tokens of one slot in a mixed forward: tokens [offset, offset + length) of the
+    forward go to positions [start, start + length) of `slot`."""
+
+    slot: int
+    offset: int
+    length: int
+    start: int = 0
 
 
 class SlotKVCache:
@@ -51,7 +67,14 @@ class SlotKVCache:
         self._pos_B: torch.Tensor | None = None
         self._mask_B11S: torch.Tensor | None = None
         self._span = 0
-        self._parts: list[tuple[int, int, int]] = []
+        self._parts: list[Part] = []
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, num_slots: int, slot_len: int) -> SlotKVCache:
+        """A cache sized for `model` (an MoEForCausalLM), on its device and in its dtype."""
+        cfg, param = model.config, next(model.parameters())
+        return cls(cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, slot_len,
+                   cfg.head_dim, dtype=param.dtype, device=param.device)  # fmt: skip
 
     @property
     def nbytes(self) -> int:
@@ -73,11 +96,15 @@ class SlotKVCache:
         mask_B11S = torch.zeros(hidden_B11S.shape, dtype=self.k_LNKSD.dtype, device=pos_B.device)
         self._mask_B11S = mask_B11S.masked_fill_(hidden_B11S, float("-inf"))
 
-    def begin_mixed(
-        self, pos_B: torch.Tensor, max_pos: int, parts: list[tuple[int, int, int]]
-    ) -> None:
-        """`parts`: (slot, token offset in the forward, prompt length) of each new prompt; decode
-        tokens occupy offsets [0, B). With no running rows pass an empty pos_B and max_pos -1."""
+    def begin_mixed(self, pos_B: torch.Tensor, max_pos: int, parts: list[Part]) -> None:
+        """`parts`: the new tokens of each slot (see `Part`); decode tokens occupy offsets
+        [0, B). With no running rows pass an empty pos_B and max_pos -1."""
+        for part in parts:
+            if part.start + part.length > self.slot_len:
+                raise ValueError(
+                    f"cache overflow: slot {part.slot} positions [{part.start}, "
+                    f"{part.start + part.length}) past the slot length {self.slot_len}"
+                )
         if pos_B.numel():
             self.begin_decode(pos_B, max_pos)
         else:
@@ -104,19 +131,22 @@ class SlotKVCache:
 
             out_BH1D = self._decode_attend(k_NKSD, v_NKSD, rows(q_1HTD), rows(k_1KTD), rows(v_1KTD))
             outs.append(out_BH1D[:, :, 0].transpose(0, 1).unsqueeze(0))
-        for slot, offset, length in self._parts:
-            k_1KPD, v_1KPD = (
-                k_1KTD[:, :, offset : offset + length],
-                v_1KTD[:, :, offset : offset + length],
-            )
-            k_NKSD[slot, :, :length] = k_1KPD[0].to(k_NKSD.dtype)
-            v_NKSD[slot, :, :length] = v_1KPD[0].to(v_NKSD.dtype)
+        for slot, offset, length, start in self._parts:
+            end = start + length
+            k_NKSD[slot, :, start:end] = k_1KTD[0, :, offset : offset + length].to(k_NKSD.dtype)
+            v_NKSD[slot, :, start:end] = v_1KTD[0, :, offset : offset + length].to(v_NKSD.dtype)
             q_1HPD = q_1HTD[:, :, offset : offset + length]
-            outs.append(
-                F.scaled_dot_product_attention(
-                    q_1HPD, k_1KPD, v_1KPD, is_causal=True, enable_gqa=True
-                )
-            )
+            if start == 0:  # a new prompt: causal over its own tokens
+                k_1KPD = k_1KTD[:, :, offset : offset + length]
+                v_1KPD = v_1KTD[:, :, offset : offset + length]
+                outs.append(sdpa(q_1HPD, k_1KPD, v_1KPD, is_causal=True))
+                continue
+            # query i sits at position start + i and sees the cached prefix and itself
+            q_pos_P1 = torch.arange(start, end, device=q_1HTD.device)[:, None]
+            k_pos_1S = torch.arange(end, device=q_1HTD.device)[None, :]
+            keys_1KSD = k_NKSD[slot : slot + 1, :, :end].to(q_1HPD.dtype)
+            values_1KSD = v_NKSD[slot : slot + 1, :, :end].to(q_1HPD.dtype)
+            outs.append(sdpa(q_1HPD, keys_1KSD, values_1KSD, mask_TS=k_pos_1S <= q_pos_P1))
         return torch.cat(outs, dim=2)
 
     def attend(

@@ -36,9 +36,9 @@ from typing import Any
 import torch
 
 from slipstream.config.engine import EngineConfig
-from slipstream.engine.base import Completion, GenerateRequest
+from slipstream.engine.base import Completion, GenerateRequest, PublishedWeights
 from slipstream.engine.batch import Group, Row, RunningBatch
-from slipstream.engine.kv_cache import SlotKVCache
+from slipstream.engine.kv_cache import Part, SlotKVCache
 from slipstream.engine.sampling import sample
 from slipstream.engine.weights import WeightSource, load_weights_into
 
@@ -206,6 +206,16 @@ class NativeEngine:
             self._lock.notify_all()
         future.result()
 
+    def load_version(self, version: int, weights: PublishedWeights) -> None:
+        """update_weights with the version's tensors from the store (checked against its
+        manifest); FileNotFoundError when the store no longer holds it."""
+        self.update_weights(version, weights.fetch(version))
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """In-process: ready once constructed, unless closed or its thread died."""
+        if self._closed or not self._thread.is_alive():
+            raise RuntimeError("native engine is closed")
+
     def flush_cache(self) -> bool:
         """Nothing is cached across requests (slots are freed when rows finish): always True."""
         return True
@@ -320,20 +330,20 @@ class NativeEngine:
         prompt once (group prefix sharing: its KV is then copied to the group's other slots)."""
         batch, dev = self.batch, self.device
         num_running = len(batch)
-        parts: list[tuple[int, int, int]] = []  # (first slot, token offset, prompt length)
+        parts: list[Part] = []  # each group's prompt, prefilled once into its first slot
         offset = num_running
         for g in groups:
             stop_ids = frozenset(g.params.stop_token_ids) | (
                 frozenset() if g.params.ignore_eos else self.eos_token_ids
             )
             rows = [batch.add(Row(g, i, stop_ids), len(g.prompt_ids)) for i in range(g.params.n)]
-            parts.append((rows[0], offset, len(g.prompt_ids)))
+            parts.append(Part(rows[0], offset, len(g.prompt_ids)))
             offset += len(g.prompt_ids)
         pos_B = batch.pos_N[:num_running]
         ids = [batch.last_N[:num_running]] + [
             torch.tensor(g.prompt_ids, device=dev) for g in groups
         ]
-        pos = [pos_B] + [torch.arange(length, device=dev) for _, _, length in parts]
+        pos = [pos_B] + [torch.arange(part.length, device=dev) for part in parts]
         max_pos = int(pos_B.max()) if num_running else -1
         batch.cache.begin_mixed(pos_B, max_pos, parts)
         logits_TV = self._forward(torch.cat(ids)[None], torch.cat(pos)[None])[0]
@@ -343,7 +353,7 @@ class NativeEngine:
         batch.pos_N[:num_running] += 1
         # Logits per row: running rows' own, then each new row gets its prompt's last position.
         pick = list(range(num_running))
-        for g, (first, off, length) in zip(groups, parts, strict=True):
+        for g, (first, off, length, _) in zip(groups, parts, strict=True):
             batch.cache.copy_prefix(
                 first, torch.arange(first + 1, first + g.params.n, device=dev), length
             )

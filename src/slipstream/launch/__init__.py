@@ -1,1 +1,10 @@
-"""Launchers: place the trainer and rollout workers (local processes; Ray is not implemented)."""
+"""Placing a job's processes. Layered, each module importing only those below it:
+
+job.py        the job driver of `slipstream run` (start checkpoint, run, report)
+base.py       the `Launcher` protocol and its factory (run.launcher)
+local.py      rollout workers as local processes (the embedded default)
+ray.py        rollout workers as Ray actors (the `ray` extra)
+dp.py         data-parallel trainer ranks on this machine
+supervise.py  one supervision policy for every launcher (restarts, crash loops, drains)
+worker.py     rollout worker assembly (engine, verifier, store) and its process entry point
+"""

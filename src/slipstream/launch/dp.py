@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream.config import SlipstreamConfig
-from slipstream.launch.teardown import exit_distributed_process
+from slipstream.runtime import exit_distributed_process, resolve_device, set_threads
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +51,6 @@ def _free_port() -> int:
 
 
 def _init(cfg: SlipstreamConfig, rank: int, port: int) -> torch.device:
-    from slipstream.sft import resolve_device
-
     device = resolve_device(cfg.run)
     if device.type == "cuda":
         device = torch.device("cuda", rank)
@@ -132,9 +130,8 @@ def _die_with_parent() -> None:
 
 
 def follower_main(argv: list[str]) -> int:
-    from slipstream.rl.checkpoint import CheckpointStore
-    from slipstream.rl.controller import build_trainer, storage_options, store_url
-    from slipstream.rl.weights import WeightStore
+    from slipstream.rl.trainer import build_trainer
+    from slipstream.storage import open_stores
     from slipstream.tasks import get_taskset
 
     p = argparse.ArgumentParser(prog="slipstream.launch.dp")
@@ -146,15 +143,13 @@ def follower_main(argv: list[str]) -> int:
     _die_with_parent()
     spec = json.loads(Path(args.spec).read_text())
     cfg = SlipstreamConfig.model_validate(spec["config"])
-    if cfg.run.num_threads:
-        torch.set_num_threads(cfg.run.num_threads)
+    set_threads(cfg.run)
     device = _init(cfg, args.rank, spec["port"])
     # Built as the Controller builds rank 0's, so every rank starts from the same state.
     trainer = build_trainer(cfg, spec["init"], device, get_taskset(cfg.task).tokenizer.pad_id)
     step = _broadcast(None)
     if step is not None:
-        weights = WeightStore(store_url(cfg), cfg.store.keep_last, storage_options(cfg))
-        state, _, _ = CheckpointStore(weights.blob, cfg.store.keep_checkpoints).load(step)
+        state, _, _ = open_stores(cfg).checkpoints.load(step)
         trainer.load_state_dict(state)
         log.info("resumed from checkpoint step %d", step)
     num_steps = 0

@@ -1,8 +1,8 @@
 """Ray launcher: the trainer (this process, the Ray driver) plus N rollout workers as Ray actors.
 
-`run.launcher = "ray"` makes `run_local` (launch/local.py) use `RayLauncher` instead of
-`LocalLauncher`; the interface is the same: `start()`, `stop() -> {index: code}`, `pids()`,
-`num_restarts`.
+`run.launcher = "ray"` makes the job driver (launch/job.py) place the workers with `RayLauncher`
+instead of `LocalLauncher`; both implement the `Launcher` protocol (launch/base.py) and share the
+worker assembly (launch/worker.py) and the supervision policy (launch/supervise.py).
 
 Contract:
 - `start()` joins Ray: `run.ray_address` empty starts a private local instance (logical CPUs =
@@ -12,7 +12,8 @@ Contract:
 - The Coordinator stays in this process, served by `serve()` on this node's IP
   (`ray.util.get_node_ip_address()`), so actors on any node can connect (authkey only, no TLS).
 - Each worker is one actor (`num_cpus=1`, two concurrency slots): `run()` builds a RolloutWorker
-  with `build_worker` and runs it in one slot; `request_stop()` reaches it through the other.
+  with `build_worker` (launch/worker.py) and runs it in one slot; `request_stop()` reaches it
+  through the other.
 - Weights: the store URL must be readable from every node. On a cluster of more than one node a
   plain path (the default `<run.output_dir>/store` included) is refused at `start()`; use
   `s3://...` or `file:///...` on a filesystem mounted at the same path on every node.
@@ -20,7 +21,7 @@ Contract:
   process was killed or its node lost; or run() raised) until the job stops; `num_restarts`
   counts replacements. The replaced worker's leases expire and are redelivered. An actor that
   keeps ending before it reaches the coordinator is retried with backoff and then fails the job
-  with its error (the policy of launch/restarts.py, as in the local launcher).
+  with its error (the policy of launch/supervise.py, as in the local launcher).
 - Node draining (`rollout.drain_file`, for Spot on Kubernetes): when the file appears on an
   actor's node, the actor drains as a worker process does on SIGTERM (stop leasing, finish or
   nack in-flight tasks, return 0) and is replaced. Ray may place the replacement on the same
@@ -48,7 +49,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import secrets
 import signal
 import threading
 import time
@@ -56,7 +56,14 @@ from pathlib import Path
 from typing import Any
 
 from slipstream.config import SlipstreamConfig
-from slipstream.launch.restarts import RestartPolicy, fail_job
+from slipstream.launch.supervise import Ended, RestartPolicy, Supervisor
+from slipstream.launch.worker import (
+    WorkerSpec,
+    build_worker,
+    check_sandbox_backend,
+    close_worker,
+    serve_coordinator,
+)
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +91,7 @@ class RolloutActor:
     """One rollout worker inside a Ray actor process (wrapped by `ray.remote` at launch)."""
 
     def __init__(self, spec: dict[str, Any], worker_id: str) -> None:
-        self.spec = spec
+        self.spec = WorkerSpec.from_json(spec)
         self.worker_id = worker_id
         self.worker: Any = None
         self._stop = threading.Event()
@@ -98,13 +105,11 @@ class RolloutActor:
                 "node_id": ray.get_runtime_context().get_node_id()}  # fmt: skip
 
     def run(self) -> int:
-        from slipstream.launch.local import build_worker, close_worker
-
-        drain_file = self.spec["config"]["rollout"]["drain_file"]
+        drain_file = self.spec.config["rollout"]["drain_file"]
         if drain_file and os.path.exists(drain_file):
             log.warning("%s exists: this node is draining; not starting", drain_file)
             return NODE_DRAINING
-        worker, engine = build_worker(self.spec, self.worker_id)
+        worker = build_worker(self.spec, self.worker_id)
         self.worker = worker
         if self._stop.is_set():  # stop requested while the worker was being built
             worker.request_stop()
@@ -115,7 +120,7 @@ class RolloutActor:
             rc = worker.run()
         finally:
             self._stop.set()
-            close_worker(worker, engine)
+            close_worker(worker)
         log.info("exiting %d: %s", rc, worker.stats)
         return rc
 
@@ -133,37 +138,39 @@ class RolloutActor:
 
 
 class RayLauncher:
+    """Rollout workers as Ray actors; see the module docstring."""
+
     def __init__(self, cfg: SlipstreamConfig, coordinator: Any, *, restart: bool = True) -> None:
         self.cfg = cfg
         self.coord = coordinator
-        self.restart = restart
-        self.num_restarts = 0
-        self.num_drain_retries = 0  # actors re-placed because their node was draining
-        self._drain_retry: set[int] = set()
-        self.policy = RestartPolicy.from_config(cfg.rollout)
         self.actors: dict[int, Any] = {}
         self.runs: dict[int, Any] = {}  # index -> ObjectRef of the actor's run()
-        self.generation: dict[int, int] = {}
-        self._info: dict[int, Any] = {}  # index -> ObjectRef of info(), until it is logged
-        self._pids: dict[int, int] = {}
+        self._info: dict[int, Any] = {}  # index -> ObjectRef of info(), until it is recorded
         self._spec: dict[str, Any] = {}
         self._actor_cls: Any = None
         self._started_ray = False
-        self._stopping = threading.Event()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
         self.launch_dir = Path(cfg.run.output_dir) / "launch"
+        self.supervisor = Supervisor(
+            coordinator, RestartPolicy.from_config(cfg.rollout), range(cfg.rollout.num_workers),
+            spawn=self._spawn, ended=self._ended, restart=restart,
+            before_poll=self._record_info, name="ray-supervisor",
+        )  # fmt: skip
+
+    @property
+    def num_restarts(self) -> int:
+        return self.supervisor.num_restarts
+
+    @property
+    def num_drain_retries(self) -> int:
+        """Actors re-placed because their node was draining (not restarts, not start failures)."""
+        return self.supervisor.num_drain_retries
 
     def start(self) -> None:
-        from slipstream.launch.local import check_sandbox_backend
-        from slipstream.rl.controller import store_url
-        from slipstream.rl.coordinator import serve
-
         ray = _import_ray()
         check_sandbox_backend(self.cfg)
         self._init_ray(ray)
         try:
-            url = store_url(self.cfg)
+            url = self.cfg.store.url
             nodes = [n for n in ray.nodes() if n.get("Alive")]
             if len(nodes) > 1 and is_local_path(url):
                 raise RuntimeError(
@@ -171,10 +178,8 @@ class RayLauncher:
                     f"path {url!r}, which workers on other nodes cannot read: set store.url to "
                     "s3://bucket/prefix or to file:///path on a filesystem shared by every node"
                 )
-            authkey = secrets.token_bytes(16)
-            address = serve(self.coord, authkey, host=ray.util.get_node_ip_address())
-            self._spec = {"address": list(address), "authkey": authkey.hex(), "store_url": url,
-                          "config": self.cfg.model_dump(mode="json")}  # fmt: skip
+            spec = serve_coordinator(self.coord, self.cfg, host=ray.util.get_node_ip_address())
+            self._spec = spec.to_json()
             # Actors on a cluster inherit their raylet's environment, not this process's: pass
             # the S3 credentials/region the driver has (a node's IAM role needs none of them).
             env = {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_ENV)}
@@ -182,13 +187,10 @@ class RayLauncher:
                 runtime_env={"env_vars": env} if env else None
             )
             self.launch_dir.mkdir(parents=True, exist_ok=True)
-            for i in range(self.cfg.rollout.num_workers):
-                self._spawn(i)
+            self.supervisor.start()
         except BaseException:
             self._shutdown_ray(ray)
             raise
-        self._thread = threading.Thread(target=self._supervise, daemon=True, name="ray-supervisor")
-        self._thread.start()
 
     def _init_ray(self, ray: Any) -> None:
         if ray.is_initialized():
@@ -214,15 +216,24 @@ class RayLauncher:
             self._started_ray = False
 
     def _spawn(self, index: int) -> None:
-        gen = self.generation.get(index, -1) + 1
-        self.generation[index] = gen
-        wid = f"w{index}.{gen}"
+        wid = self.supervisor.next_worker_id(index)
         actor = self._actor_cls.remote(self._spec, wid)
         self.actors[index] = actor
         self.runs[index] = actor.run.remote()
         self._info[index] = actor.info.remote()
 
-    def _record_info(self, ray: Any) -> None:
+    def _ended(self, index: int) -> Ended | None:
+        ray = _import_ray()
+        ref = self.runs[index]
+        if not ray.wait([ref], timeout=0)[0]:
+            return None
+        code, error = self._outcome(ray, ref)
+        ray.kill(self.actors[index])  # run() may have raised in a live actor
+        return Ended(code, error, draining=code == NODE_DRAINING)
+
+    def _record_info(self) -> None:
+        """Append the actors that reported in to launch/ray_workers.jsonl (pid, node)."""
+        ray = _import_ray()
         for i, ref in list(self._info.items()):
             ready, _ = ray.wait([ref], timeout=0)
             if not ready:
@@ -232,42 +243,9 @@ class RayLauncher:
                 info = ray.get(ref)
             except ray.exceptions.RayError:
                 continue  # died before it reported; the run() ref says so too
-            self._pids[i] = info["pid"]
-            entry = {"index": i, "worker_id": f"w{i}.{self.generation[i]}", **info}
+            entry = {"index": i, "worker_id": self.supervisor.worker_id(i), **info}
             with open(self.launch_dir / "ray_workers.jsonl", "a") as f:
                 f.write(json.dumps(entry) + "\n")
-
-    def _supervise(self) -> None:
-        ray = _import_ray()
-        while not self._stopping.wait(0.2):
-            with self._lock:
-                self._record_info(ray)
-                if self._stopping.is_set() or self.coord.stopping() or not self.restart:
-                    continue
-                now = time.monotonic()
-                for i, ref in self.runs.items():
-                    if self.policy.waiting(i) or not ray.wait([ref], timeout=0)[0]:
-                        continue
-                    code, error = self._outcome(ray, ref)
-                    ray.kill(self.actors[i])  # run() may have raised in a live actor
-                    wid = f"w{i}.{self.generation[i]}"
-                    if code == NODE_DRAINING:
-                        self.policy.schedule_draining(i, now)
-                        self._drain_retry.add(i)
-                        continue
-                    delay_s = self.policy.schedule(i, self.coord.reached(wid), now)
-                    if delay_s is None:
-                        fail_job(self.coord, i, wid, code, self.policy.max_start_failures, error)
-                        return
-                    log.warning("rollout worker actor %d (%s) ended with %s; replacing in %.1f s",
-                                i, wid, code, delay_s)  # fmt: skip
-                for i in self.policy.due(now):
-                    if i in self._drain_retry:
-                        self._drain_retry.discard(i)
-                        self.num_drain_retries += 1
-                    else:
-                        self.num_restarts += 1
-                    self._spawn(i)
 
     @staticmethod
     def _outcome(ray: Any, ref: Any) -> tuple[int | None, str]:
@@ -283,23 +261,15 @@ class RayLauncher:
             log.warning("rollout worker result lost: %s", e)
             return None, str(e)
 
-    def pids(self) -> list[int]:
-        """PIDs (on their nodes) of actors that reported in and whose run() has not ended."""
-        ray = _import_ray()
-        with self._lock:
-            self._record_info(ray)
-            return [
-                self._pids[i]
-                for i, ref in self.runs.items()
-                if i in self._pids and not ray.wait([ref], timeout=0)[0]
-            ]
+    def summary(self) -> dict[str, Any]:
+        """What the run's report shows about the workers."""
+        return {"worker restarts": self.num_restarts,
+                "worker drain re-placements": self.num_drain_retries}  # fmt: skip
 
     def stop(self) -> dict[int, int | None]:
         """Drain via the coordinator, then request_stop() on stragglers, then ray.kill; codes."""
         ray = _import_ray()
-        self._stopping.set()
-        if self._thread is not None:
-            self._thread.join()
+        self.supervisor.stop()
         self.coord.request_stop()
         refs = dict(self.runs)
         codes: dict[int, int | None] = {}

@@ -4,6 +4,7 @@ Importing this package imports torch."""
 from slipstream.config.model import ModelConfig
 from slipstream.model.checkpoint import (
     hf_config_from_model_config,
+    hf_weights,
     load_hf_state_dict,
     load_pretrained,
     model_config_from_hf,
@@ -11,7 +12,7 @@ from slipstream.model.checkpoint import (
     save_pretrained,
     state_dict_to_hf,
 )
-from slipstream.model.kv_cache import KVCache, StaticKVCache, causal_attend, sdpa
+from slipstream.model.kv_cache import KVCache, causal_attend, sdpa
 from slipstream.model.moe import load_balancing_loss, router_z_loss
 from slipstream.model.transformer import ModelOutput, MoEForCausalLM, is_moe_layer
 
@@ -24,9 +25,9 @@ __all__ = [
     "ModelConfig",
     "ModelOutput",
     "MoEForCausalLM",
-    "StaticKVCache",
     "causal_attend",
     "hf_config_from_model_config",
+    "hf_weights",
     "is_moe_layer",
     "load_balancing_loss",
     "load_hf_state_dict",

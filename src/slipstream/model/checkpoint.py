@@ -125,6 +125,13 @@ def state_dict_to_hf(model: MoEForCausalLM, fused_experts: bool = False) -> dict
     return out
 
 
+def hf_weights(model: MoEForCausalLM) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(state dict under HF names, config.json) of a model: what a published weight version and
+    an exported checkpoint hold."""
+    dtype = next(model.parameters()).dtype
+    return state_dict_to_hf(model), hf_config_from_model_config(model.config, dtype)
+
+
 def hf_to_internal(sd: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
     """Stack per-expert HF tensors into the fused layout; other names pass through."""
     out: dict[str, torch.Tensor] = {}

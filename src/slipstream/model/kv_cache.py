@@ -1,4 +1,5 @@
-"""The attention/KV-cache seam and a simple preallocated cache.
+"""The attention/KV-cache seam and the attention kernels caches build on. The one cache
+implementation is the engine's `SlotKVCache` (engine/kv_cache.py).
 
 Shape legend: B batch, T new tokens this call, S past+new key length, H query heads, K key/value
 heads (not expanded to H), D head width.
@@ -80,90 +81,3 @@ def decode_attend(
 def causal_attend(q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD: torch.Tensor) -> torch.Tensor:
     """Plain causal self-attention over the given tokens only (the no-cache path)."""
     return sdpa(q_BHTD, k_BKTD, v_BKTD, is_causal=q_BHTD.shape[2] > 1)
-
-
-class StaticKVCache:
-    """Preallocated contiguous cache for incremental decoding where all rows advance together.
-
-    Storage: k/v of shape (num_layers, B, K, max_len, D). `length` is the number of positions
-    already stored (same for every row). It advances automatically by T when the last layer
-    (num_layers-1) has attended, so one model forward == one step; do not advance by hand.
-    `reset()` empties it, `truncate(n)` rolls back to n positions (e.g. rejected draft tokens).
-
-    Not covered: per-row lengths, padding inside the cache, sliding windows (the inference engine
-    provides its own cache for those). Rows that were left-padded must pass position_ids and accept
-    that pad keys are visible (no padding mask here).
-    """
-
-    def __init__(
-        self,
-        batch_size: int,
-        max_len: int,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        shape = (num_layers, batch_size, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.batch_size = batch_size
-        self.max_len = max_len
-        self.num_layers = num_layers
-        self.length = 0
-
-    @classmethod
-    def for_model(
-        cls,
-        model: torch.nn.Module,
-        batch_size: int,
-        max_len: int,
-        dtype: torch.dtype | None = None,
-    ) -> StaticKVCache:
-        """A cache sized for `model` (an MoEForCausalLM), on its device and in its dtype."""
-        cfg = model.config
-        param = next(model.parameters())
-        return cls(
-            batch_size,
-            max_len,
-            cfg.num_hidden_layers,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            dtype=dtype or param.dtype,
-            device=param.device,
-        )
-
-    def reset(self) -> None:
-        self.length = 0
-
-    def truncate(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot truncate cache of length {self.length} to {length}")
-        self.length = length
-
-    def attend(
-        self, layer_idx: int, q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD: torch.Tensor
-    ) -> torch.Tensor:
-        B, _, T, _ = q_BHTD.shape
-        start, end = self.length, self.length + T
-        if B != self.batch_size:
-            raise ValueError(f"batch {B} != cache batch_size {self.batch_size}")
-        if end > self.max_len:
-            raise ValueError(f"cache overflow: {start} + {T} new tokens > max_len {self.max_len}")
-        self.k[layer_idx, :, :, start:end] = k_BKTD
-        self.v[layer_idx, :, :, start:end] = v_BKTD
-        k_BKSD = self.k[layer_idx, :, :, :end]
-        v_BKSD = self.v[layer_idx, :, :, :end]
-        if T == 1:
-            out = decode_attend(q_BHTD, k_BKSD, v_BKSD)
-        elif start == 0:
-            out = sdpa(q_BHTD, k_BKSD, v_BKSD, is_causal=True)
-        else:
-            # new query i sits at absolute position start+i and may see keys 0..start+i
-            q_pos_T1 = torch.arange(start, end, device=q_BHTD.device)[:, None]
-            k_pos_1S = torch.arange(end, device=q_BHTD.device)[None, :]
-            out = sdpa(q_BHTD, k_BKSD, v_BKSD, mask_TS=k_pos_1S <= q_pos_T1)
-        if layer_idx == self.num_layers - 1:
-            self.length = end
-        return out

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from slipstream.launch.teardown import exit_distributed_process
 from slipstream.moe.topology import EPGroup
+from slipstream.runtime import exit_distributed_process
 
 
 def _resolve(target: str) -> Callable[..., Any]:
@@ -59,7 +59,7 @@ def _entry(
     except BaseException:
         dist.destroy_process_group()
         raise
-    exit_distributed_process(0)  # see launch/teardown.py: a normal exit can abort in gloo
+    exit_distributed_process(0)  # see runtime.py: a normal exit can abort in gloo
 
 
 def spawn_ep(

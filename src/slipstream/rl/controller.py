@@ -1,17 +1,17 @@
 """The RL main loop on the trainer side. It reads as the algorithm:
 
-    setup: model from the starting checkpoint, Trainer, WeightStore, Coordinator (queue+buffer),
-           resume from the latest checkpoint if any, publish the current version
+    setup: model from the starting checkpoint, Trainer, stores (weights + checkpoints),
+           Coordinator (queue + buffer), resume from the latest checkpoint if any, publish
     loop:  batch <- coordinator.get_batch (staleness-bounded)      [trainer idle while waiting]
-           metrics <- trainer.step(batch)
-           publish weights (version+1), then tell the coordinator the new version
+           metrics <- trainer.step(batch)                          [version += 1]
+           publish: weights to the store, then the version to the coordinator
            log; evaluate every eval_every; checkpoint every checkpoint_every
     end:   stop workers, final evaluation, final checkpoint, report
 
-Modes are one code path: `sync` = max_staleness 0, `one_step_off` = 1, `async` =
-buffer.max_staleness. The staleness bound and admission control do the rest.
+Modes are one code path: the config resolves `trainer.mode` into `buffer.max_staleness` (sync 0,
+one_step_off 1); the staleness bound and admission control do the rest.
 
-Rollout workers are placed by a launcher (launch/local.py); this module does not start them.
+Rollout workers are placed by a launcher (slipstream.launch); this module does not start them.
 """
 
 from __future__ import annotations
@@ -24,59 +24,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from slipstream.config import SlipstreamConfig
+from slipstream.evaluate import heldout_pass_at_1
+from slipstream.model import hf_weights
 from slipstream.observe.metrics import MetricsWriter
 from slipstream.rl.buffer import ExperienceBuffer
-from slipstream.rl.checkpoint import CheckpointStore
 from slipstream.rl.coordinator import Coordinator
 from slipstream.rl.queue import TaskQueue
-from slipstream.rl.trainer import Trainer
-from slipstream.rl.weights import WeightStore
+from slipstream.rl.trainer import build_trainer
+from slipstream.runtime import resolve_device
+from slipstream.storage import open_stores
 
 log = logging.getLogger(__name__)
-
-
-def effective_staleness(cfg: SlipstreamConfig) -> int:
-    mode = cfg.trainer.mode
-    return {"sync": 0, "one_step_off": 1}.get(mode, cfg.buffer.max_staleness)
-
-
-def store_url(cfg: SlipstreamConfig) -> str:
-    return cfg.store.url or str(Path(cfg.run.output_dir).resolve() / "store")
-
-
-def storage_options(cfg: SlipstreamConfig) -> dict[str, Any]:
-    if cfg.store.endpoint_url:
-        return {"client_kwargs": {"endpoint_url": cfg.store.endpoint_url}}
-    return {}
-
-
-def hf_weights(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(state dict under HF names, config.json) of the policy, as the WeightStore publishes it."""
-    from slipstream.model import hf_config_from_model_config, state_dict_to_hf
-
-    dtype = next(model.parameters()).dtype
-    return state_dict_to_hf(model), hf_config_from_model_config(model.config, dtype)
-
-
-def heldout_pass_at_1(model: torch.nn.Module, taskset: Any, cfg: SlipstreamConfig) -> float:
-    """Greedy pass@1 on the first eval.num_prompts held-out tasks (the eval job's decoder)."""
-    from slipstream.evaluate import generate
-
-    tasks = taskset.heldout()[: cfg.eval.num_prompts]
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        outs = generate(model, [taskset.prompt_ids(t) for t in tasks], cfg.eval.max_new_tokens,
-                        taskset.tokenizer.eos_id, 0.0, None, cfg.eval.batch_size)  # fmt: skip
-    model.train(was_training)
-    correct = sum(
-        taskset.verify(t, taskset.tokenizer.decode(o)).reward
-        for t, o in zip(tasks, outs, strict=True)
-    )
-    return correct / len(tasks)
 
 
 @dataclass
@@ -93,20 +52,6 @@ class RunResult:
     records: list[dict[str, Any]] = field(default_factory=list)
 
 
-def build_trainer(
-    cfg: SlipstreamConfig, init_checkpoint: str, device: torch.device, pad_id: int
-) -> Trainer:
-    """The policy loaded from the start checkpoint, in train mode, and its Trainer. Every
-    data-parallel rank builds it with this function, so all start from the same state."""
-    from slipstream.model import load_pretrained
-
-    torch.manual_seed(cfg.run.seed)
-    model = load_pretrained(init_checkpoint, device=device, dtype=getattr(torch, cfg.run.dtype))
-    model.train()
-    return Trainer(model, cfg.trainer, pad_id=pad_id, device=device,
-                   temperature=cfg.rollout.temperature or 1.0)  # fmt: skip
-
-
 class Controller:
     """Trainer-side job. `on_record(record)` is called after every logged step (live display)."""
 
@@ -115,16 +60,8 @@ class Controller:
                  evaluate: bool = True, dp: Any = None) -> None:  # fmt: skip
         """`dp`: a started `launch.dp.DataParallel` when trainer.num_processes > 1 (this process
         is rank 0 of its process group and hands every batch to the other ranks)."""
-        from slipstream.sft import resolve_device
         from slipstream.tasks import get_taskset
 
-        if cfg.trainer.deterministic:
-            if cfg.trainer.mode != "sync":
-                raise ValueError(
-                    f"trainer.deterministic needs trainer.mode = 'sync' (got {cfg.trainer.mode!r}): "
-                    "in the other modes which weights produced which tokens depends on timing"
-                )
-            cfg.rollout.seeded = True  # workers get the config after this (launcher spec)
         self.cfg = cfg
         self.on_record = on_record or (lambda r: None)
         self.evaluate = evaluate
@@ -138,9 +75,9 @@ class Controller:
             cfg, init_checkpoint, self.device, self.taskset.tokenizer.pad_id
         )
         self.model = self.trainer.model
-        self.weights = WeightStore(store_url(cfg), cfg.store.keep_last, storage_options(cfg))
-        self.ckpts = CheckpointStore(self.weights.blob, cfg.store.keep_checkpoints)
-        self.max_staleness = effective_staleness(cfg)
+        stores = open_stores(cfg)
+        self.weights, self.ckpts = stores.weights, stores.checkpoints
+        self.max_staleness = cfg.buffer.max_staleness
         tc = cfg.trainer
         queue = TaskQueue(self.taskset.num_train)
         buffer = ExperienceBuffer(
@@ -152,6 +89,11 @@ class Controller:
         self._maybe_resume()
         if self.dp is not None:
             self.dp.sync_resume(self.resumed_from)
+        self.publish()
+
+    def publish(self) -> None:
+        """Make the trainer's current version the policy: weights to the store first, then the
+        version to the coordinator (workers load what it announces, so it must exist)."""
         sd, hf_cfg = hf_weights(self.model)
         self.weights.publish(self.trainer.version, sd, hf_cfg)
         self.coord.set_version(self.trainer.version)
@@ -211,9 +153,7 @@ class Controller:
             if self.dp is not None:
                 self.dp.send(batch)  # the other ranks train their share of it
             m = self.trainer.step(batch)
-            sd, hf_cfg = hf_weights(self.model)
-            self.weights.publish(self.trainer.version, sd, hf_cfg)
-            self.coord.set_version(self.trainer.version)
+            self.publish()
             train_s = time.monotonic() - t_train
             samples_total += len(batch.samples)
             step = self.trainer.step_count

@@ -25,7 +25,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from slipstream.rl.types import Group, Lease, TaskRef
@@ -43,11 +43,9 @@ class QueueStats:
     num_pending: int
     num_leased: int
     num_done: int
-    num_live_leases: int
     num_redelivered: int
     num_rejected_acks: int
     num_expired_leases: int
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class TaskQueue:
@@ -217,14 +215,6 @@ class TaskQueue:
             self._reap()
             return len(self._owner)
 
-    def num_available(self) -> int | None:
-        """Tasks that a lease could still hand out (None = unbounded)."""
-        with self._lock:
-            self._reap()
-            if self.max_tasks is None:
-                return None
-            return len(self._pending) + self.max_tasks - self._next_task_id
-
     def stats(self) -> QueueStats:
         with self._lock:
             self._reap()
@@ -232,7 +222,6 @@ class TaskQueue:
                 num_pending=len(self._pending),
                 num_leased=len(self._owner),
                 num_done=len(self._done),
-                num_live_leases=len(self._leases),
                 num_redelivered=self._num_redelivered,
                 num_rejected_acks=self._num_rejected_acks,
                 num_expired_leases=self._num_expired_leases,

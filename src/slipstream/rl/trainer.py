@@ -13,7 +13,8 @@ Contract:
   and the MoE load-balancing loss is off: it is computed on each rank's share (as Megatron
   balances per micro-batch), so with `router_aux_loss_coef` > 0 the DP update differs slightly.
   Logged metrics are over all ranks (losses averaged, token counts summed, rewards of the batch).
-- `state_dict()` / `load_state_dict()` carry model, optimizer, scheduler, RNG, step and version
+- `version` is `step_count`: weights after step k are policy version k.
+- `state_dict()` / `load_state_dict()` carry model, optimizer, scheduler, RNG and step
   (plus the critic for PPO): enough to resume a run bit-for-bit on the same machine.
 
 Not covered: tensor/expert/pipeline parallelism, gradient accumulation beyond minibatches,
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from slipstream.config import SlipstreamConfig
 from slipstream.config.rl import TrainerConfig
 from slipstream.rl.advantages import gae, grpo_advantages
 from slipstream.rl.losses import (
@@ -152,7 +154,6 @@ class Trainer:
         self.temperature = temperature
         self.device = torch.device(device)
         self.step_count = 0
-        self.version = 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.ref_model = None
@@ -175,6 +176,12 @@ class Trainer:
             self.optimizer, lambda s: lr_factor(s, self.cfg)
         )
 
+    @property
+    def version(self) -> int:
+        """Policy version of the current weights: the number of steps taken (the starting
+        checkpoint is version 0; a step that skips its optimizer update still counts)."""
+        return self.step_count
+
     # ---- state ---------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -184,7 +191,6 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "rng": rng_state(),
             "step": self.step_count,
-            "version": self.version,
         }
         if self.critic is not None:
             state["critic"] = self.critic.state_dict()
@@ -202,7 +208,6 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         self.step_count = state["step"]
-        self.version = state["version"]
 
     # ---- step ----------------------------------------------------------------------------------
 
@@ -253,7 +258,7 @@ class Trainer:
         return bool(flag.item())
 
     def step(self, batch: Batch) -> dict[str, float]:
-        """One batch: num_minibatches optimizer steps, then version += 1."""
+        """One batch: num_minibatches optimizer steps, then step_count (= version) += 1."""
         cfg = self.cfg
         self.model.train()
         groups = self._shard(batch.groups)
@@ -287,7 +292,6 @@ class Trainer:
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v / math.ceil(B / mb)
         self.step_count += 1
-        self.version += 1
         totals.update(
             lr=self.scheduler.get_last_lr()[0],
             num_tokens=float(t["mask_BT"].sum()),
@@ -363,3 +367,17 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         return stats
+
+
+def build_trainer(
+    cfg: SlipstreamConfig, init_checkpoint: str, device: torch.device, pad_id: int
+) -> Trainer:
+    """The policy loaded from the start checkpoint, in train mode, and its Trainer. Every trainer
+    rank builds it with this function (same seed first), so all start from the same state."""
+    from slipstream.model import load_pretrained
+
+    torch.manual_seed(cfg.run.seed)
+    model = load_pretrained(init_checkpoint, device=device, dtype=getattr(torch, cfg.run.dtype))
+    model.train()
+    return Trainer(model, cfg.trainer, pad_id=pad_id, device=device,
+                   temperature=cfg.rollout.temperature or 1.0)  # fmt: skip

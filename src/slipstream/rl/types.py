@@ -90,11 +90,6 @@ class Group:
     def oldest_version(self) -> int:
         return min(s.oldest_version for s in self.samples)
 
-    @property
-    def newest_version(self) -> int:
-        vs = [max(s.versions) for s in self.samples if s.versions]
-        return max(vs) if vs else -1
-
 
 @dataclass
 class Batch:

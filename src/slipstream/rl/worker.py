@@ -4,11 +4,13 @@ Contract:
 - Holds at most `rollout.max_inflight_tasks` tasks (over several leases), so generation of new
   tasks overlaps verification of earlier ones; every group is acked on its own as soon as it is
   verified (one slow verification delays only its own group).
-- Before generating a lease's tasks, the engine's weights are brought to at least the lease's
-  `policy_version` (fetched from the WeightStore). A watcher thread also applies newer versions
-  as they are published: with `partial_rollouts` the engine switches mid-generation (its
-  "continue_new" policy; per-token versions record which weights produced which token),
-  otherwise in-flight sequences finish on their weights ("finish_old").
+- The coordinator is the one source of the policy version (it announces a version only after
+  its weights are published). Before generating a lease's tasks, the engine is brought to at
+  least the lease's `policy_version`; a watcher thread also applies newer versions as the
+  coordinator announces them, each loaded from the weight store with `Engine.load_version`
+  (the worker never knows how its engine loads weights): with `partial_rollouts` the native
+  engine switches mid-generation ("continue_new"; per-token versions record which weights
+  produced which token), otherwise in-flight sequences finish on their weights ("finish_old").
 - A heartbeat extends live leases every lease_ttl_s / 3. A lease that could not be extended is
   dead (its tasks are redelivered elsewhere): its requests are aborted and nothing of it is acked.
 - `request_stop()` (the SIGTERM handler calls it): stop leasing; in-flight work may finish within
@@ -22,20 +24,22 @@ lease, ack, nack, extend, version, stopping, report.
 from __future__ import annotations
 
 import logging
-import shutil
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from slipstream.config.rl import RolloutConfig
-from slipstream.engine.base import Completion, GenerateRequest, SamplingParams
-from slipstream.engine.http_client import EngineHTTPError
+from slipstream.engine.base import (
+    Completion,
+    Engine,
+    GenerateRequest,
+    PublishedWeights,
+    SamplingParams,
+)
 from slipstream.rl.types import Group, Lease, Sample, TaskRef
 from slipstream.rl.verifier import Verifier
-from slipstream.rl.weights import WeightStore
 from slipstream.tasks import TaskSet
 
 log = logging.getLogger(__name__)
@@ -63,19 +67,17 @@ class RolloutWorker:
         self,
         worker_id: str,
         coordinator: Any,
-        engine: Any,
+        engine: Engine,
         taskset: TaskSet,
         verifier: Verifier,
         cfg: RolloutConfig,
+        weights: PublishedWeights,
         *,
-        weights: WeightStore | None = None,
         max_new_tokens: int = 32,
         run_seed: int = 0,
-        weights_stage_dir: str | None = None,
     ) -> None:
-        """`weights_stage_dir`: for engines that load weights by location (HTTP), a local
-        directory the server reads, into which each version is copied from the store first (the
-        server cannot read the store itself); None: the server is given the store's location."""
+        """`weights`: the job's weight store; the engine loads the versions the coordinator
+        announces from it (`Engine.load_version`, however that engine loads weights)."""
         self.worker_id = worker_id
         self.coord = coordinator
         self.engine = engine
@@ -85,14 +87,12 @@ class RolloutWorker:
         self.weights = weights
         self.max_new_tokens = cfg.max_new_tokens or max_new_tokens
         self.run_seed = run_seed
-        self.weights_stage_dir = weights_stage_dir
         self._stop = threading.Event()
         self._lock = threading.Condition()
         self._tasks: dict[int, _TaskWork] = {}  # task_id -> work
         self._leases: dict[int, set[int]] = {}  # lease_id -> task ids not yet done
         self._weights_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max(1, cfg.verify_threads), thread_name_prefix="verify")
-        self._gen_pool: ThreadPoolExecutor | None = None
         self.stats: dict[str, float] = {
             "groups_acked": 0, "groups_rejected": 0, "tasks_nacked": 0, "samples": 0,
             "tokens": 0, "weight_updates": 0, "leases": 0, "verify_s": 0.0, "generate_s": 0.0,
@@ -112,16 +112,17 @@ class RolloutWorker:
     # ---- weights -------------------------------------------------------------------------------
 
     def sync_weights(self, min_version: int = -1, timeout_s: float = 120.0) -> None:
-        """Bring the engine to the store's latest version (and at least min_version)."""
-        if self.weights is None:
-            return
+        """Bring the engine to the coordinator's current policy version (and at least
+        min_version). The coordinator announces a version only after its weights are
+        published, so the store holds it unless retention removed it meanwhile; then the
+        coordinator is asked again (it has a newer one by then)."""
         deadline = time.monotonic() + timeout_s
         with self._weights_lock:
             while True:
-                latest = self.weights.latest()
-                if latest is not None and latest > self.engine.version:
+                current = self.coord.version()
+                if current > self.engine.version:
                     try:
-                        self.load_weights(latest)
+                        self.engine.load_version(current, self.weights)
                     except FileNotFoundError:  # retention removed it meanwhile: ask again
                         continue
                     self.stats["weight_updates"] += 1
@@ -129,42 +130,11 @@ class RolloutWorker:
                     return
                 if time.monotonic() > deadline:
                     raise TimeoutError(
-                        f"worker {self.worker_id}: weight version {min_version} not published in "
-                        f"{self.weights.blob.url} within {timeout_s} s (latest {latest})"
+                        f"worker {self.worker_id}: engine at weight version {self.engine.version} "
+                        f"after {timeout_s} s; version {min_version} needed, coordinator at "
+                        f"{current}"
                     )
                 time.sleep(0.05)
-
-    def load_weights(self, version: int) -> None:
-        """Bring the engine to `version` of the store: tensors for an in-process engine; a
-        directory location for a server that loads it itself (HTTP engine): the store's, or a
-        manifest-checked copy under weights_stage_dir (older copies are then removed).
-        FileNotFoundError when retention removed the version meanwhile."""
-        if self.weights is None:
-            raise RuntimeError(f"worker {self.worker_id}: load_weights needs a WeightStore")
-        if not getattr(self.engine, "weights_by_location", False):
-            self.engine.update_weights(version, self.weights.fetch(version))
-            return
-        if self.weights_stage_dir is not None:
-            # One folder per worker slot ("w3" of "w3.1"): workers sharing a server and a stage
-            # dir never rewrite or delete a copy the server is reading for another worker.
-            slot_dir = Path(self.weights_stage_dir).resolve() / self.worker_id.rsplit(".", 1)[0]
-            staged = slot_dir / f"v{version:08d}"
-            if not staged.is_dir():  # copy, then rename: the server never sees a partial copy
-                partial = slot_dir / f".partial-v{version:08d}"
-                shutil.rmtree(partial, ignore_errors=True)
-                self.weights.fetch_to_dir(version, str(partial))
-                partial.rename(staged)
-            self.engine.update_weights(version, str(staged))
-            for old in slot_dir.glob("v*"):
-                if old.name < staged.name:  # v%08d sorts by version
-                    shutil.rmtree(old, ignore_errors=True)
-            return
-        try:
-            self.engine.update_weights(version, self.weights.location(version))
-        except EngineHTTPError:
-            if version not in self.weights.versions():
-                raise FileNotFoundError(self.weights.location(version)) from None
-            raise
 
     def _watch_weights(self) -> None:
         while not self._stop.wait(self.cfg.weight_poll_s):
@@ -230,19 +200,8 @@ class RolloutWorker:
             w = self._tasks[ref.task_id]
             w.request_id = req.request_id
             t0 = time.monotonic()
-            fut = self._submit(req)
+            fut = self.engine.submit(req)
             fut.add_done_callback(lambda f, w=w, task=task, t0=t0: self._generated(w, task, f, t0))
-
-    def _submit(self, req: GenerateRequest) -> Future:
-        submit = getattr(self.engine, "submit", None)
-        if submit is not None:  # the native engine: a future per request
-            return submit(req)
-        # Engines with only the blocking protocol (HTTP client): one thread per request.
-        if self._gen_pool is None:
-            self._gen_pool = ThreadPoolExecutor(
-                self.cfg.max_inflight_tasks, thread_name_prefix="gen"
-            )
-        return self._gen_pool.submit(self.engine.generate, [req])
 
     def _generated(self, w: _TaskWork, task: Any, fut: Future, t0: float) -> None:
         self.stats["generate_s"] += time.monotonic() - t0
@@ -305,11 +264,10 @@ class RolloutWorker:
     def run(self) -> int:
         """Work until the coordinator says stop or request_stop(); returns the exit code (0)."""
         self.sync_weights()
-        threads = [threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat")]
-        if self.weights is not None:
-            threads.append(
-                threading.Thread(target=self._watch_weights, daemon=True, name="weights")
-            )
+        threads = [
+            threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat"),
+            threading.Thread(target=self._watch_weights, daemon=True, name="weights"),
+        ]
         for t in threads:
             t.start()
         self._run_loop()

@@ -12,7 +12,6 @@ from slipstream.sandbox.base import (
     Backend,
     ExecResult,
     Sandbox,
-    SandboxRecord,
     SandboxTemplate,
     backend_class,
     make_backend,
@@ -23,6 +22,7 @@ from slipstream.sandbox.errors import (
     SandboxBroken,
     SandboxError,
 )
+from slipstream.sandbox.journal import SandboxRecord
 from slipstream.sandbox.pool import PoolOptions, PoolStats, SandboxPool
 
 __all__ = [

@@ -17,16 +17,16 @@ import importlib
 import inspect
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from slipstream.sandbox.agent_client import AgentConnection, AgentExit
 from slipstream.sandbox.errors import BackendUnavailable, SandboxBroken, SandboxError
+from slipstream.sandbox.journal import Journal, SandboxRecord
 
 if TYPE_CHECKING:
     from slipstream.config.sandbox import SandboxConfig
     from slipstream.sandbox.cgroups import Cgroup
-    from slipstream.sandbox.journal import Journal
 
 log = logging.getLogger(__name__)
 
@@ -107,20 +107,6 @@ class ExecResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-@dataclass
-class SandboxRecord:
-    """What the crash journal keeps about a live sandbox so that a later process can reap it."""
-
-    sandbox_id: str
-    backend: str
-    pid: int | None = None
-    pid_start_ticks: int | None = None
-    """/proc/PID/stat starttime: guards against killing a recycled pid."""
-    cgroup_paths: list[str] = field(default_factory=list)
-    dirs: list[str] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Sandbox(abc.ABC):

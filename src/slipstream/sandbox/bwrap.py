@@ -27,10 +27,10 @@ import tempfile
 from pathlib import Path
 
 from slipstream.sandbox.agent_client import agent_source_path
-from slipstream.sandbox.base import Backend, SandboxRecord, SandboxTemplate
+from slipstream.sandbox.base import Backend, SandboxTemplate
 from slipstream.sandbox.cgroups import CgroupLimits, CgroupManager
 from slipstream.sandbox.errors import BackendUnavailable
-from slipstream.sandbox.journal import Journal, default_state_dir
+from slipstream.sandbox.journal import Journal, SandboxRecord, default_state_dir
 from slipstream.sandbox.process import SubprocessSandbox, set_pdeathsig, start_agent_subprocess
 from slipstream.sandbox.seccomp import build_filter, filter_fd
 

@@ -35,11 +35,16 @@ import time
 from pathlib import Path
 
 from slipstream.sandbox.agent_client import AgentConnection
-from slipstream.sandbox.base import AgentSandbox, Backend, SandboxRecord, SandboxTemplate
+from slipstream.sandbox.base import AgentSandbox, Backend, SandboxTemplate
 from slipstream.sandbox.errors import BackendUnavailable, SandboxBroken
 from slipstream.sandbox.firecracker_api import FirecrackerAPI, FirecrackerAPIError
 from slipstream.sandbox.image import ImagePaths, build_image
-from slipstream.sandbox.journal import Journal, default_state_dir, process_start_ticks
+from slipstream.sandbox.journal import (
+    Journal,
+    SandboxRecord,
+    default_state_dir,
+    process_start_ticks,
+)
 
 log = logging.getLogger(__name__)
 

@@ -20,14 +20,27 @@ import os
 import shutil
 import signal
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slipstream.sandbox.base import SandboxRecord
 from slipstream.sandbox.cgroups import remove_cgroup_dirs
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class SandboxRecord:
+    """What the crash journal keeps about a live sandbox so that a later process can reap it."""
+
+    sandbox_id: str
+    backend: str
+    pid: int | None = None
+    pid_start_ticks: int | None = None
+    """/proc/PID/stat starttime: guards against killing a recycled pid."""
+    cgroup_paths: list[str] = field(default_factory=list)
+    dirs: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def process_start_ticks(pid: int) -> int | None:

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from slipstream.sandbox.image import ImagePaths, default_cache_dir
+from slipstream.sandbox.qemu_cmdline import qemu_argv
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,6 @@ def probe_kvm(
 def _test_boot(image: ImagePaths, qemu_binary: str, timeout_s: float) -> tuple[bool, str]:
     """Blocking on purpose (plain subprocess + socket): callers may sit in a thread of a running
     event loop, and a nested loop's child watcher would race the outer one for the exit status."""
-    from slipstream.sandbox.qemu import qemu_argv
 
     run_dir = Path(tempfile.mkdtemp(prefix="slipstream-kvm-probe-"))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

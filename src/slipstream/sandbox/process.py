@@ -31,10 +31,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from slipstream.sandbox.agent_client import AgentConnection, agent_source_path
-from slipstream.sandbox.base import AgentSandbox, Backend, SandboxRecord, SandboxTemplate
+from slipstream.sandbox.base import AgentSandbox, Backend, SandboxTemplate
 from slipstream.sandbox.cgroups import Cgroup
 from slipstream.sandbox.errors import SandboxBroken
-from slipstream.sandbox.journal import Journal, default_state_dir, process_start_ticks
+from slipstream.sandbox.journal import (
+    Journal,
+    SandboxRecord,
+    default_state_dir,
+    process_start_ticks,
+)
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1

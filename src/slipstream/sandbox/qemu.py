@@ -30,90 +30,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from slipstream.sandbox.agent_client import AgentConnection
-from slipstream.sandbox.base import AgentSandbox, Backend, SandboxRecord, SandboxTemplate
+from slipstream.sandbox.base import AgentSandbox, Backend, SandboxTemplate
 from slipstream.sandbox.errors import BackendUnavailable, SandboxBroken
 from slipstream.sandbox.image import ImagePaths, build_image
-from slipstream.sandbox.journal import Journal, process_start_ticks
+from slipstream.sandbox.journal import Journal, SandboxRecord, process_start_ticks
 from slipstream.sandbox.process import set_pdeathsig
+from slipstream.sandbox.qemu_cmdline import QEMU_BINARY, qemu_argv
 
 if TYPE_CHECKING:
     from slipstream.sandbox.cgroups import Cgroup
 
 log = logging.getLogger(__name__)
 
-QEMU_BINARY = "qemu-system-x86_64"
 RUN_DIR_PREFIX = "slipstream-qemu-"
-# QEMU's own memory next to guest RAM: binary, TCG translation cache (capped below), I/O buffers.
+# QEMU's own memory next to guest RAM: binary, TCG translation cache (qemu_cmdline.py caps it),
+# I/O buffers.
 QEMU_OVERHEAD_MIB = 192
-TCG_TB_CACHE_MIB = 64
 # QEMU threads (vCPUs, I/O, RCU, workers) count against pids.max of its cgroup.
 QEMU_PIDS_MAX = 128
-# Kernel command line. quiet: the serial console is slow under TCG. mitigations=off: the guest is
-# the isolation boundary's inner side; its own Spectre mitigations cost boot and exec time under
-# TCG. random.trust_cpu=on + RDRAND (`-cpu max` / `host`): no wait for the entropy pool.
-# cryptomgr.notests: the crypto self-tests cost ~0.3 CPU-s of a ~4 CPU-s TCG boot.
-KERNEL_CMDLINE = (
-    "console=ttyS0 quiet panic=-1 reboot=t mitigations=off tsc=reliable no_timer_check "
-    "random.trust_cpu=on cryptomgr.notests"
-)
-
-
-def qemu_argv(
-    image: ImagePaths,
-    run_dir: Path,
-    *,
-    memory_mib: int,
-    vcpus: int,
-    accel: str,
-    name: str,
-    qemu_binary: str = QEMU_BINARY,
-    pids_max: int = 256,
-    workdir_mib: int = 256,
-) -> list[str]:
-    """The QEMU command line for one microVM (accel: "kvm" or "tcg"). `pids_max` and `workdir_mib`
-    become the guest's RLIMIT_NPROC for the sandbox user and its tmpfs sizes (see image.py)."""
-    accel_args = ["-accel", "kvm", "-cpu", "host"]
-    cmdline = (f"{KERNEL_CMDLINE} slipstream.ctl=virtio slipstream.pids_max={pids_max} "
-               f"slipstream.workdir_mib={workdir_mib}")  # fmt: skip
-    if accel == "tcg":
-        accel_args = ["-accel", f"tcg,tb-size={TCG_TB_CACHE_MIB}", "-cpu", "max"]
-        # Under TCG the guest TSC runs at the host's rate; on a loaded host the kernel's PIT
-        # calibration fails and boot hangs after "Marking TSC unstable". Telling it the rate skips that.
-        khz = host_tsc_khz()
-        if khz:
-            cmdline += f" tsc_early_khz={khz}"
-    return [
-        qemu_binary,
-        "-name", name,
-        "-M", "microvm,x-option-roms=off,isa-serial=on,auto-kernel-cmdline=off",
-        *accel_args,
-        "-nodefaults", "-no-user-config", "-no-reboot", "-display", "none",
-        "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
-        "-m", str(memory_mib),
-        "-smp", str(vcpus),
-        "-kernel", str(image.kernel),
-        "-initrd", str(image.initramfs),
-        "-append", cmdline,
-        "-serial", f"file:{run_dir / 'console.log'}",
-        "-device", "virtio-serial-device,max_ports=2",
-        "-chardev", f"socket,id=ctl,path={run_dir / 'ctl.sock'}",
-        "-device", "virtserialport,chardev=ctl,name=org.slipstream.agent",
-    ]  # fmt: skip
-
-
-def host_tsc_khz() -> int | None:
-    """The host's TSC rate in kHz (sysfs where exposed, else /proc/cpuinfo's `cpu MHz`)."""
-    try:
-        return int(Path("/sys/devices/system/cpu/cpu0/tsc_freq_khz").read_text())
-    except (OSError, ValueError):
-        pass
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("cpu MHz"):
-                return int(float(line.split(":")[1]) * 1000)
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def _tail(path: Path, num_bytes: int = 2000) -> str:

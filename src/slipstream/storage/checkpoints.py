@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from slipstream.rl.weights import MANIFEST, BlobStore, read_manifested, write_manifested
+from slipstream.storage.blob import MANIFEST, BlobStore, read_manifested, write_manifested
 
 _STEP_RE = re.compile(r"step_(\d{8})$")
 

@@ -1,0 +1,114 @@
+"""The job driver of `slipstream run`: one RL job from start checkpoint to report.
+
+    result = run_job(cfg)
+
+    setup_start_checkpoint   model.init_from, else the SFT warm start (trained here if missing)
+    setup_trainer_ranks      trainer.num_processes > 1: the data-parallel follower ranks
+    setup_controller         trainer, stores, coordinator; resume from the last checkpoint
+    setup_launcher           the workers, placed by run.launcher (local processes or Ray actors)
+    run                      controller.run() under a live display; SIGTERM unwinds cleanly
+    teardown                 stop the workers (drain), then the trainer ranks
+    report                   <run.output_dir>/report.md + reward_curve.png
+
+It sits above the launchers (launch/base.py) and the controller (rl/controller.py) and knows
+neither's internals.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+from slipstream.config import SlipstreamConfig
+from slipstream.launch.base import Launcher, make_launcher
+
+
+def setup_start_checkpoint(cfg: SlipstreamConfig, console: Any = None) -> str:
+    """The policy the RL run starts from: model.init_from if set, else the SFT checkpoint under
+    <run.output_dir>/sft/checkpoint, running the SFT warm start first when it is missing."""
+    if cfg.model.init_from:
+        return cfg.model.init_from
+    from slipstream.sft import checkpoint_complete, run_sft, sft_dir
+
+    ckpt = sft_dir(cfg) / "checkpoint"
+    if not checkpoint_complete(ckpt):
+        run_sft(cfg, console)
+    return str(ckpt)
+
+
+def setup_trainer_ranks(cfg: SlipstreamConfig, init: str) -> Any:
+    """The data-parallel follower ranks (launch/dp.py) when trainer.num_processes > 1, else None."""
+    if cfg.trainer.num_processes == 1:
+        return None
+    from slipstream.launch.dp import DataParallel
+
+    return DataParallel.start(cfg, init, Path(cfg.run.output_dir) / "launch" / "logs")
+
+
+def run_job(cfg: SlipstreamConfig, console: Any = None, *, display: bool = True) -> Any:
+    """The whole job: warm start if needed, trainer here, workers placed by run.launcher, live
+    display, final report. Returns the controller's RunResult."""
+    from rich.console import Console
+
+    from slipstream.observe.progress import RLProgress
+    from slipstream.rl.controller import Controller
+    from slipstream.runtime import set_threads
+
+    console = console or Console()
+    set_threads(cfg.run)
+    init = setup_start_checkpoint(cfg, console)
+    progress = RLProgress(console, plain=None if display else True)
+    dp = setup_trainer_ranks(cfg, init)
+    try:
+        controller = Controller(cfg, init, on_record=progress.update, dp=dp)
+        launcher = make_launcher(cfg, controller.coord)
+    except BaseException:
+        if dp is not None:
+            dp.close(timeout_s=0)
+        raise
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        # Trainer pod terminated: unwind so `finally` drains and stops the workers. The run
+        # resumes from its last checkpoint when started again.
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        launcher.start()
+    except BaseException:  # e.g. the sandbox backend check: nothing ran, undo what did
+        signal.signal(signal.SIGTERM, previous)
+        if dp is not None:
+            dp.close(timeout_s=0)
+        raise
+    dp_codes = None
+    try:
+        with progress:
+            result = controller.run()
+    finally:
+        codes = launcher.stop()
+        signal.signal(signal.SIGTERM, previous)
+        if dp is not None:  # after a failure the ranks are blocked in a broadcast: kill them
+            dp_codes = dp.close(timeout_s=30 if controller.dp_done else 0)
+    report = write_job_report(cfg, result, controller, launcher, codes, dp_codes)
+    console.print(f"[bold]report[/] {report} (reward curve: {report.parent / 'reward_curve.png'})")
+    return result
+
+
+def write_job_report(cfg: SlipstreamConfig, result: Any, controller: Any, launcher: Launcher,
+                     codes: dict[int, int | None], dp_codes: list[int | None] | None) -> Path:  # fmt: skip
+    """report.md + reward_curve.png under run.output_dir; -> the report's path."""
+    from slipstream.observe.report import write_report
+
+    summary = {
+        "mode": cfg.trainer.mode, "steps": result.steps, "wall_s (RL loop)": result.wall_s,
+        "held-out pass@1 before": result.pass_at_1_before, "held-out pass@1 after": result.pass_at_1_after,
+        "samples/s": result.samples_per_s, "trainer idle fraction": result.trainer_idle_frac,
+        "final batch reward": result.final_reward, "resumed from step": result.resumed_from,
+        **launcher.summary(), "worker exit codes": codes,
+        "buffer": controller.coord.buffer.metrics(),
+    }  # fmt: skip
+    if dp_codes is not None:
+        summary["trainer processes (data parallel)"] = cfg.trainer.num_processes
+        summary["trainer rank exit codes"] = dp_codes
+    return write_report(cfg.run.output_dir, summary, result.records)
