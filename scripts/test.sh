@@ -4,6 +4,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/ruff check src tests || exit 1
+# The layering of src/ (pyproject.toml [tool.importlinter], docs/architecture.md).
+.venv/bin/lint-imports --no-logo --no-cache || exit 1
 .venv/bin/python -m pytest -m "not gpu" "$@"
 rc=$?
 if [[ $rc == 5 ]]; then echo "test: pytest collected no tests" >&2; exit 1; fi

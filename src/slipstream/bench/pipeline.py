@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from slipstream.cli import add_config_args
+from slipstream.config.args import add_config_args
 
 GOAL_RATIO = 1.5
 

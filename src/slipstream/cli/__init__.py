@@ -18,7 +18,10 @@ import sys
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from slipstream.config import ConfigError
+from slipstream.config.args import add_config_args
 from slipstream.rl.types import RolloutFailed
+
+__all__ = ["add_config_args", "build_parser", "main", "register_modules", "split_overrides"]
 
 # Subcommand modules, in the order `--help` lists them.
 SUBCOMMANDS = [
@@ -107,28 +110,6 @@ def main(argv: list[str] | None = None) -> int:
         # output piped into `head` & co.: stop quietly, and keep Python's exit-time flush quiet too
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-
-
-def add_config_args(parser: argparse.ArgumentParser, *, quickstart_default: bool = True) -> None:
-    """-c FILE for commands that take a job config; overrides are collected by main().
-    Without -c, job commands load the embedded quickstart (`slipstream.config.QUICKSTART`), so
-    `slipstream run` alone runs what `make run` runs; `quickstart_default=False` leaves the
-    default to the command (None: the config model's built-in defaults)."""
-    from slipstream.config import QUICKSTART
-
-    parser.add_argument(
-        "-c",
-        "--config",
-        metavar="FILE",
-        default=str(QUICKSTART) if quickstart_default else None,
-        help=(
-            "TOML config (default: the embedded quickstart, configs/quickstart.toml)"
-            if quickstart_default
-            else "TOML config (default: built-in defaults)"
-        )
-        + ". Any --section.key=value after it overrides a single key.",
-    )
-    parser.set_defaults(takes_config=True)
 
 
 if __name__ == "__main__":

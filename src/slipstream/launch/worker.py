@@ -92,7 +92,7 @@ def build_worker(spec: WorkerSpec, worker_id: str, coord: Any = None) -> Any:
     import torch
 
     from slipstream.rl.coordinator import connect
-    from slipstream.rl.verifier import LatencyInjector, close_verifier, make_verifier
+    from slipstream.rl.verifier import LatencyInjector, make_verifier
     from slipstream.rl.worker import RolloutWorker
     from slipstream.storage import open_stores
     from slipstream.tasks import get_taskset
@@ -122,7 +122,7 @@ def build_worker(spec: WorkerSpec, worker_id: str, coord: Any = None) -> Any:
         return RolloutWorker(worker_id, coord, engine, taskset, verifier, rc, weights,
                              max_new_tokens=cfg.engine.max_new_tokens, run_seed=cfg.run.seed)  # fmt: skip
     except BaseException:
-        close_verifier(verifier)
+        verifier.close()
         engine.close()
         raise
 
@@ -164,10 +164,8 @@ def _build_engine(cfg: SlipstreamConfig, weights: Any, version: int, tokenizer: 
 def close_worker(worker: Any) -> None:
     """Release what build_worker made: the verifier's sandbox pool (every sandbox, cgroup and
     journal entry) and the engine. Call after worker.run() returned (its verifications are done)."""
-    from slipstream.rl.verifier import close_verifier
-
     try:
-        close_verifier(worker.verifier)
+        worker.verifier.close()
     finally:
         worker.engine.close()
 

@@ -47,6 +47,11 @@ class Verifier(Protocol):
         """Reward in [0, 1] and a short reason. Must not raise on any completion text."""
         ...
 
+    def close(self) -> None:
+        """Release what the verifier holds (a sandbox pool: every sandbox, cgroup and journal
+        entry); call once, after the last verify returned."""
+        ...
+
 
 class InProcessVerifier:
     """Calls the task set's own verifier in this process (no isolation: the built-in arithmetic
@@ -324,16 +329,6 @@ def make_verifier(
     return verifier.start()
 
 
-def close_verifier(verifier: Any) -> None:
-    """Close a verifier and whatever it wraps (LatencyInjector.inner), if they hold resources."""
-    while verifier is not None:
-        close = getattr(verifier, "close", None)
-        if callable(close):
-            close()
-            return
-        verifier = getattr(verifier, "inner", None)
-
-
 def lognormal_sigma(p99_over_p50: float) -> float:
     """sigma of a lognormal whose p99/p50 is the given ratio."""
     if p99_over_p50 < 1:
@@ -363,4 +358,4 @@ class LatencyInjector:
         return self.inner.verify(task, completion)
 
     def close(self) -> None:
-        close_verifier(self.inner)
+        self.inner.close()
