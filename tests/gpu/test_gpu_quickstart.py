@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 RL_STEPS = 200
 MIN_GAIN = 0.05
-LIMIT_S = 240
+LIMIT_S = 225
 
 
 def _events(path: Path) -> list[dict]:
@@ -29,7 +29,7 @@ def _events(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-@pytest.mark.timeout(LIMIT_S + 30)
+@pytest.mark.timeout(LIMIT_S + 15)
 def test_quickstart_on_cuda_learns(gpu, record, tmp_path: Path) -> None:
     out = tmp_path / "run"
     cmd = [

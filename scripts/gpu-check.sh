@@ -1,0 +1,262 @@
+#!/usr/bin/env bash
+# One prepared check of slipstream's CUDA paths on a bare GPU machine (docs/gpu.md).
+#
+#   bash scripts/gpu-check.sh OUT_DIR             # on the CUDA machine: the check itself
+#   bash scripts/gpu-check.sh --dry-run [OUT_DIR] # anywhere, no GPU: is everything ready for it?
+#   bash scripts/gpu-check.sh --rehearse OUT_DIR  # no GPU: every phase on this CPU (the script's
+#                                                 # plumbing, not the GPU: tests skip, tiny bench)
+#
+# Full check, for a machine with CUDA, Python 3.12 + torch (CUDA build), transformers,
+# safetensors, fsspec, httpx, rich, pytest, but no pydantic / FastAPI / uvicorn and no network:
+#   1. install: the wheels of .wheelhouse/ (made by scripts/gpu-wheels.sh where PyPI is
+#      reachable, carried along) go to a --target directory; the project runs from src/ on
+#      PYTHONPATH (no build step, nothing of the machine's own Python is changed)
+#   2. gpu-tests:  pytest -m "gpu and not slow" tests/gpu   (engine, trainer, NCCL, bench smoke)
+#   3. bench:      slipstream bench engine --device cuda     (native vs HF generate vs raw decode)
+#   4. quickstart: pytest -m "gpu and slow" tests/gpu        (quickstart on CUDA learns)
+# Each phase has a time limit; together they stay under 8 minutes (PHASE_LIMITS below, checked by
+# --dry-run). A failing phase does not stop the later ones. OUT_DIR receives at most 8 files:
+# gpu-check.json (summary: phases, test counts, every test's recorded figures, provenance),
+# gpu-check.log (all output), gpu-tests.jsonl, junit-gpu.xml, junit-quickstart.xml,
+# engine_gpu.json. Exit 0 when every phase passed. Provenance: set SLIPSTREAM_GIT_COMMIT to
+# the commit you sent (the machine may get the tree without .git); a hash of the tree is
+# recorded either way.
+#
+# --dry-run (CI runs it: tests/unit/test_gpu_check.py): builds .wheelhouse/ (needs PyPI) and
+# verifies it for CPython 3.12 manylinux x86_64 within the size limit; with a CPython 3.12 on
+# this machine, installs it the device's way and imports pydantic/FastAPI/uvicorn and
+# slipstream.config with it; checks that the tree plus wheelhouse fit the 64 MiB the device
+# takes, that `pytest -m gpu --collect-only` selects the GPU tests (all in tests/gpu, the slow
+# one being the quickstart) and that without CUDA they all skip; checks the phase limits.
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+
+WHEELHOUSE=${SLIPSTREAM_WHEELHOUSE:-.wheelhouse}
+BUDGET_S=480              # the whole check, install included (the device lends 15 min a session)
+INSTALL_LIMIT_S=30
+declare -A PHASE_LIMITS=([gpu-tests]=100 [bench]=75 [quickstart]=250)
+KILL_AFTER_S=5
+EXPECTED_GPU_FILES="test_gpu_bench.py test_gpu_engine.py test_gpu_quickstart.py test_gpu_trainer.py"
+
+die() { echo "gpu-check: $*" >&2; exit 2; }
+log() { echo "gpu-check: $*"; }
+
+find_python312() {
+  local c
+  for c in python3.12 /root/.pyenv/versions/3.12*/bin/python3.12 /usr/local/bin/python3.12; do
+    if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' \
+        2>/dev/null; then
+      command -v "$c"; return 0
+    fi
+  done
+  return 1
+}
+
+# ---- dry run ------------------------------------------------------------------------------------
+
+dry_run() {
+  local out=${1:-} py=${PYTHON:-.venv/bin/python} failures=0 py312 site tree_b wh_b total
+  [[ -x $py ]] || py=python3
+  check() {  # check NAME COMMAND...: run, report, count failures
+    local name=$1; shift
+    if "$@"; then log "ok   $name"; else log "FAIL $name"; failures=$((failures + 1)); fi
+  }
+  check "wheelhouse built and verified (bash scripts/gpu-wheels.sh)" \
+    env PYTHON="$py" bash scripts/gpu-wheels.sh
+  if py312=$(find_python312); then
+    site=$(mktemp -d)
+    check "wheelhouse installs the device's way and imports on $("$py312" -V 2>&1)" \
+      bash -c '"$1" -m pip install -q --disable-pip-version-check --no-index --no-deps \
+          --no-compile --no-cache-dir --target "$2" "$3"/*.whl > "$2.log" 2>&1 \
+          || { cat "$2.log"; exit 1; }
+        PYTHONPATH="$2:src" "$1" -c "import pydantic, fastapi, uvicorn, starlette
+import slipstream.config as c; c.load_config(None, [])"' _ "$py312" "$site" "$WHEELHOUSE"
+    rm -f "$site.log"
+    rm -rf "$site"
+  else
+    log "skip install-and-import check: no CPython 3.12 on this machine (the device runs it)"
+  fi
+  tree_b=$(git ls-files -z -co --exclude-standard | xargs -0 stat -c %s 2>/dev/null \
+    | awk '{s+=$1} END {print s+0}')
+  wh_b=$(du -sb "$WHEELHOUSE" 2>/dev/null | cut -f1)
+  total=$((tree_b + ${wh_b:-0}))
+  log "working tree $((tree_b / 1048576)) MiB + wheelhouse $((${wh_b:-0} / 1048576)) MiB"
+  check "tree + wheelhouse within the device's 64 MiB" test "$total" -le $((64 * 1048576))
+  check "pytest -m gpu selects the GPU tests, all in tests/gpu" collect_check "$py"
+  if "$py" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    log "skip the no-CUDA skip check: this machine has CUDA"
+  else
+    check "without CUDA every gpu test skips cleanly" skip_check "$py"
+  fi
+  local sum=$((INSTALL_LIMIT_S + KILL_AFTER_S)) p
+  for p in "${!PHASE_LIMITS[@]}"; do sum=$((sum + PHASE_LIMITS[$p] + KILL_AFTER_S)); done
+  check "phase limits ($sum s with install and kill margins) within ${BUDGET_S} s" \
+    test "$sum" -le "$BUDGET_S"
+  if [[ -n $out ]]; then
+    mkdir -p "$out"
+    printf '{"mode": "dry-run", "failures": %d, "tree_bytes": %d, "wheelhouse_bytes": %d}\n' \
+      "$failures" "$tree_b" "${wh_b:-0}" > "$out/gpu-check-dry-run.json"
+  fi
+  if ((failures)); then log "dry run: $failures check(s) failed"; return 1; fi
+  log "dry run: ready (the full check needs a CUDA machine: bash scripts/gpu-check.sh OUT_DIR)"
+}
+
+collect_check() {
+  local py=$1 all slow
+  all=$("$py" -m pytest -q --collect-only -m gpu -p no:cacheprovider tests 2>&1 | grep '::') || true
+  slow=$("$py" -m pytest -q --collect-only -m "gpu and slow" -p no:cacheprovider tests/gpu 2>&1 \
+    | grep '::') || true
+  echo "$all" | sed 's/^/    /'
+  local n f
+  n=$(echo "$all" | grep -c '::')
+  ((n >= 8)) || { echo "    expected >= 8 gpu tests, got $n"; return 1; }
+  if echo "$all" | grep -v '^tests/gpu/' | grep -q '::'; then
+    echo "    gpu tests outside tests/gpu (the device run collects only tests/gpu)"; return 1
+  fi
+  for f in $EXPECTED_GPU_FILES; do
+    echo "$all" | grep -q "^tests/gpu/$f::" || { echo "    no gpu test in tests/gpu/$f"; return 1; }
+  done
+  [[ $(echo "$slow" | grep -c '::') == 1 && $slow == *test_gpu_quickstart.py::* ]] || {
+    echo "    'gpu and slow' must select the quickstart test alone: $slow"; return 1; }
+}
+
+skip_check() {
+  local py=$1 out
+  out=$(env -u SLIPSTREAM_GPU_TESTS_ON_CPU "$py" -m pytest -q -m gpu -p no:cacheprovider \
+    tests/gpu 2>&1)
+  local rc=$?
+  echo "$out" | tail -1 | sed 's/^/    /'
+  [[ $rc == 0 ]] && echo "$out" | tail -1 | grep -Eq '^[0-9]+ skipped' \
+    && ! echo "$out" | tail -1 | grep -Eq 'passed|failed|error'
+}
+
+# ---- full check (and its rehearsal on the CPU) --------------------------------------------------
+
+PHASES_JSON=()
+
+run_phase() {  # run_phase NAME LIMIT_S COMMAND...: time-limited, output to the log
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS rc
+  log "phase $name (limit $limit s): $*"
+  timeout --kill-after=$KILL_AFTER_S "$limit" "$@"
+  rc=$?
+  local wall=$((SECONDS - t0))
+  log "phase $name: exit $rc after $wall s$([[ $rc == 124 || $rc == 137 ]] && echo ' (time limit)')"
+  PHASES_JSON+=("{\"name\": \"$name\", \"rc\": $rc, \"wall_s\": $wall, \"limit_s\": $limit}")
+  return $rc
+}
+
+full_check() {
+  local out=$1 rehearse=$2 py device site failed=0
+  mkdir -p "$out" || die "cannot create $out"
+  out=$(cd "$out" && pwd)
+  rm -f "$out"/gpu-check.json "$out"/gpu-tests.jsonl "$out"/junit-*.xml "$out"/engine_gpu.json
+  exec > >(tee "$out/gpu-check.log") 2>&1
+  local t0=$SECONDS
+  if ((rehearse)); then
+    py=${PYTHON:-.venv/bin/python}; [[ -x $py ]] || py=python3
+    device=cpu
+    log "REHEARSAL on the CPU: checks this script's phases, says nothing about a GPU"
+  else
+    py=${PYTHON:-python3}
+    device=cuda
+    "$py" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' \
+      || die "$py's torch sees no CUDA device (for a run without a GPU: --dry-run or --rehearse)"
+  fi
+  log "python: $("$py" -V 2>&1) at $(command -v "$py")"
+
+  site=${TMPDIR:-/tmp}/slipstream-gpu-site
+  if [[ $("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])') != 3.12 ]]; then
+    log "install: skipped (the wheelhouse is for CPython 3.12; $py already has the deps?)"
+    site=""
+  elif compgen -G "$WHEELHOUSE/*.whl" >/dev/null; then
+    rm -rf "$site"
+    run_phase install "$INSTALL_LIMIT_S" "$py" -m pip install -q --disable-pip-version-check \
+      --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$WHEELHOUSE"/*.whl \
+      || failed=1
+  else
+    log "install: no $WHEELHOUSE/*.whl (make it with scripts/gpu-wheels.sh and carry it);" \
+      "trying the machine's own packages"
+    site=""
+  fi
+  export PYTHONPATH="$ROOT/src${site:+:$site}${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONUNBUFFERED=1 SLIPSTREAM_GPU_RESULTS="$out/gpu-tests.jsonl"
+  if ! "$py" -c 'import pydantic, fastapi, uvicorn
+import slipstream.config, slipstream.engine.server, slipstream.rl.trainer, slipstream.moe'; then
+    log "the project does not import with $py (see above): nothing else can run"
+    failed=1
+  else
+    local pt=("$py" -m pytest -p no:cacheprovider -o junit_family=xunit1 -rA tests/gpu)
+    run_phase gpu-tests "${PHASE_LIMITS[gpu-tests]}" "${pt[@]}" -m "gpu and not slow" \
+      --junitxml="$out/junit-gpu.xml" || failed=1
+    local bench=(--device "$device" --models quickstart,larger --workloads 32x8 --repeats 1)
+    ((rehearse)) && bench=(--device cpu --models quickstart --workloads 4x4 --max-new-tokens 16
+      --repeats 1)
+    run_phase bench "${PHASE_LIMITS[bench]}" "$py" -c \
+      'from slipstream.cli import main; raise SystemExit(main())' bench engine "${bench[@]}" \
+      --out "$out/engine_gpu.json" || failed=1
+    run_phase quickstart "${PHASE_LIMITS[quickstart]}" "${pt[@]}" -m "gpu and slow" \
+      --junitxml="$out/junit-quickstart.xml" || failed=1
+  fi
+  local phases
+  phases=$(IFS=,; echo "[${PHASES_JSON[*]}]")
+  SUMMARY_PHASES=$phases SUMMARY_FAILED=$failed SUMMARY_WALL=$((SECONDS - t0)) \
+    SUMMARY_MODE=$([[ $rehearse == 1 ]] && echo rehearsal || echo gpu) \
+    "$py" - "$out" <<'EOF' || failed=1
+import hashlib, json, os, subprocess, sys, xml.etree.ElementTree as ET
+from pathlib import Path
+
+out = Path(sys.argv[1])
+root = Path.cwd()
+def junit(name):
+    p = out / name
+    if not p.exists():
+        return None
+    s = ET.parse(p).getroot()
+    s = s if s.tag == "testsuite" else s.find("testsuite")
+    cases = [{"test": f"{c.get('classname')}::{c.get('name')}", "time_s": float(c.get("time", 0)),
+              "outcome": next((k.tag for k in c if k.tag in ("failure", "error", "skipped")), "passed")}
+             for c in s.iter("testcase")]
+    return {k: int(s.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")} | {"cases": cases}
+records = []
+rec = out / "gpu-tests.jsonl"
+if rec.exists():
+    records = [json.loads(l) for l in rec.read_text().splitlines() if l.strip()]
+h = hashlib.sha256()  # the code that ran, for a tree sent without .git
+files = [root / "pyproject.toml"]
+for base in ("src", "tests", "scripts", "configs"):
+    files += sorted(p for p in (root / base).rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+for f in files:
+    h.update(str(f.relative_to(root)).encode())
+    h.update(f.read_bytes())
+try:
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                          "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.strip()
+except (OSError, subprocess.TimeoutExpired):
+    smi = None
+from slipstream.observe.provenance import collect_provenance
+summary = {
+    "check": "scripts/gpu-check.sh", "mode": os.environ["SUMMARY_MODE"],
+    "ok": os.environ["SUMMARY_FAILED"] == "0", "wall_s": int(os.environ["SUMMARY_WALL"]),
+    "phases": json.loads(os.environ["SUMMARY_PHASES"]),
+    "pytest": {"gpu-tests": junit("junit-gpu.xml"), "quickstart": junit("junit-quickstart.xml")},
+    "records": records,
+    "engine_bench": "engine_gpu.json" if (out / "engine_gpu.json").exists() else None,
+    "provenance": collect_provenance({"git_commit_sent": os.environ.get("SLIPSTREAM_GIT_COMMIT"),
+                                      "tree_sha256": h.hexdigest(), "nvidia_smi": smi}),
+}
+(out / "gpu-check.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+print(f"gpu-check: wrote {out / 'gpu-check.json'}: ok={summary['ok']}, {summary['wall_s']} s")
+EOF
+  ((failed)) && { log "FAILED (see $out/gpu-check.log)"; return 1; }
+  log "all phases passed in $((SECONDS - t0)) s"
+}
+
+case "${1:-}" in
+  --dry-run) dry_run "${2:-}" ;;
+  --rehearse) [[ -n ${2:-} ]] || die "usage: $0 --rehearse OUT_DIR"; full_check "$2" 1 ;;
+  -h|--help|"") sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; [[ -n ${1:-} ]] ;;
+  -*) die "unknown option $1 (see --help)" ;;
+  *) full_check "$1" 0 ;;
+esac
