@@ -298,11 +298,12 @@ def deepep_checks(group: Any, N: int = 24, D: int = 16, W: int = 8, K: int = 2) 
     res: dict[str, Any] = {"tokens": Ns[r], "out_scale": float(out_all.detach().abs().max())}
 
     FakeBuffer.instances.clear()
-    moe = _moe(group, _block(D, E, K, W, 0).bfloat16())
+    block = _block(D, E, K, W, 0).bfloat16()
+    moe = _moe(group, block)  # shares block's router
     x = xs[r].clone().requires_grad_(True)
     out, _ = moe(x[None])
     (out[0].float() * gs[r].float()).sum().backward()
-    gate_grad = moe.gate.weight.grad.float().clone()
+    gate_grad = block.gate.weight.grad.float().clone()
     dist.all_reduce(gate_grad)
     le = moe.local_experts
     res["normal"] = {
@@ -321,6 +322,15 @@ def deepep_checks(group: Any, N: int = 24, D: int = 16, W: int = 8, K: int = 2) 
         ],  # fmt: skip
         "calls": [c for b in FakeBuffer.instances for c in b.calls],
     }
+
+    # float32 activations: bf16 on the wire, float32 back (forward against the fp32 reference)
+    ref32 = _block(D, E, K, W, 0)
+    x32 = _inputs(Ns, D, 0)[0]
+    with torch.no_grad():
+        want32 = ref32(torch.cat(x32)[None])[0][0, mine]
+        got32 = _moe(group, _block(D, E, K, W, 0))(x32[r][None])[0][0]
+    res["fp32"] = {"out": _maxdiff(got32, want32), "dtype": got32.dtype,
+                   "out_scale": float(want32.abs().max()) if want32.numel() else 0.0}  # fmt: skip
 
     FakeBuffer.instances.clear()
     moe = _moe(group, _block(D, E, K, W, 0).bfloat16(), mode="low_latency",

@@ -41,6 +41,15 @@ def test_low_latency_mode_matches_reference_forward(ranks: list[dict[str, Any]])
         assert r["low_latency"]["out"] <= REL_TOL * r["out_scale"], f"rank {rank}"
 
 
+def test_float32_activations_travel_as_bf16_and_come_back_float32(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for rank, r in enumerate(ranks):
+        c = r["fp32"]
+        assert c["dtype"] == torch.float32
+        assert c["out"] <= REL_TOL * max(r["out_scale"], c["out_scale"]), f"rank {rank}: {c}"
+
+
 def test_calls_follow_deepeps_api(ranks: list[dict[str, Any]]) -> None:
     for r in ranks:
         n = r["normal"]

@@ -1,5 +1,5 @@
 """The `deepep` dispatcher without DeepEP: it is registered, refuses clearly where it cannot run
-(no `deep_ep`, CPU or non-bf16 tensors, layouts DeepEP's kernels do not support, low-latency
+(no `deep_ep`, CPU or non-floating tensors, layouts DeepEP's kernels do not support, low-latency
 calls with gradients or too many tokens), and sizes its DeepEP Buffer from DeepEP's hints. The
 mapping itself runs in tests/integration/test_moe_ep_deepep.py against a fake Buffer; the real
 kernels were never run here."""
@@ -98,13 +98,12 @@ def _inputs(n: int = 3, dtype: torch.dtype = torch.bfloat16, grad: bool = False)
     return x, torch.tensor([[0, 5]] * n), torch.full((n, 2), 0.5)
 
 
-def test_refuses_cpu_and_non_bf16_tensors() -> None:
+def test_refuses_cpu_and_non_floating_tensors() -> None:
     x, idx, w = _inputs()
     with pytest.raises(ValueError, match="need CUDA tensors; got x on cpu, topk_idx on cpu"):
         fake().dispatch(x, idx, w)
-    x32, idx, w = _inputs(dtype=torch.float32)
-    with pytest.raises(ValueError, match="x is torch.float32; DeepEP's kernels take bfloat16"):
-        fake(require_cuda=False).dispatch(x32, idx, w)
+    with pytest.raises(ValueError, match="x is torch.int64; expected floating activations"):
+        fake(require_cuda=False).dispatch(x.long(), idx, w)
     with pytest.raises(ValueError, match="outside"):  # the shared input checks still apply
         fake(require_cuda=False).dispatch(x, torch.tensor([[0, 8]] * 3), w)
 

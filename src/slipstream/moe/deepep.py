@@ -28,9 +28,13 @@ Modes (constructor `mode`):
   source. Inference only: DeepEP has no backward for it, so a dispatch that needs gradients is
   refused. At most `num_max_dispatch_tokens_per_rank` tokens per call.
 
+Activations travel as bf16 (DeepEP's kernels move bf16 rows): float32/float16 inputs are cast
+for the wire (one logged warning) and the received rows and the combined output come back in
+the caller's dtype, so the layer works under bf16 autocast with a float32 residual stream.
+
 Refusals (clear errors instead of kernel asserts): `deep_ep` not importable
-(`DeepEPUnavailable`, a ValueError like an unknown dispatcher type); tensors not on CUDA or not
-bf16; an EP layout DeepEP's kernels do not support (R < 2; normal mode: R in the kernels' tuned
+(`DeepEPUnavailable`, a ValueError like an unknown dispatcher type); tensors not on CUDA;
+non-floating activations; an EP layout DeepEP's kernels do not support (R < 2; normal mode: R in the kernels' tuned
 set and ranks_per_node = min(R, 8), since DeepEP treats 8 consecutive ranks as one NVLink node);
 low-latency calls with too many tokens or with gradients.
 
@@ -49,6 +53,7 @@ Not covered: FP8 dispatch, async/overlapped kernels and receive hooks, CUDA grap
 from __future__ import annotations
 
 import importlib
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +70,8 @@ NORMAL_WORLD_SIZES = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160)
 """EP sizes with a tuned dispatch/combine Config in `Buffer.get_dispatch_config` (pinned commit)."""
 PINNED_COMMIT = "b306af06afd412c88e51e71802951606e40b7358"
 PAYLOAD_DTYPE = torch.bfloat16
+log = logging.getLogger(__name__)
+_warned: set[torch.dtype] = set()
 
 
 class DeepEPUnavailable(ValueError):
@@ -224,11 +231,11 @@ class DeepEPDispatcher(BaseDispatcher):
                     "deepep dispatch: DeepEP's kernels need CUDA tensors; got "
                     + ", ".join(f"{n} on {d}" for n, d in bad)
                 )
-        if x_ND.dtype != PAYLOAD_DTYPE:
-            raise ValueError(
-                f"deepep dispatch: x is {x_ND.dtype}; DeepEP's kernels take bfloat16 activations "
-                "(run the MoE layer in bf16, e.g. under torch.autocast)"
-            )
+        if not x_ND.is_floating_point():
+            raise ValueError(f"deepep dispatch: x is {x_ND.dtype}; expected floating activations")
+        if x_ND.dtype != PAYLOAD_DTYPE and x_ND.dtype not in _warned:
+            _warned.add(x_ND.dtype)
+            log.warning("deepep: %s activations travel as bfloat16 (DeepEP's kernels)", x_ND.dtype)
 
     # ---- protocol ------------------------------------------------------------------------------
 
@@ -266,7 +273,7 @@ class DeepEPDispatcher(BaseDispatcher):
         out: dict[str, Any] = {}
         layout = (per_rank, per_rdma_rank, per_expert, in_rank)
         recv_x_TD, recv_idx_TK, recv_w_TK = _NormalDispatch.apply(
-            x_ND.contiguous(), w_NK, buffer, layout, idx_NK, out
+            x_ND.to(PAYLOAD_DTYPE).contiguous(), w_NK, buffer, layout, idx_NK, out
         )
         if recv_x_TD.shape[0] != sum(recv):
             raise RuntimeError(
@@ -283,7 +290,7 @@ class DeepEPDispatcher(BaseDispatcher):
                 f"deepep dispatch: DeepEP counts {sum(out['per_expert'])} rows for the local "
                 f"experts but its recv_topk_idx holds {tok_M.numel()}"
             )
-        recv_x_MD = recv_x_TD.index_select(0, tok_M)
+        recv_x_MD = recv_x_TD.index_select(0, tok_M).to(x_ND.dtype)
         local_M = recv_idx_TK[tok_M, col_M].long()
         handle = DeepEPHandle(
             N, self._needs_grad(x_ND, topk_w_NK), "normal", out["ep_handle"], buffer, tok_M,
@@ -306,7 +313,7 @@ class DeepEPDispatcher(BaseDispatcher):
         self.meter.add(
             "combine", "payload", self.topo, self.group.rank, peers, handle.recv_counts, D * 2
         )
-        return out_ND
+        return out_ND.to(y_MD.dtype)
 
     # ---- low-latency mode ----------------------------------------------------------------------
 
@@ -328,7 +335,7 @@ class DeepEPDispatcher(BaseDispatcher):
         idx_NK = topk_idx_NK.to(self.ep.topk_idx_t)
         self.meter.start_call("dispatch")
         packed_x, count_E, ep_handle, _event, _hook = buffer.low_latency_dispatch(
-            x_ND.contiguous(), idx_NK, self.max_tokens, self.topo.num_experts,
+            x_ND.to(PAYLOAD_DTYPE).contiguous(), idx_NK, self.max_tokens, self.topo.num_experts,
             use_fp8=False, async_finish=False, return_recv_hook=False,
         )  # fmt: skip
         E_r, C = packed_x.shape[0], packed_x.shape[1]
@@ -339,7 +346,7 @@ class DeepEPDispatcher(BaseDispatcher):
         local_M = torch.repeat_interleave(
             torch.arange(E_r, device=dev), torch.tensor(counts, device=dev)
         )
-        recv_x_MD = packed_x.reshape(E_r * C, D).index_select(0, flat_M)
+        recv_x_MD = packed_x.reshape(E_r * C, D).index_select(0, flat_M).to(x_ND.dtype)
         # one copy per (token, expert) to the expert's owner
         send = torch.bincount(
             self.topo.owner_rank(topk_idx_NK.reshape(-1)), minlength=self.topo.world_size
@@ -367,7 +374,7 @@ class DeepEPDispatcher(BaseDispatcher):
         self.meter.add(
             "combine", "payload", self.topo, self.group.rank, peers, handle.recv_counts, D * 2
         )
-        return out_ND
+        return out_ND.to(y_MD.dtype)
 
 
 def _ll_recv_counts(ep_handle: Any, counts_E: list[int], world_size: int) -> list[int]:
