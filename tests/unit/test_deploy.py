@@ -156,3 +156,81 @@ def test_image_pins_agree_with_the_repo() -> None:
     (rollout,) = spec["workerGroupSpecs"]
     head_image = container(spec["headGroupSpec"]["template"], "ray-head")["image"]
     assert container(rollout["template"], "ray-worker")["image"] == head_image
+
+
+# ---- the GPU image (deploy/Dockerfile.gpu): the seed's pins, agreed across files -------------
+
+GPU_PINS = ("SGLANG_DLC_TAG", "SGLANG_VERSION", "PYTORCH_VERSION", "PYTORCH_INDEX",
+            "EFA_INSTALLER_VERSION", "NCCL_VERSION", "NVSHMEM_VERSION", "DEEPEP_VERSION",
+            "DEEPEP_COMMIT", "DEEPGEMM_COMMIT", "RAY_VERSION")  # fmt: skip
+
+
+def gpu_dockerfile() -> tuple[str, dict[str, str]]:
+    text = (DEPLOY / "Dockerfile.gpu").read_text()
+    return text, dict(re.findall(r"^ARG (\w+)=\"?([^\"\n]*)\"?$", text, re.M))
+
+
+def test_gpu_image_pins_agree_with_docs_rayjob_and_code() -> None:
+    from slipstream.moe.deepep import PINNED_COMMIT
+
+    text, args = gpu_dockerfile()
+    assert set(GPU_PINS) <= set(args), sorted(set(GPU_PINS) - set(args))
+    # the seed's matrix: CUDA 13.0 everywhere, SGLang's version is its DLC's
+    assert args["SGLANG_DLC_TAG"].startswith(args["SGLANG_VERSION"] + "-gpu-py312-cu130")
+    assert args["PYTORCH_INDEX"].endswith("/cu130")
+    assert args["DEEPEP_COMMIT"] == PINNED_COMMIT  # what moe/deepep.py was written against
+    # docs/gpu.md's pin table
+    docs = (DEPLOY.parent / "docs" / "gpu.md").read_text()
+    table = dict(re.findall(r"^\| `(\w+)` \| `([^`]+)` \|$", docs, re.M))
+    assert {k: table.get(k) for k in GPU_PINS} == {k: args[k] for k in GPU_PINS}
+    assert "docker build -f deploy/Dockerfile.gpu -t $REGISTRY/slipstream:0.1.0-gpu ." in docs
+    # the RayJob: its pin annotation, its images, its Ray version
+    job = rayjob()
+    pins = dict(p.split("=", 1) for p in
+                job["metadata"]["annotations"]["slipstream.io/gpu-image-pins"].split())  # fmt: skip
+    assert pins == {
+        "pytorch": args["PYTORCH_VERSION"], "cuda": args["PYTORCH_INDEX"].rsplit("/", 1)[1],
+        "efa-installer": args["EFA_INSTALLER_VERSION"], "nccl": args["NCCL_VERSION"],
+        "nvshmem": args["NVSHMEM_VERSION"],
+        "deepep": f"{args['DEEPEP_VERSION']}@{args['DEEPEP_COMMIT']}",
+        "deepgemm": args["DEEPGEMM_COMMIT"], "sglang-dlc": args["SGLANG_DLC_TAG"],
+    }  # fmt: skip
+    spec = job["spec"]["rayClusterSpec"]
+    (rollout,) = spec["workerGroupSpecs"]
+    assert container(spec["headGroupSpec"]["template"], "ray-head")["image"].endswith(
+        "/slipstream:0.1.0-gpu"
+    )
+    dlc = f"763104351884.dkr.ecr.{args['AWS_REGION']}.amazonaws.com/sglang:{args['SGLANG_DLC_TAG']}"
+    assert container(rollout["template"], "sglang")["image"] == dlc
+    assert args["RAY_VERSION"] == spec["rayVersion"]
+    # every SGLang DLC reference under deploy/ and in docs/gpu.md is the pinned tag
+    for path in [*DEPLOY.rglob("*"), DEPLOY.parent / "docs" / "gpu.md"]:
+        if path.is_file():
+            for tag in re.findall(r"amazonaws\.com/sglang:([\w.${}-]+)", path.read_text()):
+                assert tag in (args["SGLANG_DLC_TAG"], "${SGLANG_DLC_TAG}"), (path, tag)
+
+
+def test_gpu_image_installs_in_the_seeds_order_and_asserts_the_result() -> None:
+    text, _ = gpu_dockerfile()
+    runs = [r for r in re.split(r"^(?=RUN |COPY |ENV |WORKDIR )", text, flags=re.M)]
+    pip_runs = [i for i, r in enumerate(runs) if "pip install" in r]
+    nccl = [i for i, r in enumerate(runs) if "nvidia-nccl-cu13==${NCCL_VERSION}" in r]
+    deepep = next(i for i, r in enumerate(runs) if "DeepEP.git" in r)
+    # NCCL pinned before DeepEP compiles against it, and re-asserted after every other install
+    assert nccl[0] < deepep and nccl[-1] == pip_runs[-1] and len(nccl) == 2
+    assert "--force-reinstall --no-deps" in runs[nccl[-1]]
+    # the seed's post-install assertions, after the last install
+    checks = runs[pip_runs[-1] + 1]
+    for line in ('grep -Fx "# EFA installer version: ${EFA_INSTALLER_VERSION}" '
+                 "/opt/amazon/efa_installed_packages",
+                 "test -f /opt/amazon/efa/lib/libfabric.so.1",
+                 "test -f /opt/amazon/ofi-nccl/lib/libnccl-net-ofi.so"):  # fmt: skip
+        assert line in checks, line
+    for pin in ("${NCCL_VERSION}", "${NVSHMEM_VERSION}", "${SGLANG_VERSION}", "${PYTORCH_VERSION}",
+                "${DEEPEP_VERSION}", "${DEEPEP_COMMIT}"):  # fmt: skip
+        assert pin in checks, f"{pin} not asserted after the install"
+    assert "--skip-kmod --no-verify --build-ngc --skip-mpi" in text
+    assert '-c /tmp/torch-pin.txt ".[serve,s3]"' in text  # the extras keep the torch build
+    assert "Never built".lower() in text.lower()
+    ignore = (DEPLOY / "Dockerfile.gpu.dockerignore").read_text().split()
+    assert {".git", ".venv", ".wheelhouse"} <= set(ignore)
