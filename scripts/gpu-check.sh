@@ -45,8 +45,8 @@ log() { echo "gpu-check: $*"; }
 find_python312() {
   local c
   for c in python3.12 /root/.pyenv/versions/3.12*/bin/python3.12 /usr/local/bin/python3.12; do
-    if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' \
-        2>/dev/null; then
+    if command -v "$c" >/dev/null 2>&1 \
+        && "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
       command -v "$c"; return 0
     fi
   done
@@ -215,10 +215,13 @@ def junit(name):
         return None
     s = ET.parse(p).getroot()
     s = s if s.tag == "testsuite" else s.find("testsuite")
-    cases = [{"test": f"{c.get('classname')}::{c.get('name')}", "time_s": float(c.get("time", 0)),
-              "outcome": next((k.tag for k in c if k.tag in ("failure", "error", "skipped")), "passed")}
-             for c in s.iter("testcase")]
-    return {k: int(s.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")} | {"cases": cases}
+    cases = []
+    for c in s.iter("testcase"):
+        bad = [k.tag for k in c if k.tag in ("failure", "error", "skipped")]
+        cases.append({"test": f"{c.get('classname')}::{c.get('name')}",
+                      "time_s": float(c.get("time", 0)), "outcome": bad[0] if bad else "passed"})
+    counts = {k: int(s.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    return counts | {"cases": cases}
 records = []
 rec = out / "gpu-tests.jsonl"
 if rec.exists():
@@ -226,13 +229,14 @@ if rec.exists():
 h = hashlib.sha256()  # the code that ran, for a tree sent without .git
 files = [root / "pyproject.toml"]
 for base in ("src", "tests", "scripts", "configs"):
-    files += sorted(p for p in (root / base).rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    files += sorted(p for p in (root / base).rglob("*")
+                    if p.is_file() and "__pycache__" not in p.parts)
 for f in files:
     h.update(str(f.relative_to(root)).encode())
     h.update(f.read_bytes())
 try:
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
-                          "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.strip()
+    query = ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"]
+    smi = subprocess.run(query, capture_output=True, text=True, timeout=20).stdout.strip()
 except (OSError, subprocess.TimeoutExpired):
     smi = None
 from slipstream.observe.provenance import collect_provenance

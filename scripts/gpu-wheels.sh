@@ -52,7 +52,8 @@ EOF
 }
 
 verify() {
-  [[ -d $WHEELHOUSE ]] || die "no $WHEELHOUSE/: run bash scripts/gpu-wheels.sh where PyPI is reachable"
+  [[ -d $WHEELHOUSE ]] \
+    || die "no $WHEELHOUSE/: run bash scripts/gpu-wheels.sh where PyPI is reachable"
   local reqs
   reqs=$(requirements)
   REQS=$reqs MAX_MIB=$MAX_MIB "$PY" - "$WHEELHOUSE" <<'EOF'
@@ -91,7 +92,8 @@ if total > limit:
     errors.append(f"{total / 2**20:.1f} MiB > limit {limit / 2**20:.0f} MiB")
 for w in wheels:
     print(f"  {w.stat().st_size / 2**20:7.2f} MiB  {w.name}")
-print(f"  {total / 2**20:7.2f} MiB  total in {len(wheels)} wheels ({house}, limit {limit / 2**20:.0f} MiB)")
+print(f"  {total / 2**20:7.2f} MiB  total in {len(wheels)} wheels ({house}, "
+      f"limit {limit / 2**20:.0f} MiB)")
 if errors:
     sys.exit("gpu-wheels: wheelhouse check failed:\n  " + "\n  ".join(errors))
 print("gpu-wheels: wheelhouse ok for CPython 3.12 manylinux x86_64")

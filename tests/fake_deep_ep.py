@@ -169,7 +169,8 @@ class FakeBuffer:
 
     def combine(self, x: torch.Tensor, handle: FakeNormalHandle, topk_weights: Any = None,
                 bias: Any = None, config: Any = None, previous_event: Any = None,
-                async_finish: bool = False, allocate_on_comm_stream: bool = False) -> tuple:  # fmt: skip
+                async_finish: bool = False,
+                allocate_on_comm_stream: bool = False) -> tuple:  # fmt: skip
         assert x.dtype == torch.bfloat16, f"x must be bfloat16, got {x.dtype}"
         self._record("combine", x_dtype=x.dtype, with_weights=topk_weights is not None)
         back = self._a2a(x, handle.recv_counts, handle.send_counts)
@@ -189,7 +190,8 @@ class FakeBuffer:
                              cumulative_local_expert_recv_stats: Any = None,
                              dispatch_wait_recv_cost_stats: Any = None, use_fp8: bool = True,
                              round_scale: bool = False, use_ue8m0: bool = False,
-                             async_finish: bool = False, return_recv_hook: bool = False) -> tuple:  # fmt: skip
+                             async_finish: bool = False,
+                             return_recv_hook: bool = False) -> tuple:  # fmt: skip
         assert self.low_latency_mode, "low-latency dispatch on a normal buffer"
         if use_fp8:
             raise NotImplementedError("FakeBuffer: FP8 low-latency dispatch is not faked")

@@ -5,8 +5,9 @@ deploy/Dockerfile.gpu pins (b306af06afd412c88e51e71802951606e40b7358, "EPv2"; `d
 there is the V1 "legacy" buffer: deep_ep/buffers/legacy.py). The development machines have no
 GPU, no NVLink, no RDMA and no DeepEP build, and DeepEP needs at least 2 GPUs, so the kernels
 were never called from here. What is tested (tests/unit/test_moe_deepep.py,
-tests/integration/test_moe_ep_deepep.py) is the mapping onto that API, against a FAKE Buffer that
-reimplements DeepEP's documented semantics with torch.distributed (gloo), and the refusal paths.
+tests/integration/test_moe_ep_deepep.py) is the mapping onto that API, against a FAKE Buffer
+that reimplements DeepEP's documented semantics with torch.distributed (gloo), and the refusal
+paths.
 
 Shape legend: N tokens on this rank, D hidden, K top-k, E experts, R ranks, E_r = E / R local
 experts, T tokens received by this rank (normal mode: one copy per (token, destination rank)),
@@ -34,9 +35,9 @@ the caller's dtype, so the layer works under bf16 autocast with a float32 residu
 
 Refusals (clear errors instead of kernel asserts): `deep_ep` not importable
 (`DeepEPUnavailable`, a ValueError like an unknown dispatcher type); tensors not on CUDA;
-non-floating activations; an EP layout DeepEP's kernels do not support (R < 2; normal mode: R in the kernels' tuned
-set and ranks_per_node = min(R, 8), since DeepEP treats 8 consecutive ranks as one NVLink node);
-low-latency calls with too many tokens or with gradients.
+non-floating activations; an EP layout DeepEP's kernels do not support (R < 2; normal mode: R
+in the kernels' tuned set and ranks_per_node = min(R, 8), since DeepEP treats 8 consecutive
+ranks as one NVLink node); low-latency calls with too many tokens or with gradients.
 
 Byte meter: payload = one bf16 row per logical copy (normal: per (token, destination rank);
 low-latency: per (token, expert)), meta = the top-k ids (int64) and weights (fp32) that normal
