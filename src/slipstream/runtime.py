@@ -3,6 +3,7 @@ torch.distributed process leaves.
 
     device, dtype = setup_torch(cfg.run)     # threads, seeds (torch, python), device, dtype
     device = resolve_device(cfg.run)         # "auto" -> CUDA when torch sees one
+    results = spawn_ranks("pkg.mod:fn", world, kwargs)   # fn(**kwargs) on `world` gloo ranks
 
 Used by the SFT job, evaluation, the RL controller, trainer ranks and rollout workers alike, so
 none of them borrows it from another job's module.
@@ -28,11 +29,16 @@ prints; a process that still has unsaved state must not call this; atexit handle
 
 from __future__ import annotations
 
+import datetime
+import importlib
 import logging
 import os
 import random
 import sys
-from typing import NoReturn
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -72,3 +78,46 @@ def exit_distributed_process(code: int = 0) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def resolve_target(target: str) -> Callable[..., Any]:
+    """The function a "module:function" string names."""
+    mod, _, fn = target.partition(":")
+    if not fn:
+        raise ValueError(f"target={target!r}: expected 'module:function'")
+    return getattr(importlib.import_module(mod), fn)
+
+
+def _rank_entry(rank: int, world: int, tmp: str, target: str, kwargs: dict[str, Any],
+                threads: int, timeout_s: float) -> None:  # fmt: skip
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )  # fmt: skip
+    try:
+        result = resolve_target(target)(**kwargs)
+        torch.save(result, f"{tmp}/result_{rank}.pt")
+        dist.barrier()
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    exit_distributed_process(0)  # a normal exit can abort in gloo (see the module docstring)
+
+
+def spawn_ranks(target: str, world: int, kwargs: dict[str, Any] | None = None, *,
+                threads: int = 1, timeout_s: float = 120.0) -> list[Any]:  # fmt: skip
+    """Run `target(**kwargs)` ("module:function") on `world` local processes joined by a fresh
+    gloo process group (rendezvous through a file in a temporary directory: no ports to race
+    for); -> its (picklable) return values in rank order. `timeout_s` bounds each collective, so
+    a hang fails instead of blocking forever. A failing rank makes the others stop and this raise.
+    Used by tests and benchmarks to run distributed code for real on one machine."""
+    import torch.multiprocessing as mp
+
+    resolve_target(target)  # fail here, not in every child
+    # gloo resolves the hostname to pick an interface; loopback always works on one machine
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    with tempfile.TemporaryDirectory(prefix="slipstream-ranks-") as tmp:
+        mp.spawn(_rank_entry, args=(world, tmp, target, kwargs or {}, threads, timeout_s),
+                 nprocs=world, join=True)  # fmt: skip
+        return [torch.load(Path(tmp) / f"result_{r}.pt", weights_only=False) for r in range(world)]

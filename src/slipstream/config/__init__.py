@@ -51,6 +51,8 @@ class SlipstreamConfig(Section):
         - `trainer.deterministic` needs `trainer.mode = "sync"` and turns on `rollout.seeded`.
         - `store.url` empty -> `<run.output_dir>/store` as an absolute path, so every process of
           the job (rollout workers, trainer ranks) opens the same store whatever its directory.
+        - `trainer.parallel.dp_replicate` 0 -> num_processes / (dp_shard x ep); the layout is
+          checked against trainer.num_processes and model.num_experts.
         """
         implied = {"sync": 0, "one_step_off": 1}.get(self.trainer.mode)
         if implied is not None and self.buffer.max_staleness != implied:
@@ -66,6 +68,9 @@ class SlipstreamConfig(Section):
                 self.rollout.seeded = True
         if not self.store.url:
             self.store.url = str(Path(self.run.output_dir).resolve() / "store")
+        # The layout against the model it splits (a start checkpoint's own architecture is
+        # checked again when it loads, launch/dp.py).
+        self.trainer.parallel.check(self.trainer.num_processes, self.model.num_experts)
         return self
 
 

@@ -78,6 +78,8 @@ def format_validation_error(err: ValidationError, data: dict[str, Any], origin: 
         value = e.get("input", _lookup(data, e["loc"]))
         if e["type"] == "extra_forbidden":
             lines.append(f"  {key} = {value!r}: unknown key")
+        elif isinstance(value, dict):  # a section's own check: its message names the keys
+            lines.append(f"  {key or 'config'}: {e['msg'].removeprefix('Value error, ')}")
         else:
             lines.append(f"  {key} = {value!r}: {e['msg']}")
     return "\n".join(lines)

@@ -5,6 +5,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from slipstream.config.base import Section
+from slipstream.config.parallel import ParallelConfig
 
 
 class RolloutConfig(Section):
@@ -86,9 +87,17 @@ class TrainerConfig(Section):
     groups_per_step: int = Field(default=8, ge=1)
     """Groups (tasks) per training batch."""
     num_processes: int = Field(default=1, ge=1)
-    """Data-parallel trainer processes on this machine (torch.distributed: gloo on CPU, nccl with
-    one GPU per rank on CUDA). Rank 0 runs the loop (queue, buffer, weights, checkpoints, eval);
-    the others get each batch from it and train their share. groups_per_step must divide evenly."""
+    """Trainer processes (ranks) on this machine (torch.distributed: gloo on CPU, nccl with one
+    GPU per rank on CUDA). Rank 0 runs the loop (queue, buffer, weights, checkpoints, eval); the
+    others get each batch from it and train their share. groups_per_step must divide evenly.
+    How they split the model: [trainer.parallel] (default: plain replicas)."""
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    """The ranks' layout: data-parallel replicas, FSDP2 sharding, expert parallelism."""
+    ep_dispatcher: Literal["padded", "exact", "hierarchical", "deepep"] = "exact"
+    """How tokens reach their experts when parallel.ep > 1 (slipstream.moe): `exact` (all-to-all
+    of exactly the rows each rank needs), `padded` (fixed capacity, drops counted), `hierarchical`
+    (one inter-node copy per destination node, fan-out inside the node, as DeepEP), `deepep`
+    (DeepEP's kernels: CUDA only, never run here)."""
     lr: float = Field(default=1e-4, gt=0)
     """Peak learning rate (AdamW)."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
@@ -161,6 +170,14 @@ class TrainerConfig(Section):
                 f"trainer.groups_per_step ({self.groups_per_step}) must be a multiple of "
                 f"trainer.num_processes ({self.num_processes}): each rank trains an equal share"
             )
+        par = self.parallel
+        if par.dp_replicate == 0:  # resolved here, once: the replicas are what is left
+            if self.num_processes % (par.dp_shard * par.ep):
+                raise ValueError(
+                    f"trainer.parallel: dp_shard ({par.dp_shard}) x ep ({par.ep}) must divide "
+                    f"trainer.num_processes ({self.num_processes})"
+                )
+            par.dp_replicate = self.num_processes // (par.dp_shard * par.ep)
         return self
 
 

@@ -1,23 +1,29 @@
-"""Data-parallel trainer processes for the local job (`trainer.num_processes` > 1).
+"""Trainer ranks beyond rank 0 for the local job (`trainer.num_processes` > 1).
 
 Rank 0 is the job's own process: it runs the Controller (queue, buffer, weight publishing,
-checkpoints, evaluation). Ranks 1..W-1 are follower processes started here: each builds the same
-model and `Trainer` from the same start checkpoint, then for every step receives the batch rank 0
-took from the buffer (`broadcast_object_list`) and calls `Trainer.step` on it; the Trainer splits
-the groups over ranks and all-reduces gradients, so every rank holds the same weights after each
-step (tests/integration/test_rl_dp.py checks the job's weights against a single-process run).
+checkpoints, evaluation). Ranks 1..W-1 are follower processes started here: each builds its part
+of the trainer with the same `build_trainer` (a whole replica, or its FSDP2 + EP shards per
+[trainer.parallel]), then executes the commands rank 0 broadcasts, taking part in every
+collective the command implies:
 
-    group = DataParallel.start(cfg, init_checkpoint, log_dir)   # before the Trainer is built
-    group.sync_resume(step or None)                              # followers load that checkpoint
-    group.send(batch) ... group.send(None)                       # per step; None ends followers
-    group.close()
+    ("resume", step | None)    load checkpoint `step` (sharded: its shards, resharded)
+    ("step", batch)            Trainer.step on this rank's share of the batch
+    ("publish",)               Trainer.full_state (sharded: the all-gathers; else nothing)
+    ("save",)                  Trainer.save (sharded: this rank's shards; else nothing)
+    ("stop",)                  leave
+
+    ranks = TrainerRanks.start(cfg, init_checkpoint, log_dir)   # before the Trainer is built
+    ranks.send(("step", batch)) ...                             # what Controller does
+    ranks.close()
 
 Backend: gloo on CPU, nccl when the run's device is CUDA (rank r uses cuda:r; not run here: no GPU).
 Rendezvous over TCP on 127.0.0.1 (one machine). A follower dies with rank 0 (PR_SET_PDEATHSIG on
-Linux) and otherwise at the process group's timeout, `trainer.batch_timeout_s` + 60 s.
+Linux); a follower that dies makes rank 0's next collective fail (gloo sees the closed
+connection), and every collective is bounded by the process group's timeout,
+`trainer.batch_timeout_s` + 60 s, so a lost rank fails the job instead of hanging it; the run
+resumes from its last checkpoint when started again.
 
-Not covered: several machines (torchrun / a Ray placement group would start the ranks), gradient
-accumulation, sharded optimizers.
+Not covered: several machines (the Ray launcher would place the ranks), gradient accumulation.
 """
 
 from __future__ import annotations
@@ -71,14 +77,14 @@ def _broadcast(obj: Any) -> Any:
     return box[0]
 
 
-class DataParallel:
-    """Rank 0's side: the follower processes and the per-step broadcast."""
+class TrainerRanks:
+    """Rank 0's side: the follower processes and the command broadcast."""
 
     def __init__(self, procs: list[subprocess.Popen]) -> None:
         self.procs = procs
 
     @classmethod
-    def start(cls, cfg: SlipstreamConfig, init_checkpoint: str, log_dir: Path) -> DataParallel:
+    def start(cls, cfg: SlipstreamConfig, init_checkpoint: str, log_dir: Path) -> TrainerRanks:
         """Spawn ranks 1..W-1 and join the process group as rank 0 (blocks until all joined)."""
         port = _free_port()
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -101,14 +107,13 @@ class DataParallel:
             raise
         return group
 
-    def sync_resume(self, step: int | None) -> None:
-        _broadcast(step)
-
-    def send(self, batch: Any) -> None:
-        _broadcast(batch)
+    def send(self, command: tuple[Any, ...]) -> None:
+        """Broadcast one command to the followers (see the module docstring); rank 0 then does
+        its own part of it."""
+        _broadcast(command)
 
     def close(self, timeout_s: float = 30.0) -> list[int | None]:
-        """Wait for the followers (after send(None)); kill any that do not exit; exit codes."""
+        """Wait for the followers (after ("stop",)); kill any that do not exit; exit codes."""
         for p in self.procs:
             try:
                 p.wait(timeout=timeout_s)
@@ -147,15 +152,23 @@ def follower_main(argv: list[str]) -> int:
     device = _init(cfg, args.rank, spec["port"])
     # Built as the Controller builds rank 0's, so every rank starts from the same state.
     trainer = build_trainer(cfg, spec["init"], device, get_taskset(cfg.task).tokenizer.pad_id)
-    step = _broadcast(None)
-    if step is not None:
-        state, _, _ = open_stores(cfg).checkpoints.load(step)
-        trainer.load_state_dict(state)
-        log.info("resumed from checkpoint step %d", step)
+    ckpts = open_stores(cfg).checkpoints
     num_steps = 0
-    while (batch := _broadcast(None)) is not None:
-        trainer.step(batch)
-        num_steps += 1
+    while (command := _broadcast(None))[0] != "stop":
+        match command:
+            case ("resume", step):
+                if step is not None:
+                    trainer.restore(ckpts, step)
+                    log.info("resumed from checkpoint step %d", step)
+            case ("step", batch):
+                trainer.step(batch)
+                num_steps += 1
+            case ("publish",):
+                trainer.full_state()
+            case ("save",):
+                trainer.save(ckpts, None, {})
+            case _:
+                raise RuntimeError(f"rank {args.rank}: unknown command {command[0]!r} from rank 0")
     log.info("done after %d steps (version %d)", num_steps, trainer.version)
     return 0
 

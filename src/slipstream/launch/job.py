@@ -3,7 +3,7 @@
     result = run_job(cfg)
 
     setup_start_checkpoint   model.init_from, else the SFT warm start (trained here if missing)
-    setup_trainer_ranks      trainer.num_processes > 1: the data-parallel follower ranks
+    setup_trainer_ranks      trainer.num_processes > 1: the other trainer ranks (replicas or shards)
     setup_controller         trainer, stores, coordinator; resume from the last checkpoint
     setup_launcher           the workers, placed by run.launcher (local processes or Ray actors)
     run                      controller.run() under a live display; SIGTERM unwinds cleanly
@@ -38,12 +38,12 @@ def setup_start_checkpoint(cfg: SlipstreamConfig, console: Any = None) -> str:
 
 
 def setup_trainer_ranks(cfg: SlipstreamConfig, init: str) -> Any:
-    """The data-parallel follower ranks (launch/dp.py) when trainer.num_processes > 1, else None."""
+    """The other trainer ranks (launch/dp.py) when trainer.num_processes > 1, else None."""
     if cfg.trainer.num_processes == 1:
         return None
-    from slipstream.launch.dp import DataParallel
+    from slipstream.launch.dp import TrainerRanks
 
-    return DataParallel.start(cfg, init, Path(cfg.run.output_dir) / "launch" / "logs")
+    return TrainerRanks.start(cfg, init, Path(cfg.run.output_dir) / "launch" / "logs")
 
 
 def run_job(cfg: SlipstreamConfig, console: Any = None, *, display: bool = True) -> Any:

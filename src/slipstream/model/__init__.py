@@ -3,7 +3,9 @@ Importing this package imports torch."""
 
 from slipstream.config.model import ModelConfig
 from slipstream.model.checkpoint import (
+    RowReader,
     hf_config_from_model_config,
+    hf_from_internal,
     hf_weights,
     load_hf_state_dict,
     load_pretrained,
@@ -26,7 +28,9 @@ __all__ = [
     "ModelOutput",
     "MoEForCausalLM",
     "causal_attend",
+    "RowReader",
     "hf_config_from_model_config",
+    "hf_from_internal",
     "hf_weights",
     "is_moe_layer",
     "load_balancing_loss",

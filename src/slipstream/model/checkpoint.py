@@ -105,7 +105,15 @@ def state_dict_to_hf(model: MoEForCausalLM, fused_experts: bool = False) -> dict
     views into the stacked parameters, no copy); True: the stacked transformers-5 layout (identical
     to `model.state_dict()`). lm_head.weight is omitted when tied to the embedding."""
     sd = {k: v.detach() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
+    return hf_from_internal(sd, model.config, fused_experts)
+
+
+def hf_from_internal(
+    sd: dict[str, torch.Tensor], cfg: ModelConfig, fused_experts: bool = False
+) -> dict[str, torch.Tensor]:
+    """An internal (stacked-experts) state dict under HF names; see `state_dict_to_hf`."""
+    sd = dict(sd)
+    if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     if fused_experts:
         return sd
@@ -250,6 +258,71 @@ def read_safetensors_dir(
                 t = f.get_tensor(name)
                 sd[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
     return sd
+
+
+class RowReader:
+    """Reads row ranges (dim 0) of the model's *internal* parameters out of an HF-format
+    directory, touching only those rows on disk (safetensors slices): what a rank that holds a
+    shard of each parameter needs. Experts are read per expert from either on-disk layout.
+
+        with RowReader(directory) as reader:
+            rows = reader.rows("model.layers.0.mlp.experts.gate_up_proj", 2, 4)   # experts 2, 3
+    """
+
+    def __init__(self, directory: str | Path, dtype: torch.dtype | None = None) -> None:
+        directory = Path(directory)
+        if (directory / INDEX_FILE).is_file():
+            weight_map = json.loads((directory / INDEX_FILE).read_text())["weight_map"]
+        elif (directory / SINGLE_FILE).is_file():
+            with safe_open(str(directory / SINGLE_FILE), framework="pt") as f:
+                weight_map = dict.fromkeys(f.keys(), SINGLE_FILE)
+        else:
+            raise FileNotFoundError(f"{directory}: neither {SINGLE_FILE} nor {INDEX_FILE}")
+        self.directory, self.dtype, self.weight_map = directory, dtype, weight_map
+        self.config = model_config_from_hf(directory)
+        self._files: dict[str, Any] = {}
+
+    def __enter__(self) -> RowReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.__exit__(None, None, None)
+        self._files.clear()
+
+    def _slice(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        if name not in self.weight_map:
+            raise KeyError(f"{self.directory}: no tensor {name}")
+        fname = self.weight_map[name]
+        if fname not in self._files:
+            handle = safe_open(str(self.directory / fname), framework="pt")
+            self._files[fname] = handle.__enter__()
+        t = self._files[fname].get_slice(name)[lo:hi]
+        return t.to(self.dtype) if self.dtype is not None and t.is_floating_point() else t
+
+    def rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Rows [lo, hi) of internal parameter `name` (for expert weights: experts lo..hi-1)."""
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            name = "model.embed_tokens.weight"
+        if name.endswith(".mlp.experts.gate_up_proj") or name.endswith(".mlp.experts.down_proj"):
+            prefix, proj = name.rsplit(".", 1)
+            if name in self.weight_map:  # the fused transformers-5 layout
+                return self._slice(name, lo, hi)
+            parts = []
+            for e in range(lo, hi):
+                if proj == "gate_up_proj":
+                    gate = self._slice(f"{prefix}.{e}.gate_proj.weight", 0, None)  # type: ignore[arg-type]
+                    up = self._slice(f"{prefix}.{e}.up_proj.weight", 0, None)  # type: ignore[arg-type]
+                    parts.append(torch.cat([gate, up], dim=0))
+                else:
+                    parts.append(self._slice(f"{prefix}.{e}.down_proj.weight", 0, None))  # type: ignore[arg-type]
+            if not parts:
+                raise ValueError(f"{name}: empty expert range [{lo}, {hi})")
+            return torch.stack(parts)
+        return self._slice(name, lo, hi)
 
 
 def load_pretrained(

@@ -92,6 +92,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
         self._fused: tuple[tuple[tuple[int, int], ...], torch.Tensor, torch.Tensor] | None = None
+        self.fused_inference = True
+        """Use the fused q/k/v weights cached by (version, pointer) in no-grad forwards. Off for
+        FSDP-sharded models, whose unsharded weights are rewritten in place by collectives
+        that do not move the version counter."""
 
     def _fused_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(qkv weight ((H + 2K) * Dh, D), q/k norm weight (H + K, Dh)), rebuilt on change."""
@@ -131,7 +135,11 @@ class Attention(nn.Module):
         cache: KVCache | None = None,
     ) -> torch.Tensor:
         B, T, _ = x_BTD.shape
-        if torch.is_grad_enabled() or self.q_norm.eps != self.k_norm.eps:
+        if (
+            torch.is_grad_enabled()
+            or not self.fused_inference
+            or self.q_norm.eps != self.k_norm.eps
+        ):
             q = self.q_norm(self.q_proj(x_BTD).view(B, T, self.num_heads, self.head_dim))
             k = self.k_norm(self.k_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim))
             v = self.v_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)

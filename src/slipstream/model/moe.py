@@ -16,11 +16,12 @@ Expert paths (`moe_impl`), all numerically the same function:
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from slipstream.model.layers import MLP
 
@@ -38,6 +39,11 @@ BATCHED_MAX_EXPERT_NUMEL = 65536
 _warned: set[str] = set()
 fallbacks: list[str] = []
 """Fallbacks taken in this process (recorded so benchmarks/runs can report them)."""
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local part (autograd flows back to the DTensor); a plain tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _fallback_once(key: str, msg: str) -> None:
@@ -83,22 +89,31 @@ class Experts(nn.Module):
         )
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up_proj, down_proj) as the plain tensors this process computes with: a DTensor
+        parameter (FSDP2-sharded, placed on an expert-parallel mesh) gives its local part, which
+        FSDP has unsharded to this rank's experts for the forward."""
+        return _local(self.gate_up_proj), _local(self.down_proj)
+
     def forward(
         self, x_ND: torch.Tensor, ids_Nk: torch.Tensor, w_Nk: torch.Tensor, impl: str = "grouped"
     ) -> torch.Tensor:
-        """sum_j w[n, j] * expert_{ids[n, j]}(x[n]) for every token n."""
+        """sum_j w[n, j] * expert_{ids[n, j]}(x[n]) for every token n (ids index this module's
+        experts)."""
+        gate_up_w_E, down_w_E = self.weights()
+        num_experts = gate_up_w_E.shape[0]
         if impl == "loop":
-            return self._loop(x_ND, ids_Nk, w_Nk)
+            return self._loop(x_ND, ids_Nk, w_Nk, gate_up_w_E, down_w_E)
         if impl not in ("grouped", "grouped_mm", "batched"):
             raise ValueError(f"moe_impl={impl!r}; expected one of {MOE_IMPLS}")
         N, k = ids_Nk.shape
         if impl == "batched" or (
             impl == "grouped"
             and not torch.is_grad_enabled()
-            and N * k >= BATCHED_MIN_PER_EXPERT * self.num_experts
-            and self.gate_up_proj[0].numel() <= BATCHED_MAX_EXPERT_NUMEL
+            and N * k >= BATCHED_MIN_PER_EXPERT * num_experts
+            and gate_up_w_E[0].numel() <= BATCHED_MAX_EXPERT_NUMEL
         ):
-            return self._batched(x_ND, ids_Nk, w_Nk)
+            return self._batched(x_ND, ids_Nk, w_Nk, gate_up_w_E, down_w_E)
         flat_ids_A = ids_Nk.reshape(-1)
         order_A = torch.argsort(flat_ids_A, stable=True)
         x_AD = x_ND.index_select(0, order_A // k)
@@ -108,20 +123,18 @@ class Experts(nn.Module):
                 _fallback_once(reason, f"moe_impl='grouped_mm' -> 'grouped': {reason}")
                 impl = "grouped"
         if impl == "grouped_mm":
-            offs_E = (
-                torch.bincount(flat_ids_A, minlength=self.num_experts).cumsum(0).to(torch.int32)
-            )
-            h = torch._grouped_mm(x_AD, self.gate_up_proj.transpose(1, 2), offs=offs_E)
+            offs_E = torch.bincount(flat_ids_A, minlength=num_experts).cumsum(0).to(torch.int32)
+            h = torch._grouped_mm(x_AD, gate_up_w_E.transpose(1, 2), offs=offs_E)
             gate, up = _ContiguousGrad.apply(h).chunk(2, dim=-1)
             y_AD = torch._grouped_mm(
-                (F.silu(gate) * up).contiguous(), self.down_proj.transpose(1, 2), offs=offs_E
+                (F.silu(gate) * up).contiguous(), down_w_E.transpose(1, 2), offs=offs_E
             )
             y_AD = _ContiguousGrad.apply(y_AD)
         else:
-            counts = torch.bincount(flat_ids_A, minlength=self.num_experts).tolist()
+            counts = torch.bincount(flat_ids_A, minlength=num_experts).tolist()
             # unbind once: indexing W[e] per expert would make backward allocate and add a full
             # (E, ...) gradient per expert (O(E^2) traffic); unbind's backward is one stack.
-            gate_up_w, down_w = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
+            gate_up_w, down_w = gate_up_w_E.unbind(0), down_w_E.unbind(0)
             # split (backward: one cat), not per-segment slicing (backward: a full-size zero
             # gradient per expert)
             outs = []
@@ -137,8 +150,13 @@ class Experts(nn.Module):
         # weighted sum over the k choices as one batched (1 x k) @ (k x D) product
         return torch.bmm(w_Nk.to(y_NkD.dtype)[:, None, :], y_NkD).squeeze(1)
 
+    @staticmethod
     def _batched(
-        self, x_ND: torch.Tensor, ids_Nk: torch.Tensor, w_Nk: torch.Tensor
+        x_ND: torch.Tensor,
+        ids_Nk: torch.Tensor,
+        w_Nk: torch.Tensor,
+        gate_up_w_E: torch.Tensor,
+        down_w_E: torch.Tensor,
     ) -> torch.Tensor:
         """All experts in two batched matmuls over a zero-padded (E, C, D) buffer, C = the largest
         expert's assignment count: a fixed ~20 ops whatever E (grouped: ~5 per expert), at the cost
@@ -149,27 +167,35 @@ class Experts(nn.Module):
         flat_ids_A = ids_Nk.reshape(-1)
         order_A = torch.argsort(flat_ids_A, stable=True)
         sorted_ids_A = flat_ids_A.index_select(0, order_A)
-        counts_E = torch.bincount(flat_ids_A, minlength=self.num_experts)
+        num_experts = gate_up_w_E.shape[0]
+        counts_E = torch.bincount(flat_ids_A, minlength=num_experts)
         starts_E = counts_E.cumsum(0) - counts_E
         # slot of each sorted assignment within its expert's segment
         slot_A = torch.arange(order_A.numel(), device=x_ND.device) - starts_E[sorted_ids_A]
         capacity = int(counts_E.max())
-        x_ECD = x_ND.new_zeros(self.num_experts, capacity, D)
+        x_ECD = x_ND.new_zeros(num_experts, capacity, D)
         x_ECD[sorted_ids_A, slot_A] = x_ND.index_select(0, order_A // k)
-        gate, up = torch.bmm(x_ECD, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
-        y_ECD = torch.bmm(F.silu(gate) * up, self.down_proj.transpose(1, 2))
+        gate, up = torch.bmm(x_ECD, gate_up_w_E.transpose(1, 2)).chunk(2, dim=-1)
+        y_ECD = torch.bmm(F.silu(gate) * up, down_w_E.transpose(1, 2))
         y_AD = torch.empty(order_A.numel(), D, dtype=y_ECD.dtype, device=y_ECD.device)
         y_AD[order_A] = y_ECD[sorted_ids_A, slot_A]
         return torch.bmm(w_Nk.to(y_AD.dtype)[:, None, :], y_AD.view(N, k, D)).squeeze(1)
 
-    def _loop(self, x_ND: torch.Tensor, ids_Nk: torch.Tensor, w_Nk: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _loop(
+        x_ND: torch.Tensor,
+        ids_Nk: torch.Tensor,
+        w_Nk: torch.Tensor,
+        gate_up_w_E: torch.Tensor,
+        down_w_E: torch.Tensor,
+    ) -> torch.Tensor:
         out_ND = torch.zeros_like(x_ND)
-        for e in range(self.num_experts):
+        for e in range(gate_up_w_E.shape[0]):
             tok_idx, slot = torch.where(ids_Nk == e)
             if tok_idx.numel() == 0:
                 continue
-            gate, up = F.linear(x_ND[tok_idx], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * w_Nk[tok_idx, slot, None]
+            gate, up = F.linear(x_ND[tok_idx], gate_up_w_E[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, down_w_E[e]) * w_Nk[tok_idx, slot, None]
             out_ND.index_add_(0, tok_idx, y.to(out_ND.dtype))
         return out_ND
 
@@ -230,35 +256,70 @@ def load_balancing_loss(
     num_experts: int,
     top_k: int,
     token_mask_N: torch.Tensor | None = None,
+    sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Switch-Transformer load-balancing loss exactly as transformers computes it: logits of all
     MoE layers are concatenated (each (N, E)), then
     E * sum_{j,e} frac_tokens[j, e] * mean_prob[e], where frac_tokens[j, e] is the fraction of
     tokens whose j-th choice is e. Perfectly uniform routing gives top_k. `token_mask_N` (bool or
-    0/1, the same N for every layer) excludes padding. Unweighted (no coefficient)."""
+    0/1, the same N for every layer) excludes padding. Unweighted (no coefficient).
+
+    `sum_over_ranks` (data-parallel training): adds the token counts and probability sums of every
+    rank before the fractions are taken, so each rank computes the loss of the whole batch (its
+    gradient then flows into this rank's tokens only; see parallel/ranks.py)."""
     logits_LNE = torch.cat([g.float() for g in router_logits], dim=0)
     probs = F.softmax(logits_LNE, dim=-1)
     _, ids = torch.topk(probs, top_k, dim=-1)
     onehot = F.one_hot(ids, num_experts).float()  # (LN, k, E)
-    if token_mask_N is None:
+    if token_mask_N is None and sum_over_ranks is None:
         frac_kE = onehot.mean(dim=0)
         prob_E = probs.mean(dim=0)
     else:
-        m = token_mask_N.reshape(-1).float().repeat(len(router_logits))
-        denom = m.sum().clamp_min(1.0)
-        frac_kE = (onehot * m[:, None, None]).sum(0) / denom
-        prob_E = (probs * m[:, None]).sum(0) / denom
+        if token_mask_N is None:
+            m = torch.ones(probs.shape[0], device=probs.device)
+        else:
+            m = token_mask_N.reshape(-1).float().repeat(len(router_logits))
+        frac_sum_kE = (onehot * m[:, None, None]).sum(0)
+        prob_sum_E = (probs * m[:, None]).sum(0)
+        count = m.sum()
+        if sum_over_ranks is not None:
+            frac_sum_kE, prob_sum_E, count = _sum_all(
+                sum_over_ranks, frac_sum_kE, prob_sum_E, count
+            )
+        denom = count.clamp_min(1.0)
+        frac_kE = frac_sum_kE / denom
+        prob_E = prob_sum_E / denom
     return (frac_kE * prob_E[None]).sum() * num_experts
 
 
 def router_z_loss(
-    router_logits: Sequence[torch.Tensor], token_mask_N: torch.Tensor | None = None
+    router_logits: Sequence[torch.Tensor],
+    token_mask_N: torch.Tensor | None = None,
+    sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """ST-MoE router z-loss: mean over tokens (and MoE layers) of logsumexp(logits)^2.
-    Unweighted."""
+    Unweighted. `sum_over_ranks`: as in `load_balancing_loss` (the whole batch's mean)."""
     logits = torch.cat([g.float() for g in router_logits], dim=0)
     z2 = torch.logsumexp(logits, dim=-1).pow(2)
-    if token_mask_N is None:
+    if token_mask_N is None and sum_over_ranks is None:
         return z2.mean()
-    m = token_mask_N.reshape(-1).float().repeat(len(router_logits))
-    return (z2 * m).sum() / m.sum().clamp_min(1.0)
+    if token_mask_N is None:
+        m = torch.ones_like(z2)
+    else:
+        m = token_mask_N.reshape(-1).float().repeat(len(router_logits))
+    total, count = (z2 * m).sum(), m.sum()
+    if sum_over_ranks is not None:
+        total, count = _sum_all(sum_over_ranks, total, count)
+    return total / count.clamp_min(1.0)
+
+
+def _sum_all(
+    sum_over_ranks: Callable[[torch.Tensor], torch.Tensor], *ts: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """One reduction for several tensors (flattened, summed, split again)."""
+    flat = sum_over_ranks(torch.cat([t.reshape(-1) for t in ts]))
+    out, at = [], 0
+    for t in ts:
+        out.append(flat[at : at + t.numel()].view_as(t))
+        at += t.numel()
+    return tuple(out)

@@ -6,6 +6,7 @@ Shape legend: B batch, T tokens, D hidden_size, V vocab, E experts, N = B*T.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -115,6 +116,9 @@ class MoEForCausalLM(nn.Module):
         self.model = Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.gradient_checkpointing = False
+        self.router_stats_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """Data-parallel training sets this to a sum over ranks, so the router losses are those
+        of the whole batch (`load_balancing_loss`); None: this process's tokens only."""
         self.moe_layer_ids = [i for i in range(cfg.num_hidden_layers) if is_moe_layer(cfg, i)]
         if self.lm_head.weight.device.type != "meta":
             self.init_weights()
@@ -199,9 +203,10 @@ class MoEForCausalLM(nn.Module):
             return ModelOutput(logits_BTV, zero, tuple(router_logits) or None)
         cfg = self.config
         mask_N = None if token_mask_BT is None else token_mask_BT.reshape(-1)
-        lb = load_balancing_loss(router_logits, cfg.num_experts, cfg.num_experts_per_tok, mask_N)
+        lb = load_balancing_loss(router_logits, cfg.num_experts, cfg.num_experts_per_tok, mask_N,
+                                 self.router_stats_sum)  # fmt: skip
         aux = cfg.router_aux_loss_coef * lb
-        z = router_z_loss(router_logits, mask_N)
+        z = router_z_loss(router_logits, mask_N, self.router_stats_sum)
         if cfg.router_z_loss_coef > 0:
             aux = aux + cfg.router_z_loss_coef * z
         return ModelOutput(

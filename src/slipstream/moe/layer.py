@@ -1,74 +1,141 @@
 """Running the model's MoE block expert-parallel, from outside src/slipstream/model.
 
 Shape legend: B batch, T tokens per sequence, N = B*T tokens on this rank, D hidden, K top-k,
-M rows received for local experts.
+M rows received for local experts, E experts (global), R EP world size.
 
-`shard_experts` copies this rank's contiguous slice of a full `Experts` module into a smaller
-`Experts` (E / R experts, same layout); `ExpertParallelMoE` wraps a `SparseMoeBlock`: the router
-(and shared expert) stay replicated on every rank, routing is computed locally, tokens go through
-a `Dispatcher`, the local experts run the model's own grouped path, and combine returns the
-weighted sum. Not covered: loading per-rank expert shards straight from a checkpoint (this copies
-from a full module), gradient synchronisation of the replicated router (a data-parallel concern).
+`ExpertParallelExperts` is an `Experts` module that holds only this rank's E / R experts (same
+layout, same parameter names) and whose forward takes the block's routing for *global* expert
+ids: it dispatches each (token, expert) assignment to the rank owning the expert through a
+`Dispatcher`, runs the local experts with the model's own grouped path, and combines the
+weighted outputs back at the token's source rank. Put in place of a `SparseMoeBlock`'s
+`experts`, the block (router, shared expert, aux losses) is unchanged, so the same model code
+runs replicated or expert-parallel.
+
+- `ExpertParallelExperts.from_full(experts, dispatcher)` copies this rank's experts out of a full
+  module (tests, benchmarks); the trainer builds them on the meta device and loads its shard
+  (slipstream.parallel).
+- Its parameters may be DTensors (placed on the EP mesh and FSDP2-sharded): the forward computes
+  with their local parts (`Experts.weights`), which is what FSDP unshards to for the forward.
+- Autograd: a rank that receives no rows still takes part in backward's all-to-alls (the
+  Dispatcher contract) and still gives its expert weights a (zero) gradient, so every rank's
+  FSDP reduce-scatter sees the same parameters.
+
+Not covered: loading per-rank expert shards straight from a checkpoint here (parallel/ does),
+gradient synchronisation of the replicated router (a data-parallel concern: FSDP does it).
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 from torch import nn
 
 from slipstream.model.moe import Experts, SparseMoeBlock
 from slipstream.moe.base import Dispatcher
-from slipstream.moe.topology import EPGroup
 
 
-def shard_experts(experts: Experts, group: EPGroup) -> Experts:
-    """A new `Experts` holding (copies of) the experts `group.rank` owns."""
+class ExpertParallelExperts(Experts):
+    """This EP rank's experts; forward(x_ND, ids_NK, w_NK) takes global expert ids."""
+
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, dispatcher: Dispatcher
+    ) -> None:
+        topo = dispatcher.group.topo
+        if num_experts != topo.num_experts:
+            raise ValueError(
+                f"experts module has {num_experts} experts, topology {topo.num_experts}"
+            )
+        super().__init__(topo.experts_per_rank, hidden_size, intermediate_size)
+        self.num_global_experts = num_experts
+        self.dispatcher = dispatcher
+
+    @classmethod
+    def from_full(cls, experts: Experts, dispatcher: Dispatcher) -> ExpertParallelExperts:
+        """A copy of the experts `dispatcher.group.rank` owns, out of a full module."""
+        lo, hi = dispatcher.group.topo.expert_range(dispatcher.group.rank)
+        d = experts.down_proj.shape[1]
+        local = cls(experts.num_experts, d, experts.intermediate_size, dispatcher)
+        local = local.to(experts.gate_up_proj.device, experts.gate_up_proj.dtype)
+        with torch.no_grad():
+            local.gate_up_proj.copy_(experts.gate_up_proj[lo:hi])
+            local.down_proj.copy_(experts.down_proj[lo:hi])
+        return local
+
+    def forward(
+        self, x_ND: torch.Tensor, ids_NK: torch.Tensor, w_NK: torch.Tensor, impl: str = "grouped"
+    ) -> torch.Tensor:
+        recv_x_MD, recv_local_M, handle = self.dispatcher.dispatch(x_ND, ids_NK, w_NK)
+        y_MD = self.local_forward(recv_x_MD, recv_local_M, impl)
+        # a fresh tensor, not combine's view: FSDP2 hooks a wrapped module's output for backward
+        return self.dispatcher.combine(y_MD, handle).clone()
+
+    def local_forward(
+        self, recv_x_MD: torch.Tensor, recv_local_M: torch.Tensor, impl: str = "grouped"
+    ) -> torch.Tensor:
+        """Per-row outputs of the local experts (each row has one expert, weight 1). Stays
+        connected to recv_x's graph and to the weights also with zero rows (see the module
+        docstring)."""
+        if recv_x_MD.shape[0] == 0:
+            gate_up, down = self.weights()
+            return recv_x_MD.clone() + 0.0 * (gate_up.sum() + down.sum())
+        ones_M1 = recv_x_MD.new_ones((recv_x_MD.shape[0], 1))
+        return super().forward(recv_x_MD, recv_local_M[:, None], ones_M1, impl=impl)
+
+
+def expert_parallel(block: SparseMoeBlock, dispatcher: Dispatcher) -> SparseMoeBlock:
+    """Make `block` expert-parallel in place: its experts become this rank's share (copied out
+    of the full set, which is then no longer referenced); returns the block."""
+    block.experts = ExpertParallelExperts.from_full(block.experts, dispatcher)
+    return block
+
+
+class ExpertParallelMoE(nn.Module):
+    """A `SparseMoeBlock` made expert-parallel (`expert_parallel`), as a module of its own:
+    forward(x_BTD) -> (output (B, T, D), router logits (B*T, E)); `local_experts` are this
+    rank's experts. Kept for the benchmarks' and tests' call sites; new code uses
+    `expert_parallel`."""
+
+    def __init__(self, block: SparseMoeBlock, dispatcher: Dispatcher) -> None:
+        super().__init__()
+        # A new block sharing the router and shared expert with `block`, which stays as it was.
+        twin = copy.copy(block)
+        twin._modules = dict(block._modules)
+        self.block = expert_parallel(twin, dispatcher)
+
+    @property
+    def local_experts(self) -> ExpertParallelExperts:
+        return self.block.experts  # type: ignore[return-value]
+
+    @property
+    def dispatcher(self) -> Dispatcher:
+        return self.local_experts.dispatcher
+
+    def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.block(x_BTD)
+
+
+def shard_experts(experts: Experts, group) -> Experts:  # noqa: ANN001 - EPGroup
+    """A plain `Experts` holding (copies of) the experts `group.rank` owns."""
     if experts.num_experts != group.topo.num_experts:
         raise ValueError(
             f"experts module has {experts.num_experts} experts, topology {group.topo.num_experts}"
         )
     lo, hi = group.topo.expert_range(group.rank)
-    d = experts.down_proj.shape[1]
-    local = Experts(hi - lo, d, experts.intermediate_size)
+    local = Experts(hi - lo, experts.down_proj.shape[1], experts.intermediate_size)
+    local = local.to(experts.gate_up_proj.device, experts.gate_up_proj.dtype)
     with torch.no_grad():
         local.gate_up_proj.copy_(experts.gate_up_proj[lo:hi])
         local.down_proj.copy_(experts.down_proj[lo:hi])
-    return local.to(experts.gate_up_proj.device, experts.gate_up_proj.dtype)
+    return local
 
 
 def run_local_experts(
     experts: Experts, recv_x_MD: torch.Tensor, recv_local_M: torch.Tensor, impl: str = "grouped"
 ) -> torch.Tensor:
-    """Per-row outputs of the local experts (each row has one expert, weight 1). Always stays
-    connected to recv_x's graph, also with zero rows (see the Dispatcher autograd contract)."""
+    """Per-row outputs of local experts (each row has one expert, weight 1); connected to
+    recv_x's graph also with zero rows."""
     if recv_x_MD.shape[0] == 0:
         return recv_x_MD.clone()
     ones_M1 = recv_x_MD.new_ones((recv_x_MD.shape[0], 1))
     return experts(recv_x_MD, recv_local_M[:, None], ones_M1, impl=impl)
-
-
-class ExpertParallelMoE(nn.Module):
-    """Drop-in for `SparseMoeBlock.forward` with the experts sharded over the EP group."""
-
-    def __init__(self, block: SparseMoeBlock, dispatcher: Dispatcher) -> None:
-        super().__init__()
-        # keep the replicated parts only; the full expert set is not referenced (memory)
-        self.gate, self.shared_expert = block.gate, block.shared_expert
-        self.shared_expert_gate = block.shared_expert_gate
-        self.top_k, self.norm_topk_prob, self.impl = block.top_k, block.norm_topk_prob, block.impl
-        self.dispatcher = dispatcher
-        self.local_experts = shard_experts(block.experts, dispatcher.group)
-
-    def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (output (B, T, D), router logits (B*T, E)), as SparseMoeBlock."""
-        B, T, D = x_BTD.shape
-        x_ND = x_BTD.reshape(-1, D)
-        # the model's routing, unchanged (it only reads gate / top_k / norm_topk_prob)
-        logits_NE, w_NK, ids_NK = SparseMoeBlock.route(self, x_ND)  # type: ignore[arg-type]
-        recv_x, recv_local, handle = self.dispatcher.dispatch(x_ND, ids_NK, w_NK)
-        y = run_local_experts(self.local_experts, recv_x, recv_local, self.impl)
-        out_ND = self.dispatcher.combine(y, handle)
-        se, seg = self.shared_expert, self.shared_expert_gate
-        if se is not None and seg is not None:
-            out_ND = out_ND + torch.sigmoid(seg(x_ND)) * se(x_ND)
-        return out_ND.view(B, T, D), logits_NE

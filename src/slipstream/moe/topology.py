@@ -101,8 +101,9 @@ class EPGroup:
 
     @classmethod
     def create(cls, num_nodes: int, ranks_per_node: int, num_experts: int) -> EPGroup:
-        """Build the layout for the initialised default process group. Collective: all ranks call
-        it. Creates one node group per node and one rail group per local index."""
+        """Build the layout for the initialised default process group (one EP group of every
+        rank). Collective: all ranks call it. Creates one node group per node and one rail group
+        per local index."""
         if not dist.is_initialized():
             raise RuntimeError("EPGroup.create: torch.distributed is not initialised")
         topo = Topology(num_nodes, ranks_per_node, num_experts)
@@ -111,18 +112,36 @@ class EPGroup:
                 f"world size {dist.get_world_size()} != num_nodes {num_nodes} x "
                 f"ranks_per_node {ranks_per_node}"
             )
-        rank = dist.get_rank()
-        node_group = rail_group = None
-        # new_group is collective over the whole world: every rank creates every group
-        for m in range(num_nodes):
-            g = dist.new_group(topo.node_ranks(m))
-            if m == topo.node_of(rank):
-                node_group = g
-        for i in range(ranks_per_node):
-            g = dist.new_group(topo.rail_ranks(i))
-            if i == topo.local_of(rank):
-                rail_group = g
-        return cls(topo, rank, dist.group.WORLD, node_group, rail_group)
+        return cls.create_groups(1, topo)
+
+    @classmethod
+    def create_groups(cls, num_groups: int, topo: Topology) -> EPGroup:
+        """`num_groups` EP groups of `topo.world_size` consecutive ranks each (group g holds the
+        global ranks [g * R, (g + 1) * R)); returns this rank's, with EP-local rank numbers (the
+        topology's) and process groups over its members. Collective: all ranks of the default
+        group (num_groups * R of them) call it with the same arguments."""
+        if not dist.is_initialized():
+            raise RuntimeError("EPGroup.create_groups: torch.distributed is not initialised")
+        R = topo.world_size
+        if dist.get_world_size() != num_groups * R:
+            raise ValueError(f"world size {dist.get_world_size()} != {num_groups} EP groups x {R}")
+        me = dist.get_rank()
+        mine = me // R
+        world = node_group = rail_group = None
+        # new_group is collective over the whole world: every rank creates every group, in order
+        for g in range(num_groups):
+            base = g * R
+            w = dist.new_group([base + r for r in range(R)]) if num_groups > 1 else dist.group.WORLD
+            nodes = [dist.new_group([base + r for r in topo.node_ranks(m)])
+                     for m in range(topo.num_nodes)]  # fmt: skip
+            rails = [dist.new_group([base + r for r in topo.rail_ranks(i)])
+                     for i in range(topo.ranks_per_node)]  # fmt: skip
+            if g == mine:
+                rank = me - base
+                world = w
+                node_group = nodes[topo.node_of(rank)]
+                rail_group = rails[topo.local_of(rank)]
+        return cls(topo, me - mine * R, world, node_group, rail_group)
 
     @property
     def node(self) -> int:

@@ -22,11 +22,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+import torch
 
 from slipstream.config import SlipstreamConfig
 from slipstream.evaluate import heldout_pass_at_1
-from slipstream.model import hf_weights
+from slipstream.model import MoEForCausalLM, hf_config_from_model_config, hf_from_internal
 from slipstream.observe.metrics import MetricsWriter
 from slipstream.rl.buffer import ExperienceBuffer
 from slipstream.rl.coordinator import Coordinator
@@ -36,6 +38,14 @@ from slipstream.runtime import resolve_device
 from slipstream.storage import open_stores
 
 log = logging.getLogger(__name__)
+
+
+class FollowerRanks(Protocol):
+    """The trainer ranks other than this one (launch/dp.py's TrainerRanks)."""
+
+    def send(self, command: tuple[Any, ...]) -> None:
+        """Broadcast a command; they then run their part of it while this rank runs its own."""
+        ...
 
 
 @dataclass
@@ -57,9 +67,10 @@ class Controller:
 
     def __init__(self, cfg: SlipstreamConfig, init_checkpoint: str, *,
                  on_record: Callable[[dict[str, Any]], None] | None = None,
-                 evaluate: bool = True, dp: Any = None) -> None:  # fmt: skip
-        """`dp`: a started `launch.dp.DataParallel` when trainer.num_processes > 1 (this process
-        is rank 0 of its process group and hands every batch to the other ranks)."""
+                 evaluate: bool = True, dp: FollowerRanks | None = None) -> None:  # fmt: skip
+        """`dp`: the other trainer ranks when trainer.num_processes > 1 (this process is rank
+        0 of their process group; every step, publish, checkpoint and resume is broadcast to
+        them first, so they take part in its collectives)."""
         from slipstream.tasks import get_taskset
 
         self.cfg = cfg
@@ -86,24 +97,48 @@ class Controller:
         self.coord = Coordinator(queue, buffer)
         self.resumed_from: int | None = None
         self.pass_before: float | None = None
+        self._eval_model: torch.nn.Module | None = None  # rank 0's full copy (sharded layouts)
+        self._published: dict[str, torch.Tensor] | None = None
         self._maybe_resume()
-        if self.dp is not None:
-            self.dp.sync_resume(self.resumed_from)
         self.publish()
+
+    def _tell_ranks(self, *command: Any) -> None:
+        """The other ranks do their part of what rank 0 does next (launch/dp.py)."""
+        if self.dp is not None:
+            self.dp.send(command)
 
     def publish(self) -> None:
         """Make the trainer's current version the policy: weights to the store first, then the
         version to the coordinator (workers load what it announces, so it must exist)."""
-        sd, hf_cfg = hf_weights(self.model)
-        self.weights.publish(self.trainer.version, sd, hf_cfg)
+        self._tell_ranks("publish")
+        state = self.trainer.full_state()  # sharded: gathered from every rank
+        assert state is not None  # rank 0
+        self._published = state
+        cfg = self.model.config
+        dtype = next(iter(state.values())).dtype
+        self.weights.publish(self.trainer.version, hf_from_internal(state, cfg),
+                             hf_config_from_model_config(cfg, dtype))  # fmt: skip
         self.coord.set_version(self.trainer.version)
+
+    def _policy_for_eval(self) -> torch.nn.Module:
+        """The policy as one module: the trainer's own, or (sharded) a full copy on rank 0
+        holding the last published weights."""
+        if not self.trainer.ranks.sharded:
+            return self.model
+        assert self._published is not None
+        if self._eval_model is None:
+            with torch.device("meta"):
+                self._eval_model = MoEForCausalLM(self.model.config)
+        self._eval_model.load_state_dict(self._published, assign=True)
+        self._eval_model.tie_weights()
+        return self._eval_model
 
     def _maybe_resume(self) -> None:
         step = self.ckpts.latest()
+        self._tell_ranks("resume", step)
         if step is None:
             return
-        trainer_state, coord_state, manifest = self.ckpts.load(step)
-        self.trainer.load_state_dict(trainer_state)
+        coord_state, manifest = self.trainer.restore(self.ckpts, step)
         self.coord.restore(coord_state)
         self.pass_before = manifest.get("pass_at_1_before")
         gone = self.weights.remove_after(self.trainer.version)
@@ -112,8 +147,8 @@ class Controller:
                     step, self.trainer.version, gone)  # fmt: skip
 
     def checkpoint(self) -> None:
-        self.ckpts.save(self.trainer.step_count, self.trainer.state_dict(), self.coord.snapshot(),
-                        {"pass_at_1_before": self.pass_before})  # fmt: skip
+        self._tell_ranks("save")
+        self.trainer.save(self.ckpts, self.coord.snapshot(), {"pass_at_1_before": self.pass_before})
 
     def _tensorboard(self):
         if importlib.util.find_spec("tensorboard") is None:
@@ -129,7 +164,7 @@ class Controller:
         )
         tb = self._tensorboard()
         if self.evaluate and self.pass_before is None:
-            self.pass_before = heldout_pass_at_1(self.model, self.taskset, cfg)
+            self.pass_before = heldout_pass_at_1(self._policy_for_eval(), self.taskset, cfg)
         pass_now = self.pass_before
         self.on_record({"event": "start", "pass_at_1": pass_now, "step": self.trainer.step_count,
                         "steps": tc.steps})  # fmt: skip
@@ -150,8 +185,7 @@ class Controller:
             idle_s = time.monotonic() - t_wait
             idle_total += idle_s
             t_train = time.monotonic()
-            if self.dp is not None:
-                self.dp.send(batch)  # the other ranks train their share of it
+            self._tell_ranks("step", batch)  # the other ranks train their share of it
             m = self.trainer.step(batch)
             self.publish()
             train_s = time.monotonic() - t_train
@@ -159,7 +193,7 @@ class Controller:
             step = self.trainer.step_count
             evaluated = bool(self.evaluate and tc.eval_every and step % tc.eval_every == 0)
             if evaluated:
-                pass_now = heldout_pass_at_1(self.model, self.taskset, cfg)
+                pass_now = heldout_pass_at_1(self._policy_for_eval(), self.taskset, cfg)
             elapsed = time.monotonic() - t_start
             status = self.coord.status()
             last_reward = m["reward_mean"]
@@ -185,8 +219,7 @@ class Controller:
             if tc.checkpoint_every and step % tc.checkpoint_every == 0:
                 self.checkpoint()
         self.coord.request_stop()
-        if self.dp is not None:
-            self.dp.send(None)
+        if self.dp is not None:  # the other ranks save with rank 0 below, then leave
             self.dp_done = True
         wall_s = time.monotonic() - t_start
         pass_after = None
@@ -195,9 +228,10 @@ class Controller:
             if last is not None and last["evaluated"] and last["step"] == self.trainer.step_count:
                 pass_after = last["pass_at_1"]  # just evaluated at the last step
             else:
-                pass_after = heldout_pass_at_1(self.model, self.taskset, cfg)
+                pass_after = heldout_pass_at_1(self._policy_for_eval(), self.taskset, cfg)
         if not tc.checkpoint_every or self.trainer.step_count % tc.checkpoint_every:
             self.checkpoint()
+        self._tell_ranks("stop")
         final = {"event": "end", "pass_at_1": pass_after, "pass_at_1_before": self.pass_before,
                  "wall_s": wall_s, "step": self.trainer.step_count}  # fmt: skip
         metrics.log(**final, buffer=self.coord.buffer.metrics())

@@ -33,18 +33,37 @@ def entropy_from_logits(logits_BTV: torch.Tensor) -> torch.Tensor:
     return -(logp_BTV.exp() * logp_BTV).sum(-1)
 
 
-def aggregate(x_BT: torch.Tensor, mask_BT: torch.Tensor, mode: Aggregation) -> torch.Tensor:
+def aggregate(
+    x_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    mode: Aggregation,
+    denom: torch.Tensor | None = None,
+) -> torch.Tensor:
     """token_mean: sum over all valid tokens / their count (long answers weigh more, DAPO);
     seq_mean: mean over sequences of each sequence's token mean (GRPO's original form).
-    Sequences with no valid token contribute nothing."""
+    Sequences with no valid token contribute nothing.
+
+    `denom` (data-parallel training): the count to divide by instead of this batch's own, i.e.
+    the valid tokens (token_mean) or non-empty sequences (seq_mean) of the whole batch over all
+    ranks (`count_for`), so the ranks' results add up to the whole batch's value."""
     m_BT = mask_BT.to(x_BT.dtype)
+    if mode not in ("token_mean", "seq_mean"):
+        raise ValueError(f"unknown aggregation {mode!r} (token_mean or seq_mean)")
+    if denom is None:
+        denom = count_for(mask_BT, mode)
     if mode == "token_mean":
-        return (x_BT * m_BT).sum() / m_BT.sum().clamp(min=1.0)
-    if mode == "seq_mean":
-        n_B = m_BT.sum(-1)
-        per_seq_B = (x_BT * m_BT).sum(-1) / n_B.clamp(min=1.0)
-        return per_seq_B.sum() / (n_B > 0).sum().clamp(min=1)
-    raise ValueError(f"unknown aggregation {mode!r} (token_mean or seq_mean)")
+        return (x_BT * m_BT).sum() / denom.clamp(min=1.0)
+    n_B = m_BT.sum(-1)
+    per_seq_B = (x_BT * m_BT).sum(-1) / n_B.clamp(min=1.0)
+    return per_seq_B.sum() / denom.clamp(min=1)
+
+
+def count_for(mask_BT: torch.Tensor, mode: Aggregation) -> torch.Tensor:
+    """What `aggregate` divides by: valid tokens (token_mean) or non-empty sequences."""
+    m_BT = mask_BT.float()
+    if mode == "token_mean":
+        return m_BT.sum()
+    return (m_BT.sum(-1) > 0).sum().float()
 
 
 def truncated_is_weights(
@@ -75,6 +94,7 @@ def clipped_policy_loss(
     behaviour_logp_BT: torch.Tensor | None = None,
     is_cap: float = 2.0,
     aggregation: Aggregation = "token_mean",
+    denom: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """-w * min(r A, clip(r, 1 - clip_low, 1 + clip_high) A), aggregated; r = exp(logp - old).
 
@@ -96,7 +116,7 @@ def clipped_policy_loss(
     active_clip_BT = (-advantages_BT * clipped_BT > -advantages_BT * ratio_BT).to(m_BT.dtype)
     stats["clip_frac"] = float((active_clip_BT * m_BT).sum() / n_tok)
     stats["ratio_mean"] = float((ratio_BT.detach() * m_BT).sum() / n_tok)
-    return aggregate(surr_BT, mask_BT, aggregation), stats
+    return aggregate(surr_BT, mask_BT, aggregation, denom), stats
 
 
 def clipped_value_loss(
@@ -107,8 +127,9 @@ def clipped_value_loss(
     *,
     clip: float = 0.2,
     aggregation: Aggregation = "token_mean",
+    denom: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """0.5 * max((V - R)^2, (clip(V, V_old +- clip) - R)^2), aggregated (PPO's value loss)."""
     v_clipped_BT = old_values_BT + (values_BT - old_values_BT).clamp(-clip, clip)
     loss_BT = 0.5 * torch.maximum((values_BT - returns_BT) ** 2, (v_clipped_BT - returns_BT) ** 2)
-    return aggregate(loss_BT, mask_BT, aggregation)
+    return aggregate(loss_BT, mask_BT, aggregation, denom)

@@ -1,28 +1,34 @@
 """Trainer: one optimizer step per batch of groups (GRPO or PPO), AdamW, grad clipping, LR
-schedule, MoE aux loss, bf16 autocast, data parallel over torch.distributed.
+schedule, MoE aux loss, bf16 autocast, on one process or several ranks (slipstream.parallel).
 
 Shape legend: B sequences (samples), T positions (prompt + completion - 1, right-padded),
 V vocabulary, N groups, G samples per group.
 
 Contract:
-- `step(batch)` trains on this rank's share of the batch and returns float metrics. Under data
-  parallelism every rank calls `step` with the same `Batch`; rank r takes groups r, r + W, ...
-  Gradients are averaged over ranks with all_reduce (missing grads of unused experts count as
-  zeros), so each rank's loss is its local mean and the update equals the single-process update
-  when ranks hold equal shares under `seq_mean` (token_mean weighs ranks equally, not tokens)
-  and the MoE load-balancing loss is off: it is computed on each rank's share (as Megatron
-  balances per micro-batch), so with `router_aux_loss_coef` > 0 the DP update differs slightly.
-  Logged metrics are over all ranks (losses averaged, token counts summed, rewards of the batch).
+- `step(batch)` trains on this rank's share of the batch and returns float metrics. With
+  several ranks every rank calls `step` with the same `Batch`; rank r takes groups r, r + W, ...
+  Every loss term is normalised by the *whole batch's* counts (tokens or sequences summed over
+  ranks) and gradients are summed over ranks (replicas: all-reduce; sharded: FSDP2), and the MoE
+  router losses are the whole batch's (statistics summed over ranks): N ranks take the step one
+  process takes on the batch, up to float summation order (tests/integration/test_rl_parallel.py).
+  Logged metrics are over all ranks (loss terms and token counts summed, ratios averaged,
+  rewards of the whole batch).
+- Layouts (`trainer.parallel`): one process; whole-model replicas; FSDP2-sharded dense
+  parameters with expert-parallel, FSDP2-sharded experts (parallel/sharding.py).
 - `version` is `step_count`: weights after step k are policy version k.
-- `state_dict()` / `load_state_dict()` carry model, optimizer, scheduler, RNG and step
-  (plus the critic for PPO): enough to resume a run bit-for-bit on the same machine.
+- `full_state()` (collective when sharded) is the full HF-named state for publishing;
+  `save` / `restore` checkpoint model, optimizer, scheduler, RNG and step (plus the critic for
+  PPO) through a `CheckpointStore`: a torch file from rank 0, or, sharded, a DCP checkpoint
+  every rank writes its shards of (loadable onto another layout).
 
-Not covered: tensor/expert/pipeline parallelism, gradient accumulation beyond minibatches,
-sequence packing.
+Not covered: tensor/pipeline parallelism, gradient accumulation beyond minibatches, sequence
+packing, PPO's critic and the KL reference model on a sharded layout (refused), global
+normalisation of PPO's advantages over replicas (each rank normalises its share).
 """
 
 from __future__ import annotations
 
+import base64
 import copy
 import math
 import random
@@ -30,26 +36,35 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from slipstream.config import SlipstreamConfig
 from slipstream.config.rl import TrainerConfig
+from slipstream.parallel.ranks import Ranks
 from slipstream.rl.advantages import gae, grpo_advantages
 from slipstream.rl.losses import (
     aggregate,
     clipped_policy_loss,
     clipped_value_loss,
+    count_for,
     entropy_from_logits,
     kl_k3,
     token_logprobs,
 )
 from slipstream.rl.types import Batch, Group, Sample
+from slipstream.storage import CheckpointStore
 
 
-def collate(samples: list[Sample], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """Right-padded tensors; `mask_BT` marks target positions holding completion tokens."""
+def collate(
+    samples: list[Sample], pad_id: int, device: torch.device, pad_to: int | None = None
+) -> dict[str, torch.Tensor]:
+    """Right-padded tensors (to the longest sample, or `pad_to` positions); `mask_BT` marks
+    target positions holding completion tokens."""
     T = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples) - 1
+    if pad_to is not None:
+        if pad_to < T:
+            raise ValueError(f"pad_to={pad_to} is shorter than the longest sample ({T})")
+        T = pad_to
     B = len(samples)
     inputs_BT = torch.full((B, T), pad_id, dtype=torch.long)
     targets_BT = torch.full((B, T), pad_id, dtype=torch.long)
@@ -124,6 +139,39 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
+def rng_state_json() -> dict[str, Any]:
+    """rng_state() as JSON values (no pickle): the torch state as base64, python's and
+    numpy's as lists."""
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), *[float(x) for x in np_state[2:]]],
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode()
+                         for s in torch.cuda.get_rng_state_all()]  # fmt: skip
+    return state
+
+
+def rng_state_from_json(state: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of rng_state_json, as set_rng_state takes it."""
+
+    def tensor(b64: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(b64)), dtype=torch.uint8).clone()
+
+    py = state["python"]
+    npy = state["numpy"]
+    out: dict[str, Any] = {
+        "torch": tensor(state["torch"]),
+        "python": (py[0], tuple(py[1]), py[2]),
+        "numpy": (npy[0], np.array(npy[1], dtype=np.uint32), int(npy[2]), int(npy[3]), npy[4]),
+    }
+    if "cuda" in state:
+        out["cuda"] = [tensor(s) for s in state["cuda"]]
+    return out
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
@@ -141,7 +189,10 @@ class Trainer:
         pad_id: int,
         device: torch.device | str = "cpu",
         temperature: float = 1.0,
+        ranks: Ranks | None = None,
     ) -> None:
+        """`ranks`: this process among the trainer ranks (default: one process). A sharded
+        model (FSDP2, built by slipstream.parallel) needs ranks.sharded."""
         if temperature <= 0:
             raise ValueError(
                 f"trainer temperature must be > 0 (rollout.temperature), got {temperature}"
@@ -154,8 +205,15 @@ class Trainer:
         self.temperature = temperature
         self.device = torch.device(device)
         self.step_count = 0
-        self.world = dist.get_world_size() if dist.is_initialized() else 1
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.ranks = ranks or Ranks(device=self.device)
+        if self.ranks.sharded and (cfg.kl_coef > 0 or cfg.loss == "ppo"):
+            raise ValueError(
+                "trainer.parallel: a sharded layout (dp_shard x ep > 1) supports GRPO without a "
+                "reference model; trainer.loss = 'ppo' and trainer.kl_coef > 0 need "
+                "dp_shard = ep = 1"
+            )
+        if self.ranks.world > 1:  # router losses of the whole batch, not of this rank's share
+            model.router_stats_sum = self.ranks.sum_keep_grad
         self.ref_model = None
         if cfg.kl_coef > 0:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
@@ -185,6 +243,7 @@ class Trainer:
     # ---- state ---------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
+        """Everything to resume (unsharded layouts; sharded ones checkpoint through `save`)."""
         state = {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -209,14 +268,51 @@ class Trainer:
         set_rng_state(state["rng"])
         self.step_count = state["step"]
 
-    # ---- step ----------------------------------------------------------------------------------
+    def save(self, ckpts: CheckpointStore, coordinator_state: dict[str, Any] | None,
+             meta: dict[str, Any]) -> None:  # fmt: skip
+        """Checkpoint this step (every rank calls it; rank 0 passes the coordinator's state,
+        the others None). Sharded: each rank writes its shards (DCP), rank 0 the rest and the
+        manifest last. Unsharded: rank 0 writes one torch file."""
+        step = self.step_count
+        if self.ranks.sharded:
+            from slipstream.parallel.checkpoint import save_sharded
 
-    def _shard(self, groups: list[Group]) -> list[Group]:
-        if self.world == 1:
-            return groups
-        if len(groups) % self.world:
-            raise ValueError(f"{len(groups)} groups do not split evenly over {self.world} ranks")
-        return groups[self.rank :: self.world]
+            save_sharded(ckpts, step, self.model, self.optimizer, self._meta_json(),
+                         coordinator_state, meta, rank=self.ranks.rank)  # fmt: skip
+        elif self.ranks.rank == 0:
+            assert coordinator_state is not None
+            ckpts.save(step, self.state_dict(), coordinator_state, meta)
+
+    def restore(self, ckpts: CheckpointStore, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Load checkpoint `step` (every rank calls it); -> (coordinator state, manifest)."""
+        if self.ranks.sharded:
+            from slipstream.parallel.checkpoint import load_sharded
+
+            coord, manifest, extra = load_sharded(ckpts, step, self.model, self.optimizer)
+            self.scheduler.load_state_dict(extra["scheduler"])
+            set_rng_state(rng_state_from_json(extra["rng"]))
+            self.step_count = extra["step"]
+            return coord, manifest
+        state, coord, manifest = ckpts.load(step)
+        self.load_state_dict(state)
+        return coord, manifest
+
+    def _meta_json(self) -> dict[str, Any]:
+        return {"scheduler": self.scheduler.state_dict(), "rng": rng_state_json(),
+                "step": self.step_count}  # fmt: skip
+
+    def full_state(self) -> dict[str, torch.Tensor] | None:
+        """The policy's full internal state dict (every rank calls it; collective when sharded):
+        on rank 0 the tensors (the model's own when it is whole), None on the others."""
+        if self.ranks.sharded:
+            from slipstream.parallel.sharding import gather_full_state
+
+            return gather_full_state(self.model, self.ranks.rank)
+        if self.ranks.rank != 0:
+            return None
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    # ---- step ----------------------------------------------------------------------------------
 
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16)
@@ -252,18 +348,21 @@ class Trainer:
 
     def _has_signal(self, adv_BT: torch.Tensor) -> bool:
         """Any non-zero advantage on any rank (all ranks must agree to skip a step)."""
-        flag = (adv_BT.abs().max() > 0).float().reshape(1)
-        if self.world > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return bool(self.ranks.max((adv_BT.abs().max() > 0).float().reshape(1)).item())
 
     def step(self, batch: Batch) -> dict[str, float]:
         """One batch: num_minibatches optimizer steps, then step_count (= version) += 1."""
         cfg = self.cfg
         self.model.train()
-        groups = self._shard(batch.groups)
+        groups = self.ranks.share(batch.groups)
         samples = [s for g in groups for s in g.samples]
-        t = collate(samples, self.pad_id, self.device)
+        # One T on every rank: the same token count per rank keeps expert dispatch shapes equal
+        # (the padded dispatcher's capacity); padding is masked out of every loss.
+        pad_to = None
+        if self.ranks.world > 1:
+            local_T = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples) - 1
+            pad_to = int(self.ranks.max(torch.tensor(local_T, device=self.ranks.device)))
+        t = collate(samples, self.pad_id, self.device, pad_to)
         extra: dict[str, torch.Tensor] = {}
         if cfg.loss == "grpo":
             extra["adv_BT"], _ = self._advantages(groups, t)
@@ -279,10 +378,11 @@ class Trainer:
                 ref_logp_BT, _ = self._logp(self.ref_model, t)
         B = len(samples)
         mb = max(1, math.ceil(B / cfg.num_minibatches))
+        num_mb = math.ceil(B / mb)
         totals: dict[str, float] = {"skipped": 0.0}
         if cfg.loss == "grpo" and cfg.skip_no_signal and not self._has_signal(extra["adv_BT"]):
             # No optimizer step (the LR schedule counts the steps taken); loss is undefined.
-            totals.update(skipped=1.0, loss=float("nan"), pg_loss=float("nan"))
+            totals.update(skipped=1.0, pg_loss=float("nan"))
         for i in range(0, B, mb) if not totals["skipped"] else ():
             sl = slice(i, i + mb)
             part = {k: v[sl] for k, v in t.items()}
@@ -290,15 +390,15 @@ class Trainer:
                                     None if old_logp_BT is None else old_logp_BT[sl],
                                     None if ref_logp_BT is None else ref_logp_BT[sl])  # fmt: skip
             for k, v in stats.items():
-                totals[k] = totals.get(k, 0.0) + v / math.ceil(B / mb)
+                totals[k] = totals.get(k, 0.0) + v / num_mb
         self.step_count += 1
         totals.update(
             lr=self.scheduler.get_last_lr()[0],
             num_tokens=float(t["mask_BT"].sum()),
             completion_len_mean=float(t["mask_BT"].sum(-1).float().mean()),
         )
-        if self.world > 1:
-            totals = self._reduce_metrics(totals)
+        totals = self.ranks.reduce_metrics(totals, summed=SUMMED_METRICS)
+        totals["loss"] = self._total_loss(totals)
         # over the whole batch (every rank holds it), not this rank's share
         totals.update(
             reward_mean=float(np.mean([s.reward for s in batch.samples])),
@@ -306,78 +406,80 @@ class Trainer:
         )
         return totals
 
-    def _reduce_metrics(self, totals: dict[str, float]) -> dict[str, float]:
-        """Metrics over all ranks: token counts summed, `*_max` maxed, the rest averaged (equal
-        shares). Every rank has the same keys: they take the same code path."""
-        keys = sorted(totals)
-        summed = [k for k in keys if k == "num_tokens"]
-        maxed = [k for k in keys if k.endswith("_max")]
-        meaned = [k for k in keys if k not in summed and k not in maxed]
-        out = dict(totals)
-        for names, op in ((summed, dist.ReduceOp.SUM), (maxed, dist.ReduceOp.MAX),
-                          (meaned, dist.ReduceOp.SUM)):  # fmt: skip
-            if not names:
-                continue
-            v = torch.tensor([totals[k] for k in names], dtype=torch.float64, device=self.device)
-            dist.all_reduce(v, op=op)
-            for k, x in zip(names, v.tolist(), strict=True):
-                out[k] = x / self.world if names is meaned else x
-        return out
+    def _total_loss(self, m: dict[str, float]) -> float:
+        """The optimised loss from its (rank-summed) terms; nan for a skipped step."""
+        cfg = self.cfg
+        if m["skipped"]:
+            return float("nan")
+        return (m["pg_loss"] + m["aux_loss"] - cfg.entropy_coef * m.get("entropy", 0.0)
+                + cfg.kl_coef * m.get("kl", 0.0) + cfg.value_coef * m.get("value_loss", 0.0))  # fmt: skip
 
     def _minibatch(self, t, extra, old_logp_BT, ref_logp_BT) -> dict[str, float]:
+        """One optimizer step on a minibatch (this rank's slice of it). Loss terms are divided
+        by the minibatch's counts over all ranks, so the ranks' losses add up to the whole
+        minibatch's loss and its gradient is the sum of theirs."""
         cfg = self.cfg
+        mask_BT = t["mask_BT"]
+        denom = self.ranks.sum(count_for(mask_BT, cfg.aggregation))
         logp_BT, out = self._logp(self.model, t)
         old = logp_BT.detach() if old_logp_BT is None else old_logp_BT
-        mask_BT = t["mask_BT"]
         pg_loss, stats = clipped_policy_loss(
             logp_BT, old, extra["adv_BT"], mask_BT, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
             behaviour_logp_BT=t["behaviour_BT"], is_cap=cfg.is_cap, aggregation=cfg.aggregation,
+            denom=denom,
         )  # fmt: skip
         loss = pg_loss + out.aux_loss
         stats["pg_loss"] = float(pg_loss.detach())
         stats["aux_loss"] = float(out.aux_loss.detach())
         if cfg.entropy_coef > 0:
-            ent = aggregate(
-                entropy_from_logits(out.logits_BTV / self.temperature), mask_BT, cfg.aggregation
-            )
+            ent = aggregate(entropy_from_logits(out.logits_BTV / self.temperature), mask_BT,
+                            cfg.aggregation, denom)  # fmt: skip
             loss = loss - cfg.entropy_coef * ent
             stats["entropy"] = float(ent.detach())
         if ref_logp_BT is not None:
-            kl = aggregate(kl_k3(logp_BT, ref_logp_BT), mask_BT, cfg.aggregation)
+            kl = aggregate(kl_k3(logp_BT, ref_logp_BT), mask_BT, cfg.aggregation, denom)
             loss = loss + cfg.kl_coef * kl
             stats["kl"] = float(kl.detach())
         if self.critic is not None:
             with self._autocast():
                 values_BT = self.critic(t["inputs_BT"]).logits_BTV[..., 0].float()
             v_loss = clipped_value_loss(values_BT, extra["old_values_BT"], extra["ret_BT"], mask_BT,
-                                        clip=cfg.value_clip, aggregation=cfg.aggregation)  # fmt: skip
+                                        clip=cfg.value_clip, aggregation=cfg.aggregation,
+                                        denom=denom)  # fmt: skip
             loss = loss + cfg.value_coef * v_loss
             stats["value_loss"] = float(v_loss.detach())
-        stats["loss"] = float(loss.detach())
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        if self.world > 1:
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad)
-                p.grad.div_(self.world)
-        stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+        self.ranks.after_backward(params)
+        stats["grad_norm"] = self.ranks.clip_grad_norm_(params, cfg.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         return stats
 
 
+SUMMED_METRICS = ("pg_loss", "entropy", "kl", "value_loss", "num_tokens")
+"""Metrics that are each rank's part of the whole batch's value (added over ranks)."""
+
+
 def build_trainer(
     cfg: SlipstreamConfig, init_checkpoint: str, device: torch.device, pad_id: int
 ) -> Trainer:
-    """The policy loaded from the start checkpoint, in train mode, and its Trainer. Every trainer
-    rank builds it with this function (same seed first), so all start from the same state."""
-    from slipstream.model import load_pretrained
-
+    """The policy loaded from the start checkpoint, in train mode, and its Trainer, laid out per
+    [trainer.parallel]. Every trainer rank builds it with this function (same seed first, after
+    init_process_group; collective when sharded), so all start from the same state."""
     torch.manual_seed(cfg.run.seed)
-    model = load_pretrained(init_checkpoint, device=device, dtype=getattr(torch, cfg.run.dtype))
+    dtype = getattr(torch, cfg.run.dtype)
+    layout = cfg.trainer.parallel
+    if layout.sharded:
+        from slipstream.parallel import build_parallel_model
+
+        model, ranks = build_parallel_model(cfg.trainer, init_checkpoint, device, dtype)
+    else:
+        from slipstream.model import load_pretrained
+
+        model = load_pretrained(init_checkpoint, device=device, dtype=dtype)
+        ranks = Ranks.current(sharded=False, device=device)
     model.train()
     return Trainer(model, cfg.trainer, pad_id=pad_id, device=device,
-                   temperature=cfg.rollout.temperature or 1.0)  # fmt: skip
+                   temperature=cfg.rollout.temperature or 1.0, ranks=ranks)  # fmt: skip

@@ -32,7 +32,8 @@ class BlobStore:
         if not url:
             raise ValueError("store url is empty")
         self.url = url
-        self.fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        self.storage_options = dict(storage_options or {})
+        self.fs, root = fsspec.core.url_to_fs(url, **self.storage_options)
         self.root = root.rstrip("/")
         self.local = "file" in (
             self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
@@ -42,6 +43,21 @@ class BlobStore:
 
     def path(self, rel: str) -> str:
         return f"{self.root}/{rel}"
+
+    def url_of(self, rel: str) -> str:
+        """`rel` as a local path (local stores) or a URL with the store's scheme (s3://...)."""
+        path = self.path(rel)
+        return path if self.local else self.fs.unstrip_protocol(path)
+
+    def sizes(self, rel: str) -> dict[str, int]:
+        """Relative path -> bytes of every file below `rel` ({} when missing)."""
+        self.fs.invalidate_cache()
+        base = self.path(rel).rstrip("/")
+        try:
+            found = self.fs.find(base, detail=True)
+        except FileNotFoundError:
+            return {}
+        return {name[len(base) + 1 :]: int(info["size"]) for name, info in found.items()}
 
     def put(self, rel: str, data: bytes) -> None:
         if self.local:

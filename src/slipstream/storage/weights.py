@@ -108,8 +108,7 @@ class WeightStore:
         other stores. For engine servers that load weights themselves
         (`/update_weights_from_disk`); they must reach it (the same filesystem, or credentials of
         their own) and, unlike `fetch`, do not check the manifest's hashes."""
-        path = self.blob.path(self._dir(version))
-        return path if self.blob.local else self.blob.fs.unstrip_protocol(path)
+        return self.blob.url_of(self._dir(version))
 
     def fetch_to_dir(self, version: int, local_dir: str) -> str:
         """Copy a published version into a local HF-format directory; returns it."""
