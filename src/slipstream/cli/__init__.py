@@ -34,6 +34,7 @@ SUBCOMMANDS = [
     "bench",
     "ckpt",
     "config_cmd",
+    "plan",
 ]
 
 EPILOG = """\

@@ -1,0 +1,381 @@
+"""`slipstream plan calibrate RUN_DIR`: a rates file from a finished run's own measurements.
+
+Read from the run (what it measured of itself, so host load affects every number alike):
+
+- `metrics.jsonl`: per-step `train_s` (trainer step + weight publish; replayed in order as the
+  step times), the per-step loop overhead (elapsed - idle - train), and the per-step mean
+  completion length, whose spread across steps gives the spread of a group's length;
+- the rollout workers' final stats (`launch/logs/w*.log`, the worker's `exiting 0: {...}` line):
+  summed request latency `generate_s` over requests (the engine's submit -> completion time of a
+  group), completion tokens per sample, verification time per sample;
+- the job config (`-c FILE` + overrides, as the run was started): batch shape, staleness bound,
+  worker settings, engine KV slots, injected verifier latency.
+
+Read from elsewhere, because the run does not log them: the engine's step-time curve (fixed +
+per-token cost) from a `slipstream bench engine` JSON for the same model (its native-engine
+points: step_s / decode_steps at the mean decode batch); per-version weight fetch/apply from a
+probe on the run's last published safetensors file (numpy + hashlib doing the worker's read,
+hash and two copies); coordinator RPC round trips from a probe (a `multiprocessing.managers`
+server in another process, called with this process idle and with a busy Python thread).
+
+Fit: one factor, `rollout.engine.slowdown`, multiplies the engine's step time; it is chosen so
+that the simulated mean request latency equals the run's (fixed-point iterations of the
+simulator). The probes are used as measured (they run under the host's load of the moment). Nothing trainer-side is fitted, and the predicted
+figures (samples/s, idle fraction, the trainer's waits) are never inputs.
+
+Assumptions: the samples of a group have the same length (true for short answers whose length
+the prompt fixes; per-sample lengths are not logged); prompts are BOS + `a op b =` for the
+arithmetic task, 16 tokens otherwise.
+
+Not covered: runs without worker logs (give `request_latency_s`), engines other than the native
+one (an HTTP engine's request latency includes the server's queue), dynamic sampling.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import math
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.managers import BaseManager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from slipstream.plan.dists import Dist, dist_mean
+from slipstream.plan.rates import (
+    CalibrationInfo,
+    EngineRates,
+    LoopRates,
+    PlanConfig,
+    RolloutRates,
+    TrainerRates,
+    VerifierRates,
+)
+from slipstream.plan.results import figures_from_metrics
+
+_EXIT_RE = re.compile(r"exiting \d+: (\{.*\})\s*$")
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist (is this a finished run's directory?)")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_worker_stats(run_dir: Path) -> list[dict[str, float]]:
+    """Final stats dict of every rollout worker incarnation (its log's `exiting` line)."""
+    out = []
+    for log in sorted((run_dir / "launch" / "logs").glob("w*.log")):
+        for line in reversed(log.read_text(errors="replace").splitlines()):
+            m = _EXIT_RE.search(line)
+            if m:
+                out.append({k: float(v) for k, v in ast.literal_eval(m.group(1)).items()})
+                break
+    return out
+
+
+def engine_curve(bench_json: Path, model: dict[str, int]) -> tuple[float, float, str]:
+    """(step_fixed_s, step_per_token_s, description) fitted to a bench-engine JSON's native
+    points for the model with the same hidden size, layers, experts and top-k."""
+    data = json.loads(bench_json.read_text())
+    keys = ("hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_tok")
+    pts = []
+    for r in data.get("results", []):
+        mc = r.get("model_config", {})
+        if all(mc.get(k) == model.get(k) for k in keys):
+            st = r["native"]["engine_stats"]
+            pts.append((st["decode_rows"] / st["decode_steps"], st["step_s"] / st["decode_steps"]))
+    if len(pts) < 2 or len({round(b, 3) for b, _ in pts}) < 2:
+        raise ValueError(
+            f"{bench_json} has {len(pts)} native-engine point(s) for a model with "
+            f"{ {k: model.get(k) for k in keys} }; need two batch sizes (run `slipstream bench "
+            "engine` with that model and two workloads)"
+        )
+    b = np.array([p[0] for p in pts])
+    s = np.array([p[1] for p in pts])
+    slope, intercept = np.polyfit(b, s, 1)
+    slope, intercept = max(float(slope), 0.0), max(float(intercept), 0.0)
+    desc = (f"{bench_json.name}: native engine " + ", ".join(f"{x:.1f} rows {y * 1e3:.2f} ms"
+            for x, y in pts) + f" -> {intercept * 1e3:.2f} ms + {slope * 1e6:.1f} us/token")  # fmt: skip
+    return intercept, slope, desc
+
+
+def probe_weight_load(weights_dir: Path, repeats: int = 21) -> tuple[float, float]:
+    """(fetch_s, apply_s) of the latest version under `<store>/weights`, done the way the worker
+    does it but with numpy instead of torch: fetch = read the safetensors file, sha256 it (the
+    manifest check) and deserialise every tensor (one copy); apply = copy every tensor again
+    (into the engine's parameters)."""
+    versions = sorted(p for p in weights_dir.glob("v*") if (p / "manifest.json").is_file())
+    if not versions:
+        raise FileNotFoundError(f"no published weight version under {weights_dir}")
+    path = versions[-1] / "model.safetensors"
+    fetch, apply = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        raw = path.read_bytes()
+        hashlib.sha256(raw).hexdigest()
+        header_len = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8 : 8 + header_len])
+        base = 8 + header_len
+        tensors = [
+            np.frombuffer(raw, dtype=np.uint8, count=m["data_offsets"][1] - m["data_offsets"][0],
+                          offset=base + m["data_offsets"][0]).copy()
+            for name, m in header.items() if name != "__metadata__"
+        ]  # fmt: skip
+        t1 = time.perf_counter()
+        for t in tensors:
+            t.copy()
+        t2 = time.perf_counter()
+        fetch.append(t1 - t0)
+        apply.append(t2 - t1)
+    return float(np.median(fetch)), float(np.median(apply))
+
+
+_ECHO_SERVER = """
+from multiprocessing.managers import BaseManager
+class Echo:
+    def ping(self):
+        return 0
+class M(BaseManager):
+    pass
+echo = Echo()
+M.register("echo", callable=lambda: echo)
+server = M(address=("127.0.0.1", 0), authkey=b"plan-probe").get_server()
+print(server.address[1], flush=True)
+server.serve_forever()
+"""
+
+
+def _busy_python(stop: threading.Event) -> None:
+    x = 0
+    while not stop.is_set():
+        for i in range(2000):
+            x += i * i
+
+
+def probe_rpc(num_calls: int = 200) -> tuple[float, float]:
+    """(idle_s, busy_s): mean round trip of a `multiprocessing.managers` proxy call (the
+    coordinator's transport) to a server in another process over loopback TCP, with the calling
+    process otherwise idle, and while another of its threads runs Python code (as a worker's
+    engine thread does between forwards: both contend for the interpreter lock). Means, not
+    medians: the lock hand-over (5 ms switch interval) makes the distribution long-tailed."""
+
+    class C(BaseManager):
+        pass
+
+    proc = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER], stdout=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        C.register("echo")
+        client = C(address=("127.0.0.1", port), authkey=b"plan-probe")
+        client.connect()
+        proxy = client.echo()
+
+        def mean_round_trip() -> float:
+            times = []
+            for _ in range(num_calls):
+                t0 = time.perf_counter()
+                proxy.ping()
+                times.append(time.perf_counter() - t0)
+                time.sleep(0.001)
+            return float(np.mean(times))
+
+        idle = mean_round_trip()
+        stop = threading.Event()
+        busy_thread = threading.Thread(target=_busy_python, args=(stop,), daemon=True)
+        busy_thread.start()
+        busy = mean_round_trip()
+        stop.set()
+        busy_thread.join()
+    finally:
+        proc.kill()
+        proc.wait()
+    return idle, busy
+
+
+def discrete_lengths(mean: float, sd: float, n: int = 200) -> list[float]:
+    """n integer lengths with the given mean and standard deviation: on {m-1, m, m+1} (m the
+    nearest integer) when that can hold the spread, else rounded normal quantiles."""
+    m = round(mean)
+    d = mean - m
+    var = sd * sd
+    p_hi, p_lo = (var + d * d + d) / 2, (var + d * d - d) / 2
+    if p_hi >= 0 and p_lo >= 0 and p_hi + p_lo <= 1:
+        n_hi, n_lo = round(p_hi * n), round(p_lo * n)
+        return [float(m + 1)] * n_hi + [float(m - 1)] * n_lo + [float(m)] * (n - n_hi - n_lo)
+    z = [statistics.NormalDist().inv_cdf((i + 0.5) / n) for i in range(n)]
+    v = [max(1, round(mean + sd * x)) for x in z]
+    # rounding moved the mean: step single values by one token until it is back
+    deficit = round(mean * n) - sum(v)
+    order = range(n) if deficit > 0 else range(n - 1, -1, -1)
+    for i in order:
+        if deficit == 0:
+            break
+        if deficit > 0:
+            v[i], deficit = v[i] + 1, deficit - 1
+        elif v[i] > 1:
+            v[i], deficit = v[i] - 1, deficit + 1
+    return [float(x) for x in v]
+
+
+def run_probes(run_dir: Path) -> dict[str, float]:
+    """The weight and RPC probes for a run (see probe_weight_load, probe_rpc)."""
+    fetch_s, apply_s = probe_weight_load(Path(run_dir) / "store" / "weights")
+    rpc_idle_s, rpc_busy_s = probe_rpc()
+    return {"weight_fetch_s": fetch_s, "weight_apply_s": apply_s, "rpc_idle_s": rpc_idle_s,
+            "rpc_busy_s": rpc_busy_s}  # fmt: skip
+
+
+def group_length_spread(
+    records: list[dict[str, Any]], group_size: int, groups: int, warmup: int
+) -> float:
+    """Standard deviation of a group's completion length implied by the spread of the per-step
+    mean lengths (a step's mean is the average of `groups` group means: var(step) =
+    var(group) / groups), assuming the samples of one group have the same length."""
+    means = [r["completion_len_mean"] for r in records if "completion_len_mean" in r][warmup:]
+    if len(means) < 3:
+        return 0.0
+    return float(np.std(means) * math.sqrt(groups))
+
+
+def prompt_tokens_estimate(job: Any) -> int:
+    """Prompt tokens per group: BOS + `a op b =` for the arithmetic task (char tokenizer), 16
+    otherwise (an assumption: the run does not log prompt lengths)."""
+    if job.task.name == "arithmetic":
+        return 2 * job.task.max_digits + 3
+    return 16
+
+
+def calibrate(
+    run_dir: str | Path,
+    job: Any,
+    *,
+    engine_bench: str | Path,
+    warmup_steps: int = 1,
+    request_latency_s: float | None = None,
+    fit: bool = True,
+    probes: dict[str, float] | None = None,
+) -> PlanConfig:
+    """Rates for the run in `run_dir`, started with the job config `job` (a SlipstreamConfig).
+    `probes`: results of `run_probes(run_dir)` taken earlier (e.g. right after the run); None =
+    probe now."""
+    run_dir = Path(run_dir)
+    records = read_metrics(run_dir / "metrics.jsonl")
+    fig = figures_from_metrics(records, warmup_steps)
+    steps = [r for r in records if "train_s" in r]
+    train = [float(r["train_s"]) for r in steps]  # in order: step i of the sim replays step i
+    stats = read_worker_stats(run_dir)
+    notes: list[str] = []
+    measured: dict[str, float] = dict(fig)
+    if request_latency_s is None:
+        if not stats:
+            raise ValueError(
+                f"no rollout worker stats in {run_dir}/launch/logs (the workers' `exiting` "
+                "line); give the mean request latency yourself"
+            )
+        requests = sum(s["groups_acked"] + s["groups_rejected"] for s in stats)
+        request_latency_s = sum(s["generate_s"] for s in stats) / max(1.0, requests)
+        tokens = sum(s["tokens"] for s in stats) / max(1.0, sum(s["samples"] for s in stats))
+        verify_s = sum(s["verify_s"] for s in stats) / max(1.0, sum(s["samples"] for s in stats))
+        measured.update(request_latency_s=request_latency_s, completion_tokens_mean=tokens,
+                        weight_updates=sum(s["weight_updates"] for s in stats),
+                        requests=requests)  # fmt: skip
+    else:
+        tokens, verify_s = fig["completion_len_mean"], 0.0
+    ro_cfg, eng_cfg = job.rollout, job.engine
+    fixed_s, per_token_s, curve = engine_curve(Path(engine_bench), job.model.model_dump())
+    probes = probes or run_probes(run_dir)
+    fetch_s, apply_s = probes["weight_fetch_s"], probes["weight_apply_s"]
+    rpc_idle_s, rpc_busy_s = probes["rpc_idle_s"], probes["rpc_busy_s"]
+    groups = job.trainer.groups_per_step
+    length_sd = group_length_spread(records, ro_cfg.group_size, groups, warmup_steps)
+    measured.update(probe_weight_fetch_s=fetch_s, probe_weight_apply_s=apply_s,
+                    probe_rpc_idle_s=rpc_idle_s, probe_rpc_busy_s=rpc_busy_s,
+                    group_length_sd_tokens=length_sd)  # fmt: skip
+    slot_len = eng_cfg.max_seq_len or job.model.max_position_embeddings
+    latency = Dist(kind="fixed", value=verify_s)
+    if ro_cfg.verify_latency == "lognormal":
+        # The worker's verify_s includes the injected delay; the task's own verifier (a string
+        # compare for arithmetic) is what is left over, and is ~0 next to the delay.
+        latency = Dist(kind="lognormal", p50=ro_cfg.verify_latency_p50_s,
+                       p99_over_p50=ro_cfg.verify_latency_p99_over_p50)  # fmt: skip
+        notes.append(f"verifier: injected lognormal (p50 {ro_cfg.verify_latency_p50_s} s, p99/p50 "
+                     f"{ro_cfg.verify_latency_p99_over_p50}, mean {dist_mean(latency):.3f} s); "
+                     f"measured verify time per sample {verify_s:.3f} s")  # fmt: skip
+    else:
+        notes.append(f"verifier: in-process, measured {verify_s * 1e6:.1f} us per sample")
+    max_staleness = job.buffer.max_staleness
+    plan = PlanConfig(
+        name=run_dir.name,
+        description=f"calibrated from the run in {run_dir}",
+        loop=LoopRates(groups_per_step=job.trainer.groups_per_step, group_size=ro_cfg.group_size,
+                       mode=job.trainer.mode, max_staleness=max_staleness, steps=len(steps),
+                       warmup_steps=warmup_steps, partial_rollouts=ro_cfg.partial_rollouts),
+        trainer=TrainerRates(step_s=Dist(kind="empirical", values=train, order="sequential"),
+                             overhead_s=fig["overhead_s_mean"]),
+        rollout=RolloutRates(
+            num_instances=ro_cfg.num_workers, max_inflight_tasks=ro_cfg.max_inflight_tasks,
+            tasks_per_lease=ro_cfg.tasks_per_lease, lease_ttl_s=ro_cfg.lease_ttl_s,
+            weight_poll_s=ro_cfg.weight_poll_s, lease_rpc_s=rpc_idle_s, ack_rpc_s=rpc_idle_s,
+            rpc_busy_s=rpc_busy_s,
+            engine=EngineRates(
+                step_fixed_s=fixed_s, step_per_token_s=per_token_s,
+                max_batch_rows=min(eng_cfg.max_batch_size, eng_cfg.kv_cache_tokens // slot_len),
+                prompt_tokens=prompt_tokens_estimate(job),
+                completion_tokens=Dist(kind="empirical",
+                                       values=discrete_lengths(tokens, length_sd)),
+                length_per="group",
+                max_new_tokens=ro_cfg.max_new_tokens or eng_cfg.max_new_tokens,
+                weight_fetch_s=fetch_s, weight_apply_s=apply_s,
+            ),
+        ),
+        verifier=VerifierRates(latency_s=latency, concurrency_per_instance=ro_cfg.verify_threads),
+    )  # fmt: skip
+    notes += [
+        f"trainer step: the run's {len(train)} train_s values replayed in order (mean "
+        f"{np.mean(train) * 1e3:.1f} ms); loop overhead {fig['overhead_s_mean'] * 1e3:.2f} ms",
+        f"engine curve: {curve}",
+        f"request latency (generate_s / requests, worker logs): {request_latency_s * 1e3:.2f} ms",
+        f"completion tokens per sample {tokens:.3f}; per group (shared by its samples) sd "
+        f"{length_sd:.3f} from the per-step means",
+        f"probes: weight fetch {fetch_s * 1e3:.2f} ms, apply {apply_s * 1e3:.2f} ms; RPC "
+        f"{rpc_idle_s * 1e3:.3f} ms idle, {rpc_busy_s * 1e3:.3f} ms with a busy Python thread",
+        f"prompt tokens {plan.rollout.engine.prompt_tokens} (estimated from the task config)",
+    ]
+    if fit:
+        plan, k, fit_lat = fit_slowdown(plan, request_latency_s)
+        measured.update(fitted_slowdown=k, fitted_request_latency_s=fit_lat)
+        notes.append(f"fitted slowdown {k:.3f} (simulated request latency {fit_lat * 1e3:.2f} ms)")
+    plan.calibration = CalibrationInfo(source=str(run_dir), notes=notes, measured=measured)
+    return plan
+
+
+def fit_slowdown(
+    plan: PlanConfig, request_latency_s: float, *, iterations: int = 8, tolerance: float = 0.005
+) -> tuple[PlanConfig, float, float]:
+    """Find the slowdown k at which the simulated mean request latency matches the measured one
+    (fixed point k <- k * measured / simulated). Returns (plan with k, k, simulated latency)."""
+    from slipstream.plan.sim import Simulator
+
+    k = plan.rollout.engine.slowdown
+    sim_lat = float("nan")
+    for _ in range(iterations):
+        trial = plan.model_copy(deep=True)
+        trial.rollout.engine.slowdown = k
+        sim_lat = Simulator(trial).run().mean_request_latency_s
+        plan = trial
+        ratio = request_latency_s / sim_lat
+        if abs(ratio - 1) < tolerance:
+            break
+        k *= ratio
+    return plan, plan.rollout.engine.slowdown, sim_lat

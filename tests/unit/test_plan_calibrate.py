@@ -1,0 +1,136 @@
+"""`plan calibrate` on a synthetic finished run: what it reads, what it derives, the fit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from slipstream.config import load_config
+from slipstream.plan.calibrate import (
+    calibrate,
+    discrete_lengths,
+    engine_curve,
+    probe_weight_load,
+    read_worker_stats,
+)
+from slipstream.plan.results import figures_from_metrics
+
+NUM_STEPS = 30
+
+
+def make_run(tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    rng = np.random.default_rng(0)
+    lines, t = [], 0.0
+    for step in range(1, NUM_STEPS + 1):
+        idle, train = (2.0 if step == 1 else 0.01), 0.1 + 0.01 * (step % 3)
+        t += idle + train + 0.001
+        lines.append(json.dumps({"step": step, "idle_s": idle, "train_s": train, "elapsed_s": t,
+                                 "num_samples": 64.0,
+                                 "completion_len_mean": 3.0 + 0.2 * rng.standard_normal()}))  # fmt: skip
+    lines.append(json.dumps({"event": "end", "wall_s": t}))
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    logs = run / "launch" / "logs"
+    logs.mkdir(parents=True)
+    stats = {"groups_acked": 240, "groups_rejected": 0, "tasks_nacked": 0, "samples": 1920,
+             "tokens": 5760, "weight_updates": 29, "leases": 60, "verify_s": 0.0096,
+             "generate_s": 12.0}  # fmt: skip
+    (logs / "w0.0.log").write_text(
+        "2026-01-01 00:00:00,000 w0.0 WARNING worker w0.0: something else\n"
+        f"2026-01-01 00:00:09,000 w0.0 INFO exiting 0: {stats!r}\n"
+    )
+    vdir = run / "store" / "weights" / "v00000030"
+    vdir.mkdir(parents=True)
+    data = np.arange(4096, dtype=np.float32).tobytes()
+    header = json.dumps({"w": {"dtype": "F32", "shape": [4096], "data_offsets": [0, len(data)]}})
+    hb = header.encode()
+    (vdir / "model.safetensors").write_bytes(len(hb).to_bytes(8, "little") + hb + data)
+    (vdir / "manifest.json").write_text("{}")
+    return run
+
+
+def make_bench(tmp_path: Path) -> Path:
+    mc = {"hidden_size": 128, "num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2}
+    results = [
+        {"model_config": mc, "native": {"engine_stats": {"decode_rows": 20 * 100,
+                                                          "decode_steps": 100, "step_s": 0.5}}},
+        {"model_config": mc, "native": {"engine_stats": {"decode_rows": 40 * 100,
+                                                          "decode_steps": 100, "step_s": 0.7}}},
+        {"model_config": {**mc, "hidden_size": 256},
+         "native": {"engine_stats": {"decode_rows": 1, "decode_steps": 1, "step_s": 9.0}}},
+    ]  # fmt: skip
+    path = tmp_path / "engine.json"
+    path.write_text(json.dumps({"results": results}))
+    return path
+
+
+def test_figures_from_metrics_by_hand(tmp_path: Path) -> None:
+    run = make_run(tmp_path)
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    fig = figures_from_metrics(recs, warmup=2)
+    steps = [r for r in recs if "train_s" in r]
+    window = steps[-1]["elapsed_s"] - steps[1]["elapsed_s"]
+    assert fig["samples_per_s"] == pytest.approx(64 * (NUM_STEPS - 2) / window)
+    assert fig["trainer_idle_frac"] == pytest.approx(0.01 * (NUM_STEPS - 2) / window)
+    assert fig["overhead_s_mean"] == pytest.approx(0.001, abs=1e-9)
+
+
+def test_reads_worker_stats_engine_curve_and_weights(tmp_path: Path) -> None:
+    run, bench = make_run(tmp_path), make_bench(tmp_path)
+    (stats,) = read_worker_stats(run)
+    assert stats["generate_s"] == 12.0 and stats["groups_acked"] == 240
+    fixed, per_token, _ = engine_curve(bench, {"hidden_size": 128, "num_hidden_layers": 4,
+                                               "num_experts": 8, "num_experts_per_tok": 2})  # fmt: skip
+    assert per_token == pytest.approx((0.007 - 0.005) / 20)
+    assert fixed == pytest.approx(0.005 - 20 * per_token)
+    with pytest.raises(ValueError, match="need two batch sizes"):
+        engine_curve(bench, {"hidden_size": 256, "num_hidden_layers": 4, "num_experts": 8,
+                             "num_experts_per_tok": 2})  # fmt: skip
+    fetch, apply = probe_weight_load(run / "store" / "weights", repeats=3)
+    assert fetch > 0 and apply > 0
+    with pytest.raises(FileNotFoundError):
+        probe_weight_load(tmp_path / "empty")
+
+
+def test_calibrate_builds_rates_from_the_run_and_fits_the_latency(tmp_path: Path) -> None:
+    run, bench = make_run(tmp_path), make_bench(tmp_path)
+    job = load_config("configs/quickstart.toml", ["trainer.mode=sync", "rollout.num_workers=1",
+                                                   f"trainer.steps={NUM_STEPS}"])  # fmt: skip
+    plan = calibrate(run, job, engine_bench=bench, warmup_steps=2)
+    steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()][:-1]
+    assert plan.trainer.step_s.values == [r["train_s"] for r in steps]
+    assert plan.trainer.step_s.order == "sequential"
+    assert plan.loop.mode == "sync" and plan.loop.staleness_bound == 0
+    assert plan.loop.steps == NUM_STEPS and plan.rollout.num_instances == 1
+    m = plan.calibration.measured
+    assert m["request_latency_s"] == pytest.approx(12.0 / 240)
+    lengths = plan.rollout.engine.completion_tokens.values
+    assert np.mean(lengths) == pytest.approx(5760 / 1920, abs=0.01)
+    assert plan.rollout.engine.length_per == "group"
+    assert plan.verifier.latency_s.value == pytest.approx(0.0096 / 1920)
+    # the fit: the simulated request latency equals the measured one
+    assert m["fitted_request_latency_s"] == pytest.approx(m["request_latency_s"], rel=0.01)
+    assert plan.rollout.engine.slowdown == m["fitted_slowdown"]
+
+
+def test_heavy_verifier_delay_is_not_counted_twice(tmp_path: Path) -> None:
+    run, bench = make_run(tmp_path), make_bench(tmp_path)
+    job = load_config("configs/quickstart.toml", ["rollout.verify_latency=lognormal",
+                                                   "rollout.verify_latency_p50_s=0.25"])  # fmt: skip
+    plan = calibrate(run, job, engine_bench=bench, warmup_steps=2, fit=False)
+    lat = plan.verifier.latency_s
+    assert lat.kind == "lognormal" and lat.p50 == 0.25 and lat.shift == 0.0
+
+
+def test_discrete_lengths_keep_mean_and_spread() -> None:
+    for mean, sd in [(3.0, 0.5), (2.7, 0.3), (120.0, 40.0), (1.2, 0.0)]:
+        v = np.array(discrete_lengths(mean, sd))
+        frac = mean - np.floor(mean)
+        least_sd = np.sqrt(frac * (1 - frac))  # integers with this mean cannot spread less
+        assert v.mean() == pytest.approx(mean, abs=0.01)
+        assert v.std() == pytest.approx(max(sd, least_sd), abs=0.02 * max(1, sd))
+        assert v.min() >= 1

@@ -1,0 +1,150 @@
+"""The simulator against closed forms, Little's law and its own invariants (no timing
+assertions: every figure is simulated time)."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from slipstream.plan import PlanConfig, simulate, with_overrides
+
+# A rollout side far faster than the trainer: no lease backoff, no RPC, no weight cost.
+FAST = [
+    "rollout.lease_rpc_s=0", "rollout.ack_rpc_s=0", "rollout.lease_backoff_min_s=1e-6",
+    "rollout.lease_backoff_max_s=1e-6", "rollout.engine.weight_fetch_s=0",
+    "rollout.engine.weight_apply_s=0", "rollout.engine.step_per_token_s=0",
+]  # fmt: skip
+
+
+def harmonic(n: int) -> float:
+    return sum(1.0 / i for i in range(1, n + 1))
+
+
+def test_importing_and_simulating_never_imports_torch() -> None:
+    code = (
+        "import sys\n"
+        "import slipstream.plan, slipstream.plan.calibrate, slipstream.plan.search\n"
+        "import slipstream.plan.validate, slipstream.cli.plan\n"
+        "from slipstream.plan import load_rates, simulate\n"
+        "simulate(load_rates('configs/plan/p5en-48.toml', ['loop.steps=5', 'loop.warmup_steps=1']))\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "print('ok')\n"
+    )  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_trainer_bound_loop_runs_at_the_trainer_rate() -> None:
+    plan = with_overrides(PlanConfig(), [*FAST, "trainer.step_s.value=0.5", "trainer.overhead_s=0.01",
+                                         "rollout.engine.step_fixed_s=1e-4", "loop.steps=200"])  # fmt: skip
+    res = simulate(plan)
+    assert res.samples_per_s == pytest.approx(64 / 0.51, rel=1e-6)
+    assert res.trainer_idle_frac < 1e-6
+
+
+def test_sync_cycle_is_step_plus_generation_plus_slowest_of_the_batch() -> None:
+    # sync, one instance that leases the whole batch at once: cycle = step + generation of L
+    # tokens (one engine step per token) + the max of gps x G exponential verifications.
+    gps, group, mean_verify, step, length, tok_s = 4, 8, 0.05, 0.2, 5, 0.002
+    plan = with_overrides(PlanConfig(), [
+        *FAST, "loop.mode=sync", f"loop.groups_per_step={gps}", f"loop.group_size={group}",
+        "loop.steps=3000", f"trainer.step_s.value={step}", f"rollout.engine.step_fixed_s={tok_s}",
+        f"rollout.engine.completion_tokens.value={length}", "rollout.engine.max_new_tokens=16",
+        f"rollout.tasks_per_lease={gps}", f"rollout.max_inflight_tasks={gps}",
+        f'verifier.latency_s={{kind="exponential", value={mean_verify}}}',
+    ])  # fmt: skip
+    res = simulate(plan)
+    cycle = step + length * tok_s + mean_verify * harmonic(gps * group)
+    assert res.samples_per_s == pytest.approx(gps * group / cycle, rel=0.02)
+    assert res.trainer_idle_frac == pytest.approx(1 - step / cycle, rel=0.03)
+
+
+def test_rollout_bound_async_throughput_is_closed_loop_capacity() -> None:
+    # Admission never binds (huge staleness), the trainer is instant, every instance keeps m tasks
+    # in flight: groups/s = N m / E[cycle], cycle = generation + E[max of G exponentials].
+    n_inst, m, group, mean_verify, length, tok_s = 3, 4, 4, 0.1, 3, 0.001
+    plan = with_overrides(PlanConfig(), [
+        *FAST, "loop.max_staleness=1000", "loop.groups_per_step=4", f"loop.group_size={group}",
+        "loop.steps=3000", "loop.warmup_steps=50", "trainer.step_s.value=1e-9",
+        f"rollout.num_instances={n_inst}", f"rollout.max_inflight_tasks={m}",
+        "rollout.tasks_per_lease=1", f"rollout.engine.step_fixed_s={tok_s}",
+        f"rollout.engine.completion_tokens.value={length}",
+        f'verifier.latency_s={{kind="exponential", value={mean_verify}}}',
+    ])  # fmt: skip
+    res = simulate(plan)
+    cycle = length * tok_s + mean_verify * harmonic(group)
+    assert res.samples_per_s / group == pytest.approx(n_inst * m / cycle, rel=0.03)
+
+
+def test_littles_law_holds_for_tasks_in_flight() -> None:
+    plan = with_overrides(PlanConfig(), [
+        'verifier.latency_s={kind="lognormal", p50=0.2, p99_over_p50=4.0}',
+        "rollout.num_instances=3", "loop.steps=400",
+    ])  # fmt: skip
+    res = simulate(plan)
+    # L = lambda W over the whole run (no Spot: every task leaves in-flight by an ack)
+    assert res.mean_in_flight == pytest.approx(
+        res.completion_rate_per_s * res.mean_in_flight_time_s, rel=0.03
+    )
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_staleness_bound_is_never_exceeded(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    bound = int(rng.integers(0, 4))
+    plan = with_overrides(PlanConfig(), [
+        f"loop.max_staleness={bound}", f"loop.seed={seed}", "loop.steps=150",
+        f"rollout.num_instances={int(rng.integers(1, 5))}",
+        f"rollout.max_inflight_tasks={int(rng.integers(1, 16))}",
+        f"rollout.tasks_per_lease={int(rng.integers(1, 8))}",
+        f"loop.partial_rollouts={'true' if seed % 2 else 'false'}",
+        f'verifier.latency_s={{kind="lognormal", p50={rng.uniform(0.01, 0.5)}, p99_over_p50=6.0}}',
+        f"trainer.step_s.value={rng.uniform(0.01, 0.3)}",
+        "rollout.spot_fraction=1", "rollout.spot.interruptions_per_node_hour=200",
+        "rollout.spot.notice_s=1", "rollout.spot.replace_s=1", "rollout.spot.drain_timeout_s=0.3",
+    ])  # fmt: skip
+    res = simulate(plan)
+    assert res.staleness_violations == 0
+    assert max(res.staleness_hist) <= bound
+    assert sum(res.staleness_hist.values()) == plan.loop.steps * plan.loop.groups_per_step
+
+
+def test_spot_availability_matches_the_renewal_closed_form() -> None:
+    # notice every 1/lambda s of up time; each costs notice + replace s of down time (drain ~0)
+    rate_h, notice, replace = 180.0, 2.0, 6.0
+    plan = with_overrides(PlanConfig(), [
+        "rollout.spot_fraction=1", f"rollout.spot.interruptions_per_node_hour={rate_h}",
+        f"rollout.spot.notice_s={notice}", f"rollout.spot.replace_s={replace}",
+        "rollout.spot.drain_timeout_s=0", "rollout.num_instances=12", "loop.steps=500",
+        "trainer.step_s.value=1.0",
+    ])  # fmt: skip
+    res = simulate(plan)
+    up = 3600 / rate_h
+    assert res.interruptions > 150
+    assert res.instance_up_frac == pytest.approx(up / (up + notice + replace), rel=0.05)
+
+
+def test_same_seed_same_result_and_seed_changes_draws() -> None:
+    plan = with_overrides(PlanConfig(), ['verifier.latency_s={kind="lognormal", p50=0.1, p99_over_p50=4.0}',
+                                         "loop.steps=50"])  # fmt: skip
+    a, b = simulate(plan), simulate(plan)
+    assert a.samples_per_s == b.samples_per_s and a.staleness_hist == b.staleness_hist
+    other = simulate(with_overrides(plan, ["loop.seed=7"]))
+    assert other.samples_per_s != a.samples_per_s
+
+
+def test_p5en_example_is_trainer_or_rollout_bound_consistently() -> None:
+    from slipstream.plan import load_rates
+    from slipstream.plan.search import at_split
+
+    plan = load_rates("configs/plan/p5en-48.toml", ["loop.steps=8", "loop.warmup_steps=2"])
+    few, many = simulate(at_split(plan, 8)), simulate(at_split(plan, 32))
+    # more trainer nodes -> shorter steps; fewer rollout instances -> the trainer waits more
+    assert many.mean_train_s < few.mean_train_s
+    assert many.trainer_idle_frac > few.trainer_idle_frac
+    assert math.isfinite(few.samples_per_s) and few.samples_per_s > 0
