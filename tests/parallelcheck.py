@@ -61,3 +61,28 @@ def train(init_dir: str, overrides: list[str], num_steps: int = 3) -> dict[str, 
     metrics = [trainer.step(b) for b in batches(num_steps)]
     state = trainer.full_state()
     return {"metrics": metrics, "state": state}
+
+
+def train_and_save(init_dir: str, overrides: list[str], store_url: str, num_steps: int) -> dict:
+    """Train the first num_steps batches, then checkpoint (every rank takes part)."""
+    from slipstream.storage import open_stores
+
+    cfg = load_config(None, [*MODEL, *TRAIN, *overrides, f"store.url={store_url}"])
+    trainer = build_trainer(cfg, init_dir, torch.device("cpu"), pad_id=0)
+    metrics = [trainer.step(b) for b in batches(num_steps)]
+    coord = {"saved_by": trainer.ranks.world} if trainer.ranks.rank == 0 else None
+    trainer.save(open_stores(cfg).checkpoints, coord, {})
+    return {"metrics": metrics}
+
+
+def resume_and_train(init_dir: str, overrides: list[str], store_url: str, step: int,
+                     num_steps: int) -> dict:  # fmt: skip
+    """Restore checkpoint `step` onto this layout and train batches step..num_steps-1."""
+    from slipstream.storage import open_stores
+
+    cfg = load_config(None, [*MODEL, *TRAIN, *overrides, f"store.url={store_url}"])
+    trainer = build_trainer(cfg, init_dir, torch.device("cpu"), pad_id=0)
+    coord, _ = trainer.restore(open_stores(cfg).checkpoints, step)
+    assert trainer.step_count == step
+    metrics = [trainer.step(b) for b in batches(num_steps)[step:]]
+    return {"metrics": metrics, "state": trainer.full_state(), "coordinator": coord}

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream.config import SlipstreamConfig
+from slipstream.rl.types import TrainerRankLost
 from slipstream.runtime import exit_distributed_process, resolve_device, set_threads
 
 log = logging.getLogger(__name__)
@@ -80,8 +81,20 @@ def _broadcast(obj: Any) -> Any:
 class TrainerRanks:
     """Rank 0's side: the follower processes and the command broadcast."""
 
-    def __init__(self, procs: list[subprocess.Popen]) -> None:
+    def __init__(self, procs: list[subprocess.Popen], log_dir: Path) -> None:
         self.procs = procs
+        self.log_dir = log_dir
+
+    def lost(self) -> TrainerRankLost | None:
+        """An error naming the follower ranks that have exited, or None while all run."""
+        dead = [(r, p.returncode) for r, p in enumerate(self.procs, start=1) if p.poll() is not None]
+        if not dead:
+            return None
+        names = ", ".join(f"rank {r} (exit {code}; {self.log_dir / f'trainer-rank{r}.log'})"
+                          for r, code in dead)  # fmt: skip
+        return TrainerRankLost(f"trainer {names} ended during the run, so the step could not "
+                               "complete; the job resumes from its last checkpoint when started "
+                               "again")  # fmt: skip
 
     @classmethod
     def start(cls, cfg: SlipstreamConfig, init_checkpoint: str, log_dir: Path) -> TrainerRanks:
@@ -99,7 +112,7 @@ class TrainerRanks:
             env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
             procs.append(subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env))
             logf.close()
-        group = cls(procs)
+        group = cls(procs, log_dir)
         try:
             _init(cfg, 0, port)
         except BaseException:

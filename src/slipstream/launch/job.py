@@ -85,6 +85,11 @@ def run_job(cfg: SlipstreamConfig, console: Any = None, *, display: bool = True)
     try:
         with progress:
             result = controller.run()
+    except Exception as e:  # re-raised: named as a lost rank when that is what it was
+        lost = dp.lost() if dp is not None else None
+        if lost is not None:
+            raise lost from e
+        raise
     finally:
         codes = launcher.stop()
         signal.signal(signal.SIGTERM, previous)

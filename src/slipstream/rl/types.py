@@ -18,6 +18,11 @@ class RolloutFailed(RuntimeError):
     because a worker slot crash-loops. The message says why and ends with the worker's output."""
 
 
+class TrainerRankLost(RuntimeError):
+    """A trainer rank other than rank 0 died, so rank 0's collective with it failed. The message
+    names the rank, its exit code and its log (launch/dp.py)."""
+
+
 @dataclass(frozen=True)
 class TaskRef:
     """A unit of work in the queue. `task_id` is unique for the whole run (it is the queue's
