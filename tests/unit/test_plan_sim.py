@@ -148,3 +148,20 @@ def test_p5en_example_is_trainer_or_rollout_bound_consistently() -> None:
     assert many.mean_train_s < few.mean_train_s
     assert many.trainer_idle_frac > few.trainer_idle_frac
     assert math.isfinite(few.samples_per_s) and few.samples_per_s > 0
+
+
+def test_backoff_chain_and_notify_follow_the_worker_loop() -> None:
+    from slipstream.plan.instance import backoff_chain, wake_on_notify
+
+    # waits 5, 10, 20, 40, 50, 50 ms, each followed by a 1 ms iteration
+    ends = [0.006, 0.017, 0.038, 0.079, 0.130, 0.181]
+    for i, end in enumerate(ends):
+        t, idle = backoff_chain(0.0, 0.005, end - 1e-9, 0.001, 0.05)
+        assert t == pytest.approx(end) and idle == pytest.approx(min(0.005 * 2 ** (i + 1), 0.05))
+    assert backoff_chain(0.0, 0.005, 10.0, 0.001, 0.05)[0] == pytest.approx(
+        0.130 + 0.051 * math.ceil((10.0 - 0.130) / 0.051)
+    )
+    assert wake_on_notify(0.0, 0.005, 0.012, 0.001, 0.05) == pytest.approx((0.012, 0.02))
+    assert wake_on_notify(0.0, 0.005, 0.0055, 0.001, 0.05) == pytest.approx((0.006, 0.01))
+    # a notify before the wait began is lost: the wait runs in full
+    assert wake_on_notify(1.0, 0.005, 0.9, 0.001, 0.05) == pytest.approx((1.005, 0.01))

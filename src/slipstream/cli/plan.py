@@ -152,6 +152,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         case_names=None if args.cases == "all" else args.cases.split(","),
         out_dir=Path(args.dir), engine_bench=args.engine_bench, seeds=args.sim_seeds,
         keep_runs=args.keep_runs, out_json=Path(args.out), reuse=args.reuse,
+        code_ref=args.code_ref,
         on_case=lambda r: print(f"{r.case.name}: measured {r.measured['samples_per_s']:.1f} "
                                 f"samples/s, predicted {r.predicted['samples_per_s']:.1f} "
                                 f"({r.wall_s:.0f} s)", flush=True),

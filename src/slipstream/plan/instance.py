@@ -119,6 +119,8 @@ def wake_on_notify(
     a wait it wakes at t; if it is inside an iteration it sees the change when that ends.
     Returns (wake time, idle_s after the wake)."""
     start, w = wait_start_s, wait_len_s
+    if t < start:  # before the wait began (the worker is still in its round trip): a condition
+        return start + w, min(2 * w, cap_s)  # variable drops it, so the wait runs in full
     while True:
         if t < start + w:  # inside this wait: the notify ends it
             return t, min(2 * w, cap_s)

@@ -23,7 +23,16 @@ def print_result(console: Console, plan: PlanConfig, res: SimResult) -> None:
     t.add_column("figure")
     t.add_column("value", justify="right")
     cost = cost_per_hour(plan)
+    eng = plan.rollout.engine
+
+    def tok_per_s(rows: int) -> float:  # decode tokens/s of one instance at `rows` running rows
+        step = eng.slowdown * (eng.step_fixed_s + eng.step_per_token_s * rows)
+        return rows * eng.throughput_scale / step if step > 0 else float("inf")
+
+    quarter = max(1, eng.max_batch_rows // 4)
     rows = [
+        (f"engine tokens/s per instance ({quarter} / {eng.max_batch_rows} rows)",
+         f"{tok_per_s(quarter):,.0f} / {tok_per_s(eng.max_batch_rows):,.0f}"),
         ("samples/s (steady state)", f"{res.samples_per_s:,.2f}"),
         ("trainer idle fraction", _pct(res.trainer_idle_frac)),
         ("staleness histogram (groups)", " ".join(f"{k}:{v}" for k, v in

@@ -74,6 +74,7 @@ class CaseResult:
     measured: dict[str, float]
     predicted: dict[str, float]
     notes: list[str] = field(default_factory=list)
+    run_info: dict[str, Any] = field(default_factory=dict)
 
     def error(self, key: str) -> float:
         return self.predicted[key] / self.measured[key] - 1 if self.measured[key] else float("nan")
@@ -89,15 +90,37 @@ class CaseResult:
             "idle_abs_error": self.predicted["trainer_idle_frac"]
             - self.measured["trainer_idle_frac"],
             "idle_rel_error": self.error("trainer_idle_frac"),
-            "calibration_notes": self.notes,
+            "calibration_notes": self.notes, "run_info": self.run_info,
         }  # fmt: skip
 
 
+# Where the jobs' code comes from: None = this working tree (the interpreter's own path), else an
+# exported source tree put first on the jobs' PYTHONPATH (see export_code).
+_JOB_SRC: list[str | None] = [None]
+
+
+def export_code(ref: str, dest: Path) -> str:
+    """Export `git archive REF src` of this repository into dest; returns the commit hash. The
+    jobs then run that code, untouched by concurrent edits of the working tree."""
+    repo = Path(__file__).resolve().parents[3]
+    commit = subprocess.run(["git", "rev-parse", "--verify", f"{ref}^{{commit}}"], cwd=repo,
+                            capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    dest.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(["git", "archive", commit, "src"], cwd=repo, capture_output=True,
+                             check=True).stdout  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    _JOB_SRC[0] = str(dest / "src")
+    return commit
+
+
 def cli(*args: str, log: Path) -> None:
-    """Run `slipstream ARGS` in a subprocess (same interpreter and environment)."""
+    """Run `slipstream ARGS` in a subprocess (same interpreter; the exported code if any)."""
+    env = dict(os.environ)
+    if _JOB_SRC[0] is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_JOB_SRC[0], env.get("PYTHONPATH")) if p)
     with log.open("ab") as f:
         proc = subprocess.run([sys.executable, "-c", _CLI, *args], stdout=f,
-                              stderr=subprocess.STDOUT, check=False)  # fmt: skip
+                              stderr=subprocess.STDOUT, check=False, env=env)  # fmt: skip
     if proc.returncode != 0:
         tail = log.read_text(errors="replace").splitlines()[-20:]
         raise RuntimeError(f"slipstream {' '.join(args)} exited {proc.returncode}:\n" +
@@ -165,7 +188,8 @@ def run_case(case: Case, config: str, init: str, out_dir: Path, *, engine_bench:
         wall = time.monotonic() - t0
         after = os.getloadavg()
         info = {"overrides": overrides, "loadavg_before": before, "loadavg_after": after,
-                "wall_s": wall, "probes": run_probes(run_dir)}  # fmt: skip
+                "wall_s": wall, "probes": run_probes(run_dir), "job_src": _JOB_SRC[0],
+                "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
         info_path.write_text(json.dumps(info))
         if not keep_runs:  # checkpoints are large; the weights the probe reads stay
             shutil.rmtree(run_dir / "store" / "ckpt", ignore_errors=True)
@@ -175,7 +199,7 @@ def run_case(case: Case, config: str, init: str, out_dir: Path, *, engine_bench:
     measured = {k: float(v) for k, v in plan.calibration.measured.items()}
     predicted = predict(plan, seeds)
     return CaseResult(case, str(run_dir), wall, before, after, measured, predicted,
-                      plan.calibration.notes)  # fmt: skip
+                      plan.calibration.notes, info)  # fmt: skip
 
 
 def provenance() -> dict[str, Any]:
@@ -210,8 +234,11 @@ def run_validation(
     *, config: str, overrides: list[str], init: str | None, sft_steps: int,
     case_names: list[str] | None, out_dir: Path, engine_bench: str, seeds: int,
     keep_runs: bool, out_json: Path, on_case: Any = None, reuse: bool = False,
+    code_ref: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Run the cases one after the other, write the record to `out_json`, return it."""
+    """Run the cases one after the other, write the record to `out_json`, return it.
+    `code_ref`: run the jobs from `git archive code_ref` (exported under out_dir) instead of the
+    working tree."""
     cases = CASES
     if case_names:
         unknown = set(case_names) - {c.name for c in CASES}
@@ -223,6 +250,10 @@ def run_validation(
                  for c in cases]  # fmt: skip
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
+    job_commit = None
+    if code_ref:
+        shutil.rmtree(out_dir / "code", ignore_errors=True)
+        job_commit = export_code(code_ref, out_dir / "code")
     start = ensure_start_checkpoint(config, init, out_dir, sft_steps)
     results = []
     for case in cases:
@@ -251,6 +282,7 @@ def run_validation(
         "engine_bench": engine_bench,
         "sim_seeds": seeds,
         "wall_s": time.monotonic() - t0,
+        "job_code": {"ref": code_ref, "commit": job_commit} if code_ref else "working tree",
         "provenance": provenance(),
     }  # fmt: skip
     record["provenance"]["pythonpath"] = os.environ.get("PYTHONPATH", "")
