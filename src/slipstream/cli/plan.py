@@ -81,6 +81,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="re-predict from finished runs under --dir instead of running them again",
     )
+    v.add_argument(
+        "--code-ref",
+        default=None,
+        metavar="REF",
+        help="run the jobs from `git archive REF` (e.g. HEAD) instead of the working tree, so "
+        "concurrent edits cannot break or change them",
+    )
     v.add_argument("--out", default="benchmarks/results/plan-validation.json")
     v.set_defaults(func=cmd_validate)
 
