@@ -182,3 +182,61 @@ def hot_swap_requests() -> list[GenerateRequest]:
             ps[2], SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=10, seed=9)
         ),
     ]
+
+
+@torch.no_grad()
+def reference_routing(model: MoEForCausalLM, ids: list[int]) -> torch.Tensor:
+    """(len(ids), L_moe, k) expert ids that one plain no-cache forward over `ids` routes with:
+    each MoE block's `route` outputs, read by wrapping the method (not the engine's sink)."""
+    from slipstream.model.moe import SparseMoeBlock
+
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    seen: list[torch.Tensor] = []
+    for b in blocks:
+        original = b.route
+
+        def route(*args, _original=original, **kw):  # noqa: ANN002, ANN003, ANN202
+            out = _original(*args, **kw)
+            seen.append(out[2])
+            return out
+
+        b.route = route
+    try:
+        model(torch.tensor([ids]))
+    finally:
+        for b in blocks:
+            del b.route  # back to the class method
+    return torch.stack(seen, dim=1)
+
+
+def check_routing_matches_forward(engine: Engine, model: MoEForCausalLM) -> None:
+    """`routed_experts` of greedy and sampled completions (groups included, sharing a batch with
+    requests that do not record) equals the routing of a plain forward over the trainer's
+    inputs (prompt + completion)[:-1], prompt rows included, row for row; the samples of one
+    group have the same prompt rows; the dtype is the compact one."""
+    ps = prompts(4, seed=31)
+    rec = [
+        GenerateRequest(ps[0], SamplingParams(temperature=0, max_new_tokens=7,
+                                              return_routed_experts=True)),
+        GenerateRequest(ps[1], SamplingParams(temperature=1.0, max_new_tokens=9, n=3, seed=2,
+                                              return_routed_experts=True)),
+        GenerateRequest(ps[2], SamplingParams(temperature=0.8, top_k=5, max_new_tokens=5,
+                                              seed=3, return_routed_experts=True)),
+    ]  # fmt: skip
+    plain = [GenerateRequest(ps[3], SamplingParams(temperature=1.0, max_new_tokens=8, seed=4))]
+    results = engine.generate(plain + rec)
+    cfg = model.config
+    for c in results:
+        if c.request_id == plain[0].request_id:
+            assert c.routed_experts is None
+            continue
+        assert c.routed_experts is not None
+        P, C = len(c.prompt_ids), len(c.token_ids)
+        assert c.routed_experts.dtype == torch.uint8
+        assert tuple(c.routed_experts.shape) == (P + C - 1, 2, cfg.num_experts_per_tok)
+        ref = reference_routing(model, (c.prompt_ids + c.token_ids)[:-1])
+        assert torch.equal(c.routed_experts.long(), ref), f"request {c.request_id} #{c.index}"
+    group = [c for c in results if c.request_id == rec[1].request_id]
+    P = len(group[0].prompt_ids)
+    for c in group[1:]:
+        assert torch.equal(c.routed_experts[:P], group[0].routed_experts[:P])

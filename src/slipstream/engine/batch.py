@@ -6,7 +6,13 @@ step needs no gather. Output tokens, behaviour logprobs and versions are written
 buffers with one indexed store per step; Python touches a row only when it joins, finishes, or
 has stop strings to check.
 
-Legend: N slots (most rows), B live rows, S slot length, W stop-token width.
+Optional per-row outputs live in buffers allocated on first use, so requests that do not ask for
+them cost nothing: top-n alternatives of each sampled token (`top_ids_NSW`, `top_lp_NSW`) and the
+MoE routing of each decode step's input token (`route_NSLk`). Prompt-side outputs (prompt
+logprobs, the prefill's routing) are computed once per group and kept on the `Group`.
+
+Legend: N slots (most rows), B live rows, S slot length, W stop-token width (or top-n width for
+the top-logprob buffers), L MoE layers, k experts per token, P prompt tokens.
 """
 
 from __future__ import annotations
@@ -35,6 +41,22 @@ class Group:
     start_s: float
     results: list[Any] = field(default_factory=list)
     remaining: int = 0
+    stream: Callable[[Any], None] | None = None  # per-token StreamEvent hook (engine thread)
+    prompt_routing_PLk: torch.Tensor | None = None  # prefill routing, shared by the n samples
+    prompt_logprobs: list[float | None] | None = None  # prompt_logprobs[j]: logp of prompt[j]
+    prompt_top: list[list[tuple[int, float]] | None] | None = None
+
+
+@dataclass
+class RowOutput:
+    """What a finished row produced (read by `RunningBatch.take`)."""
+
+    row: Row
+    tokens: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    top: list[list[tuple[int, float]]] | None  # per token, finite alternatives, best first
+    decode_routing_CLk: torch.Tensor | None  # routing of the fed tokens 0..C-2 (device tensor)
 
 
 @dataclass
@@ -45,7 +67,11 @@ class Row:
 
 
 class RunningBatch:
-    """Per-row tensors for up to `num_slots` rows, plus the KV cache they index."""
+    """Per-row tensors for up to `num_slots` rows, plus the KV cache they index.
+
+    _normal: buffers allocated while the engine steps (under torch.inference_mode) are made
+    with inference mode off, so they stay normal tensors: the scheduler updates them in place
+    outside inference mode (row removal), which inference tensors refuse."""
 
     def __init__(self, cache: SlotKVCache, vocab_size: int, device: torch.device | str) -> None:
         n, s = cache.num_slots, cache.slot_len
@@ -65,6 +91,14 @@ class RunningBatch:
         self._rows_N = torch.arange(n, device=device)
         self._params: RowParams | None = None
         self.stop_string_rows: list[int] = []
+        # Derived from the composition with the params (see `params`).
+        self.stream_rows: list[int] = []  # rows whose request streams tokens
+        self.top_width = 0  # most top-n alternatives any live row wants (0: none)
+        self.any_routing = False  # some live row records MoE routing
+        # Lazily allocated optional outputs.
+        self.top_ids_NSW: torch.Tensor | None = None
+        self.top_lp_NSW: torch.Tensor | None = None
+        self.route_NSLk: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -82,7 +116,37 @@ class RunningBatch:
                 self.device,
             )
             self.stop_string_rows = [i for i, r in enumerate(self.rows) if r.group.params.stop]
+            self.stream_rows = [i for i, r in enumerate(self.rows) if r.group.stream is not None]
+            self.top_width = max((r.group.params.top_logprobs for r in self.rows), default=0)
+            self.any_routing = any(r.group.params.return_routed_experts for r in self.rows)
         return self._params
+
+    def ensure_top(self, width: int) -> None:
+        """Allocate (or widen) the top-n buffers to hold `width` alternatives per token."""
+        if self.top_ids_NSW is not None and self.top_ids_NSW.shape[2] >= width:
+            return
+        n, s = self.cache.num_slots, self.cache.slot_len
+        with torch.inference_mode(False):  # see `_normal`
+            ids = torch.zeros((n, s, width), dtype=torch.int64, device=self.device)
+            lps = torch.full((n, s, width), float("-inf"), dtype=torch.float32, device=self.device)
+        if self.top_ids_NSW is not None and self.top_lp_NSW is not None:
+            old = self.top_ids_NSW.shape[2]
+            ids[:, :, :old], lps[:, :, :old] = self.top_ids_NSW, self.top_lp_NSW
+        self.top_ids_NSW, self.top_lp_NSW = ids, lps
+
+    def ensure_routing(self, num_layers: int, k: int, dtype: torch.dtype) -> None:
+        """Allocate the per-row routing buffer [N, S, L, k] on first use."""
+        if self.route_NSLk is None:
+            shape = (self.cache.num_slots, self.cache.slot_len, num_layers, k)
+            with torch.inference_mode(False):  # see `_normal`
+                self.route_NSLk = torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def record_routing(self, route_BLk: torch.Tensor) -> None:
+        """Store the routing of this step's input token of rows [0, B): the token sampled at
+        the previous step (index gen - 1), i.e. before `record` advances the rows."""
+        assert self.route_NSLk is not None
+        num = route_BLk.shape[0]
+        self.route_NSLk[self._rows_N[:num], self.gen_N[:num] - 1] = route_BLk
 
     def add(self, row: Row, prompt_len: int) -> int:
         """Append a row (its KV must be written by the caller); returns its index."""
@@ -90,15 +154,19 @@ class RunningBatch:
         self.rows.append(row)
         stops = sorted(row.stop_ids)
         if len(stops) > self.stop_NW.shape[1]:
-            wider = torch.full(
-                (self.stop_NW.shape[0], len(stops)), -1, dtype=torch.int64, device=self.device
-            )
+            with torch.inference_mode(False):  # see `_normal`
+                wider = torch.full(
+                    (self.stop_NW.shape[0], len(stops)), -1, dtype=torch.int64, device=self.device
+                )
             wider[:, : self.stop_NW.shape[1]] = self.stop_NW
             self.stop_NW = wider
         self.stop_NW[i] = -1
         if stops:
             self.stop_NW[i, : len(stops)] = torch.tensor(stops, dtype=torch.int64)
-        limit = min(row.group.params.max_new_tokens, self.cache.slot_len - prompt_len + 1)
+        # max_new_tokens = 0 with prompt outputs requested: the row runs its prefill and samples
+        # one token, which the engine then drops (the completion is empty).
+        wanted = max(1, row.group.params.max_new_tokens)
+        limit = min(wanted, self.cache.slot_len - prompt_len + 1)
         self.max_new_N[i] = limit
         self.pos_N[i] = prompt_len
         self.gen_N[i] = 0
@@ -123,15 +191,26 @@ class RunningBatch:
         return self.u_NS[self._rows_N[:num], self.gen_N[:num]]
 
     def record(
-        self, first: int, tokens_B: torch.Tensor, logprobs_B: torch.Tensor, version: int
+        self,
+        first: int,
+        tokens_B: torch.Tensor,
+        logprobs_B: torch.Tensor,
+        version: int,
+        top: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        """Store one sampled token for rows [first, first + len(tokens_B)) and advance them."""
+        """Store one sampled token for rows [first, first + len(tokens_B)) and advance them.
+        `top`: (ids [B, W'], logprobs [B, W']) alternatives, when some row wants them."""
         num = tokens_B.shape[0]
         rows_B = torch.arange(first, first + num, device=tokens_B.device)
         gen_B = self.gen_N[first : first + num]
         self.out_tok_NS[rows_B, gen_B] = tokens_B
         self.out_lp_NS[rows_B, gen_B] = logprobs_B
         self.out_ver_NS[rows_B, gen_B] = version
+        if top is not None:
+            assert self.top_ids_NSW is not None and self.top_lp_NSW is not None
+            width = top[0].shape[1]
+            self.top_ids_NSW[rows_B, gen_B, :width] = top[0]
+            self.top_lp_NSW[rows_B, gen_B, :width] = top[1]
         self.last_N[first : first + num] = tokens_B
         self.gen_N[first : first + num] += 1
 
@@ -147,14 +226,36 @@ class RunningBatch:
     def tokens(self, i: int) -> list[int]:
         return self.out_tok_NS[i, : int(self.gen_N[i])].tolist()
 
-    def take(self, i: int) -> tuple[Row, list[int], list[float], list[int]]:
+    def top_of(self, i: int, start: int, end: int) -> list[list[tuple[int, float]]]:
+        """Row i's top-n alternatives of tokens [start, end): finite entries, best first."""
+        params = self.rows[i].group.params
+        if params.top_logprobs == 0 or self.top_ids_NSW is None or self.top_lp_NSW is None:
+            return [[] for _ in range(start, end)]
+        width = params.top_logprobs
+        ids = self.top_ids_NSW[i, start:end, :width].tolist()
+        lps = self.top_lp_NSW[i, start:end, :width].tolist()
+        inf = float("-inf")
+        return [
+            [(t, lp) for t, lp in zip(ti, li, strict=True) if lp != inf]
+            for ti, li in zip(ids, lps, strict=True)
+        ]
+
+    def take(self, i: int) -> RowOutput:
         """Read a row's outputs; the caller then calls `remove`."""
         n = int(self.gen_N[i])
-        return (
-            self.rows[i],
+        row = self.rows[i]
+        params = row.group.params
+        top = self.top_of(i, 0, n) if params.top_logprobs > 0 else None
+        routing = None
+        if params.return_routed_experts and self.route_NSLk is not None:
+            routing = self.route_NSLk[i, : max(n - 1, 0)].clone()
+        return RowOutput(
+            row,
             self.out_tok_NS[i, :n].tolist(),
             self.out_lp_NS[i, :n].tolist(),
             self.out_ver_NS[i, :n].tolist(),
+            top,
+            routing,
         )
 
     def remove(self, indices: list[int]) -> None:
@@ -171,8 +272,12 @@ class RunningBatch:
                     self.out_lp_NS,
                     self.out_ver_NS,
                     self.u_NS,
+                    self.top_ids_NSW,
+                    self.top_lp_NSW,
+                    self.route_NSLk,
                 ):
-                    t[i] = t[last]
+                    if t is not None:
+                        t[i] = t[last]
                 self.rows[i] = self.rows[last]
             self.rows.pop()
         if indices:

@@ -17,7 +17,16 @@ handful of tensor ops (sampling, bookkeeping) and one host sync to the model for
   (`weight_update_policy`): "finish_old" waits for the running rows to finish (new requests queue),
   "continue_new" swaps at the next step boundary (in-flight rows keep their old KV prefix),
   "abort" ends in-flight rows with finish_reason "abort". Per-token versions record the weights
-  each token was sampled with.
+  each token was sampled with. A source is read and validated (complete, shapes, floating
+  dtypes, finite) on the caller's thread before the engine thread copies it in (`weights.py`):
+  a bad source fails its caller and the old weights keep serving.
+- Optional outputs, computed only for rows that ask (the default path adds no work): top-n
+  alternatives per token, prompt logprobs (from the admission forward's logits, which cover every
+  prompt position), MoE routing (`routing.py`: the blocks' sinks are set only for forwards with a
+  row that records), and per-token streaming (`GenerateRequest.stream`).
+- Failure isolation: a step that raises fails the requests in flight and the engine keeps
+  serving; `error` is set (and `healthy` False) only when the engine can no longer serve (its
+  thread ended, or a weight copy failed part-way).
 
 Not covered: chunked prefill, prefix caching across requests, preemption, tensor parallelism.
 """
@@ -36,11 +45,19 @@ from typing import Any
 import torch
 
 from slipstream.config.engine import EngineConfig
-from slipstream.engine.base import Completion, GenerateRequest, PublishedWeights
+from slipstream.engine.base import (
+    MAX_VERSION,
+    Completion,
+    GenerateRequest,
+    PublishedWeights,
+    StreamEvent,
+    check_int,
+)
 from slipstream.engine.batch import Group, Row, RunningBatch
 from slipstream.engine.kv_cache import Part, SlotKVCache
-from slipstream.engine.sampling import sample
-from slipstream.engine.weights import WeightSource, load_weights_into
+from slipstream.engine.routing import RoutingRecorder
+from slipstream.engine.sampling import processed_logprobs, sample
+from slipstream.engine.weights import WeightSource, apply_weights, prepare_weights
 
 log = logging.getLogger(__name__)
 
@@ -88,11 +105,16 @@ class NativeEngine:
         if eos_token_ids is None:
             eos_token_ids = [tokenizer.eos_id] if tokenizer is not None else []
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self._routing = RoutingRecorder(self.model)
         self._version = version
         self._lock = threading.Condition()
         self._waiting: deque[Group] = deque()
         self._aborted: set[str] = set()
-        self._pending_update: tuple[int, WeightSource, concurrent.futures.Future] | None = None
+        self._pending_update: (
+            tuple[int, dict[str, torch.Tensor], concurrent.futures.Future] | None
+        ) = None
+        self.error: BaseException | None = None
+        """Why the engine can no longer serve (None while it can); see `healthy`."""
         self._seed_rng = torch.Generator().manual_seed(int(time.time_ns() % (1 << 62)))
         self._closed = False
         # Counters for benchmarks and profiles: mean decode batch = decode_rows / decode_steps;
@@ -116,6 +138,16 @@ class NativeEngine:
     @property
     def max_seq_len(self) -> int:
         return self.batch.cache.slot_len
+
+    @property
+    def healthy(self) -> bool:
+        """The engine thread runs and the weights are intact (False after close)."""
+        return not self._closed and self.error is None and self._thread.is_alive()
+
+    @property
+    def moe_layout(self) -> tuple[int, int]:
+        """(MoE layers, experts per token) of the routing `Completion.routed_experts` holds."""
+        return self._routing.num_layers, self._routing.k
 
     def submit(self, request: GenerateRequest) -> concurrent.futures.Future:
         """Queue one request; the future resolves to its n completions. Raises ValueError at once
@@ -142,17 +174,26 @@ class NativeEngine:
         )
         group.results = [None] * p.n
         group.remaining = p.n
+        group.stream = request.stream
         with self._lock:
-            if self._closed:
-                raise RuntimeError("engine is closed")
-            if p.max_new_tokens == 0:
+            self._check_serving()
+            if p.max_new_tokens == 0 and not p.wants_prefill_outputs:
                 self._finish_empty(group, "length")
             else:
                 self._waiting.append(group)
                 self._lock.notify_all()
         return future
 
+    def _check_serving(self) -> None:
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        if self.error is not None or not self._thread.is_alive():
+            raise RuntimeError(f"engine is not serving: {self.error or 'its thread ended'}")
+
     def validate(self, request: GenerateRequest) -> None:
+        """ValueError (naming the request and the field) for a request this engine can never
+        run: a prompt that does not fit, n beyond the slots, ids outside the vocabulary, more
+        top-n alternatives than the vocabulary has, routing from a model without MoE layers."""
         n_prompt, vocab = len(request.prompt_ids), self.model.config.vocab_size
         if n_prompt >= self.max_seq_len:
             raise ValueError(
@@ -168,6 +209,16 @@ class NativeEngine:
         if bad:
             raise ValueError(
                 f"request {request.request_id}: token ids {bad[:5]} outside [0, {vocab})"
+            )
+        p = request.params
+        for name, n in (("top_logprobs", p.top_logprobs), ("prompt_logprobs", p.prompt_logprobs)):
+            if n is not None and n > vocab:
+                raise ValueError(
+                    f"request {request.request_id}: {name}={n} exceeds the vocabulary ({vocab})"
+                )
+        if p.return_routed_experts and self._routing.num_layers == 0:
+            raise ValueError(
+                f"request {request.request_id}: return_routed_experts: the model has no MoE layers"
             )
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
@@ -197,12 +248,19 @@ class NativeEngine:
             self._lock.notify_all()
 
     def update_weights(self, version: int, source: WeightSource) -> None:
-        """Swap weights (blocking until applied under the configured policy)."""
+        """Swap weights (blocking until applied under the configured policy). The source is read
+        and validated on this thread first (`weights.prepare_weights`): ValueError/OSError naming
+        the problem, with the old weights still serving. `version` must be an integer in
+        [0, MAX_VERSION]; ordering rules (monotonic versions) are the caller's (the server's)."""
+        version = check_int("weight version", version, 0, MAX_VERSION)
+        self._check_serving()
+        prepared = prepare_weights(self.model, source)
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
+            self._check_serving()
             if self._pending_update is not None:
                 raise RuntimeError("another weight update is in progress")
-            self._pending_update = (version, source, future)
+            self._pending_update = (version, prepared, future)
             self._lock.notify_all()
         future.result()
 
@@ -212,9 +270,9 @@ class NativeEngine:
         self.update_weights(version, weights.fetch(version))
 
     def wait_ready(self, timeout_s: float) -> None:
-        """In-process: ready once constructed, unless closed or its thread died."""
-        if self._closed or not self._thread.is_alive():
-            raise RuntimeError("native engine is closed")
+        """In-process: ready once constructed, unless closed or broken (see `healthy`)."""
+        if not self.healthy:
+            raise RuntimeError(f"native engine is not serving: {self.error or 'closed'}")
 
     def flush_cache(self) -> bool:
         """Nothing is cached across requests (slots are freed when rows finish): always True."""
@@ -236,26 +294,49 @@ class NativeEngine:
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
-        while True:
+        try:
+            while self._iterate():
+                pass
+        finally:
             with self._lock:
-                while not self._closed and not self._has_work():
-                    self._lock.wait()
-                if self._closed:
-                    for g in self._waiting:
-                        self._finish_empty(g, "abort")
-                    self._waiting.clear()
-                    self._finish_rows(list(range(len(self.batch))), "abort")
-                    if self._pending_update is not None:
-                        self._pending_update[2].set_exception(RuntimeError("engine closed"))
-                        self._pending_update = None
-                    return
-                admitted = self._schedule()
+                if not self._closed and self.error is None:
+                    self.error = RuntimeError("the engine thread ended unexpectedly")
+                    log.error("engine thread ended unexpectedly")
+                self._fail_pending(RuntimeError(f"engine stopped: {self.error or 'closed'}"))
+
+    def _iterate(self) -> bool:
+        """One scheduling decision and one step; False once closed."""
+        with self._lock:
+            while not self._closed and not self._has_work():
+                self._lock.wait()
+            if self._closed:
+                for g in self._waiting:
+                    self._finish_empty(g, "abort")
+                self._waiting.clear()
+                self._finish_rows(list(range(len(self.batch))), "abort")
+                return False
             try:
-                with torch.inference_mode():
-                    self._step(admitted)
+                admitted = self._schedule()
             except Exception as e:  # noqa: BLE001 - the engine thread must fail the waiters, not die silently
-                log.exception("engine step failed")
+                log.exception("engine scheduling failed")
                 self._fail_all(e)
+                return True
+        try:
+            with torch.inference_mode():
+                self._step(admitted)
+        except Exception as e:  # noqa: BLE001 - the engine thread must fail the waiters, not die silently
+            log.exception("engine step failed")
+            self._fail_all(e)
+        return True
+
+    def _fail_pending(self, error: Exception) -> None:
+        """Under the lock: fail every request and a pending weight update (engine stopping)."""
+        if self._pending_update is not None:
+            future = self._pending_update[2]
+            self._pending_update = None
+            if not future.done():
+                future.set_exception(error)
+        self._fail_all(error)
 
     def _has_work(self) -> bool:
         return bool(self._waiting or len(self.batch) or self._pending_update or self._aborted)
@@ -286,13 +367,18 @@ class NativeEngine:
         return admitted
 
     def _apply_update(self) -> None:
+        """Copy validated weights in. A failure here would leave the model part-updated: the
+        engine then stops serving (`error`), failing this update and every request."""
         assert self._pending_update is not None
-        version, source, future = self._pending_update
+        version, prepared, future = self._pending_update
         self._pending_update = None
         try:
-            load_weights_into(self.model, source)
-        except (ValueError, OSError, RuntimeError) as e:  # handed to the caller of update_weights
-            future.set_exception(e)
+            apply_weights(self.model, prepared)
+        except (ValueError, RuntimeError) as e:
+            self.error = RuntimeError(f"weight copy failed part-way, weights corrupt: {e}")
+            log.error("%s", self.error)
+            future.set_exception(self.error)
+            self._fail_all(self.error)
             return
         self._version = version
         future.set_result(None)
@@ -305,24 +391,54 @@ class NativeEngine:
             self._decode_step()
         self.stats["step_s"] += time.perf_counter() - t0
 
-    def _forward(self, ids_BT: torch.Tensor, pos_BT: torch.Tensor) -> torch.Tensor:
+    def _forward(
+        self, ids_BT: torch.Tensor, pos_BT: torch.Tensor, record_routing: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (logits [B, T, V], routing [B*T, L, k] when `record_routing`, else None)."""
         t0 = time.perf_counter()
-        logits_BTV = self.model(ids_BT, position_ids_BT=pos_BT, cache=self.batch.cache).logits_BTV
+        route_NLk = None
+        if record_routing:
+            with self._routing.capture() as ids:
+                out = self.model(ids_BT, position_ids_BT=pos_BT, cache=self.batch.cache)
+            route_NLk = self._routing.stack(ids)
+        else:
+            out = self.model(ids_BT, position_ids_BT=pos_BT, cache=self.batch.cache)
         self.stats["forward_s"] += time.perf_counter() - t0
-        return logits_BTV
+        return out.logits_BTV, route_NLk
+
+    def _sample(self, logits_RV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Sample rows [0, B) and record them: (tokens, logprobs, top-n or None)."""
+        batch = self.batch
+        rp = batch.params()
+        u_R = batch.uniforms(len(batch))
+        top = None
+        if batch.top_width:
+            lp_RV = processed_logprobs(logits_RV, rp)
+            values, ids = lp_RV.topk(batch.top_width, dim=-1)
+            top = (ids, values)
+            tokens_R, logprobs_R = sample(logits_RV, rp, u_R, lp_BV=lp_RV)
+        else:
+            tokens_R, logprobs_R = sample(logits_RV, rp, u_R)
+        batch.record(0, tokens_R, logprobs_R, self._version, top)
+        return tokens_R, logprobs_R, top
 
     def _decode_step(self) -> None:
         """One token for every running row: a [B, 1] forward."""
         batch = self.batch
         num = len(batch)
+        batch.params()  # refresh the composition-derived flags (routing, streaming, top-n)
         pos_B = batch.pos_N[:num]
         batch.cache.begin_decode(pos_B, int(pos_B.max()))
-        logits_BV = self._forward(batch.last_N[:num, None], pos_B[:, None])[:, -1]
+        logits_B1V, route_BLk = self._forward(
+            batch.last_N[:num, None], pos_B[:, None], batch.any_routing
+        )
         self.stats["decode_steps"] += 1
         self.stats["decode_rows"] += num
         batch.pos_N[:num] += 1
-        tokens_B, logprobs_B = sample(logits_BV, batch.params(), batch.uniforms(num))
-        batch.record(0, tokens_B, logprobs_B, self._version)
+        if route_BLk is not None:
+            batch.record_routing(route_BLk)
+        tokens_B, logprobs_B, _ = self._sample(logits_B1V[:, -1])
+        self._stream_tokens(tokens_B, logprobs_B)
         self._finish_done(0, tokens_B)
 
     def _mixed_step(self, groups: list[Group]) -> None:
@@ -339,6 +455,11 @@ class NativeEngine:
             rows = [batch.add(Row(g, i, stop_ids), len(g.prompt_ids)) for i in range(g.params.n)]
             parts.append(Part(rows[0], offset, len(g.prompt_ids)))
             offset += len(g.prompt_ids)
+            if g.params.top_logprobs:
+                batch.ensure_top(g.params.top_logprobs)
+            if g.params.return_routed_experts:
+                batch.ensure_routing(self._routing.num_layers, self._routing.k, self._routing.dtype)
+        batch.params()
         pos_B = batch.pos_N[:num_running]
         ids = [batch.last_N[:num_running]] + [
             torch.tensor(g.prompt_ids, device=dev) for g in groups
@@ -346,11 +467,16 @@ class NativeEngine:
         pos = [pos_B] + [torch.arange(part.length, device=dev) for part in parts]
         max_pos = int(pos_B.max()) if num_running else -1
         batch.cache.begin_mixed(pos_B, max_pos, parts)
-        logits_TV = self._forward(torch.cat(ids)[None], torch.cat(pos)[None])[0]
+        logits_1TV, route_TLk = self._forward(
+            torch.cat(ids)[None], torch.cat(pos)[None], batch.any_routing
+        )
+        logits_TV = logits_1TV[0]
         self.stats["decode_steps"] += 1 if num_running else 0
         self.stats["decode_rows"] += num_running
         self.stats["prefill_tokens"] += offset - num_running
         batch.pos_N[:num_running] += 1
+        if route_TLk is not None and num_running:
+            batch.record_routing(route_TLk[:num_running])
         # Logits per row: running rows' own, then each new row gets its prompt's last position.
         pick = list(range(num_running))
         for g, (first, off, length, _) in zip(groups, parts, strict=True):
@@ -358,11 +484,59 @@ class NativeEngine:
                 first, torch.arange(first + 1, first + g.params.n, device=dev), length
             )
             pick += [off + length - 1] * g.params.n
+            if g.params.return_routed_experts and route_TLk is not None:
+                g.prompt_routing_PLk = route_TLk[off : off + length].clone()
+            if g.params.prompt_logprobs is not None:
+                self._prompt_logprobs(g, logits_TV[off : off + length - 1])
         logits_RV = logits_TV[torch.tensor(pick, device=dev)]
         batch.fill_uniforms(num_running)
-        tokens_R, logprobs_R = sample(logits_RV, batch.params(), batch.uniforms(len(batch)))
-        batch.record(0, tokens_R, logprobs_R, self._version)
+        tokens_R, logprobs_R, _ = self._sample(logits_RV)
+        self._stream_tokens(tokens_R, logprobs_R)
         self._finish_done(0, tokens_R)
+
+    def _prompt_logprobs(self, g: Group, logits_PV: torch.Tensor) -> None:
+        """log p(prompt[j] | prompt[:j]) for j >= 1 under the model's own distribution (no
+        temperature or filters: nothing was sampled there), plus top-n alternatives."""
+        lp_PV = torch.log_softmax(logits_PV.float(), dim=-1)
+        targets = torch.tensor(g.prompt_ids[1:], device=lp_PV.device)
+        own = lp_PV.gather(1, targets[:, None])[:, 0].tolist()
+        g.prompt_logprobs = [None, *own]
+        n = g.params.prompt_logprobs or 0
+        if n:
+            values, ids = lp_PV.topk(n, dim=-1)
+            pairs = [
+                list(zip(i, v, strict=True))
+                for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+            ]
+            g.prompt_top = [None, *pairs]
+
+    def _stream_tokens(self, tokens_B: torch.Tensor, logprobs_B: torch.Tensor) -> None:
+        """A StreamEvent per streaming row for the token it just sampled (rows [0, B))."""
+        rows = self.batch.stream_rows
+        if not rows:
+            return
+        index = torch.tensor(rows, device=tokens_B.device)
+        toks, lps = tokens_B[index].tolist(), logprobs_B[index].tolist()
+        for i, tok, lp in zip(rows, toks, lps, strict=True):
+            row = self.batch.rows[i]
+            top = None
+            if row.group.params.top_logprobs:
+                gen = int(self.batch.gen_N[i])
+                top = self.batch.top_of(i, gen - 1, gen)[0]
+            self._emit(row.group, StreamEvent(row.index, tok, lp, self._version, top))
+
+    def _emit(self, group: Group, event: StreamEvent) -> None:
+        """Call a request's stream hook; if it raises, that request alone is aborted."""
+        hook = group.stream
+        if hook is None:
+            return
+        try:
+            hook(event)
+        except Exception:  # noqa: BLE001 - a client's hook must not fail the other requests
+            log.exception("stream hook of request %s failed; aborting it", group.request_id)
+            group.stream = None
+            with self._lock:
+                self._aborted.add(group.request_id)
 
     def _finish_done(self, first: int, tokens_B: torch.Tensor) -> None:
         batch = self.batch
@@ -388,9 +562,15 @@ class NativeEngine:
         """Build completions for rows and free their slots. reason None: derive stop/length."""
         matched = matched or {}
         for i in indices:
-            row, tokens, logprobs, versions = self.batch.take(i)
+            out = self.batch.take(i)
+            row, g = out.row, out.row.group
+            tokens, logprobs, versions, top = out.tokens, out.logprobs, out.versions, out.top
             stop: int | str | None = matched.get(i)
             why = reason
+            if g.params.max_new_tokens == 0:  # ran for prompt outputs only: drop its token
+                tokens, logprobs, versions = [], [], []
+                top = [] if top is not None else None
+                why, stop = reason or "length", None
             if why is None:
                 if stop is not None:
                     why = "stop"
@@ -400,11 +580,23 @@ class NativeEngine:
                     why = "length"
             text = self._text(tokens, stop if isinstance(stop, str) else None)
             c = Completion(
-                row.group.request_id, row.index, row.group.prompt_ids, tokens, text, logprobs,
+                g.request_id, row.index, g.prompt_ids, tokens, text, logprobs,
                 why, versions, stop,  # type: ignore[arg-type]
+                top_logprobs=top, prompt_logprobs=g.prompt_logprobs,
+                prompt_top_logprobs=g.prompt_top,
+                routed_experts=self._routed(g, out.decode_routing_CLk, len(tokens)),
             )  # fmt: skip
-            self._deliver(row.group, c)
+            self._deliver(g, c)
         self.batch.remove(indices)
+
+    @staticmethod
+    def _routed(g: Group, decode_CLk: torch.Tensor | None, num_tokens: int) -> Any:
+        """The completion's (P + C - 1, L, k) routing on the CPU, or None if not recorded."""
+        if g.prompt_routing_PLk is None:
+            return None
+        parts = [g.prompt_routing_PLk] if decode_CLk is None else [g.prompt_routing_PLk, decode_CLk]
+        with torch.inference_mode(False):  # a normal tensor: the caller may write into it
+            return torch.cat(parts)[: len(g.prompt_ids) + num_tokens - 1].cpu().clone()
 
     def _text(self, tokens: list[int], stop_str: str | None) -> str:
         if self.tokenizer is None:
@@ -416,15 +608,20 @@ class NativeEngine:
 
     def _deliver(self, group: Group, c: Completion) -> None:
         c.meta["e2e_latency_s"] = time.perf_counter() - group.start_s
+        self._emit(group, StreamEvent(c.index, completion=c))
         group.results[c.index] = c
         group.remaining -= 1
         if group.remaining == 0:
             group.deliver(group.results)
 
     def _finish_empty(self, group: Group, reason: str) -> None:
+        top: list[Any] | None = [] if group.params.top_logprobs else None
         for i in range(group.params.n):
             if group.results[i] is None:
-                c = Completion(group.request_id, i, group.prompt_ids, [], "", [], reason, [])  # type: ignore[arg-type]
+                c = Completion(
+                    group.request_id, i, group.prompt_ids, [], "", [], reason, [],  # type: ignore[arg-type]
+                    top_logprobs=top,
+                )  # fmt: skip
                 self._deliver(group, c)
 
     def _fail_all(self, error: Exception) -> None:

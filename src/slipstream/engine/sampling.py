@@ -116,16 +116,21 @@ def processed_logprobs(logits_BV: torch.Tensor, rp: RowParams) -> torch.Tensor:
 
 
 def sample(
-    logits_BV: torch.Tensor, rp: RowParams, u_B: torch.Tensor
+    logits_BV: torch.Tensor,
+    rp: RowParams,
+    u_B: torch.Tensor,
+    lp_BV: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row. Returns (token_ids_B int64, behaviour logprobs_B float32).
 
     `u_B` is each row's uniform for this token: counter_uniform(seed, sample index, token index),
-    which the running batch precomputes for a whole sample when the row joins."""
+    which the running batch precomputes for a whole sample when the row joins. `lp_BV`: the
+    rows' `processed_logprobs`, when the caller computed them already (for top-n outputs)."""
     argmax_B = logits_BV.argmax(dim=-1)
     if rp.all_greedy:
         return argmax_B, torch.zeros(argmax_B.shape, dtype=torch.float32, device=argmax_B.device)
-    lp_BV = processed_logprobs(logits_BV, rp)
+    if lp_BV is None:
+        lp_BV = processed_logprobs(logits_BV, rp)
     cdf_BV = lp_BV.exp().cumsum(dim=-1)
     target_B1 = (u_B * cdf_BV[:, -1]).unsqueeze(1)
     token_B = torch.searchsorted(cdf_BV, target_B1, right=True).squeeze(1)

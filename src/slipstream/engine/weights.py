@@ -1,7 +1,20 @@
-"""Loading new policy weights into a live model (the engine's hot-swap)."""
+"""Loading new policy weights into a live model (the engine's hot-swap), validated first.
+
+A load is two steps so that a bad source can never leave a model half-updated:
+`prepare_weights(model, source)` reads the source and checks it completely (every parameter
+present and nothing else, shapes, floating dtypes, every value finite) and returns tensors already
+cast to the model's device and dtype; only then does `apply_weights` copy them in place. Reading
+and checking happen on the caller's thread (the engine keeps decoding meanwhile); a source that
+fails any check raises `ValueError` (or `OSError` for I/O) naming the file or tensor, and the
+model is untouched.
+
+Not covered: signatures (a writer of the source is trusted to write weights, not code: nothing
+here executes or unpickles anything; safetensors only).
+"""
 
 from __future__ import annotations
 
+import json
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,23 +30,82 @@ HF-format directory (safetensors, single file or sharded), or the URL of one tha
 _WEIGHT_FILES = (".safetensors", ".safetensors.index.json")
 
 
-def load_weights_into(model: torch.nn.Module, source: WeightSource) -> None:
-    """Copy weights into `model` in place (parameter identity kept). Strict: missing or
-    unexpected names and wrong shapes raise ValueError naming them; an unreadable source raises
-    ValueError or OSError."""
-    from slipstream.model import load_hf_state_dict, read_safetensors_dir
+def read_weights(source: WeightSource) -> dict[str, torch.Tensor]:
+    """The tensors of a source. A truncated or malformed safetensors file, or a shard index
+    that is not JSON or names missing files, is a ValueError naming it."""
+    from safetensors import SafetensorError
 
-    if isinstance(source, str) and "://" in source:
-        with tempfile.TemporaryDirectory(prefix="slipstream-weights-") as tmp:
-            _download(source, Path(tmp))
-            state = read_safetensors_dir(tmp)
-    elif isinstance(source, str | Path):
+    from slipstream.model import read_safetensors_dir
+
+    if not isinstance(source, str | Path):
+        return dict(source)
+    try:
+        if isinstance(source, str) and "://" in source:
+            with tempfile.TemporaryDirectory(prefix="slipstream-weights-") as tmp:
+                _download(source, Path(tmp))
+                return read_safetensors_dir(tmp)
         if not Path(source).is_dir():
             raise ValueError(f"update_weights: {source} is not a directory")
-        state = read_safetensors_dir(source)
-    else:
-        state = dict(source)
-    load_hf_state_dict(model, state)  # type: ignore[arg-type]
+        return read_safetensors_dir(source)
+    except SafetensorError as e:
+        raise ValueError(f"update_weights: {source}: unreadable safetensors: {e}") from None
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"update_weights: {source}: bad shard index: {e!r}") from None
+
+
+def prepare_weights(model: torch.nn.Module, source: WeightSource) -> dict[str, torch.Tensor]:
+    """Read `source` and check it against `model` (see the module docstring); returns the
+    internal (stacked-experts) state dict on the model's device and in its dtypes."""
+    from slipstream.model.checkpoint import hf_to_internal
+
+    state = read_weights(source)
+    bad_type = [k for k, v in state.items() if not isinstance(v, torch.Tensor)]
+    if bad_type:
+        raise ValueError(f"update_weights: entries that are not tensors: {bad_type[:5]}")
+    try:
+        internal = hf_to_internal(state, model.config.num_experts)
+    except (KeyError, RuntimeError) as e:  # incomplete or mis-shaped per-expert tensors
+        raise ValueError(f"update_weights: cannot stack the experts: {e}") from None
+    params = dict(model.state_dict())
+    if model.config.tie_word_embeddings:
+        internal.pop("lm_head.weight", None)
+        params.pop("lm_head.weight", None)
+    missing = sorted(set(params) - set(internal))
+    unexpected = sorted(set(internal) - set(params))
+    if missing or unexpected:
+        raise ValueError(
+            f"update_weights: checkpoint mismatch: missing {missing[:8]}"
+            f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
+        )
+    out: dict[str, torch.Tensor] = {}
+    for name, t in internal.items():
+        target = params[name]
+        if tuple(t.shape) != tuple(target.shape):
+            raise ValueError(
+                f"update_weights: {name}: shape {tuple(t.shape)}, the model has "
+                f"{tuple(target.shape)}"
+            )
+        if not t.is_floating_point():
+            raise ValueError(f"update_weights: {name}: dtype {t.dtype} is not floating point")
+        t = t.to(device=target.device, dtype=target.dtype)
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"update_weights: {name}: holds NaN or infinite values")
+        out[name] = t
+    return out
+
+
+def apply_weights(model: torch.nn.Module, prepared: dict[str, torch.Tensor]) -> None:
+    """Copy `prepare_weights` output into `model` in place (parameter identity kept)."""
+    from slipstream.model import load_hf_state_dict
+
+    load_hf_state_dict(model, prepared)  # type: ignore[arg-type]
+
+
+def load_weights_into(model: torch.nn.Module, source: WeightSource) -> None:
+    """`prepare_weights` then `apply_weights`: strict and validated (missing or unexpected
+    names, wrong shapes, non-float dtypes and non-finite values raise ValueError naming them;
+    an unreadable source raises ValueError or OSError); the model is unchanged on failure."""
+    apply_weights(model, prepare_weights(model, source))
 
 
 def _download(url: str, directory: Path) -> None:

@@ -225,6 +225,9 @@ class SparseMoeBlock(nn.Module):
         self.experts = Experts(num_experts, hidden_size, intermediate_size)
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
+        self.routing_sink: Callable[[torch.Tensor], None] | None = None
+        """Set by an inference engine to record routing: called with the top-k expert ids (N, k)
+        of every forward (read-only; the forward's numerics do not change)."""
         if shared_expert_intermediate_size > 0:
             self.shared_expert = MLP(hidden_size, shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
@@ -243,6 +246,8 @@ class SparseMoeBlock(nn.Module):
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(-1, D)
         logits_NE, w_Nk, ids_Nk = self.route(x_ND)
+        if self.routing_sink is not None:
+            self.routing_sink(ids_Nk)
         out_ND = self.experts(x_ND, ids_Nk, w_Nk, impl=self.impl)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out_ND = out_ND + torch.sigmoid(self.shared_expert_gate(x_ND)) * self.shared_expert(
