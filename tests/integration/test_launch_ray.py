@@ -64,6 +64,34 @@ def test_job_with_ray_actors(tmp_path: Path) -> None:
     print(f"ray job: 4 steps in {time.monotonic() - t0:.1f} s (process wall)")
 
 
+def test_trainer_ranks_as_actors_of_a_placement_group(tmp_path: Path) -> None:
+    """trainer.num_processes = 2 with ep 2 under the Ray launcher: rank 1 is an actor of a
+    placement group (run.ray_trainer_resources), joins rank 0 (the driver) over gloo, and the
+    expert-parallel job trains and publishes like the local one."""
+    out = finish(start_job(tmp_path, "trainer.steps=4", "trainer.num_processes=2",
+                           "trainer.parallel.ep=2", "trainer.groups_per_step=2"),
+                 tmp_path, timeout_s=180)  # fmt: skip
+    assert sorted(out) == [1, 2, 3, 4]
+    placed = json.loads((tmp_path / "run" / "launch" / "trainer_ranks.json").read_text())
+    assert [p["rank"] for p in placed] == [1] and placed[0]["pid"] != os.getpid()
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "**trainer rank exit codes**: [0]" in report, report
+    versions = sorted((tmp_path / "run" / "store" / "weights").iterdir())
+    assert versions[-1].name == "v00000004"
+
+
+def test_rank_order_keeps_a_nodes_ranks_together() -> None:
+    from slipstream.launch.ray_ranks import rank_order
+
+    # bundles 0..6 on nodes b, a, b, c, c, a, c; the driver (rank 0) is on a
+    nodes = ["b", "a", "b", "c", "c", "a", "c"]
+    order = rank_order("a", nodes, ranks_per_node=0)
+    assert [nodes[i] for i in order] == ["a", "a", "b", "b", "c", "c", "c"]
+    with pytest.raises(ValueError, match="ranks_per_node = 3"):
+        rank_order("a", nodes, ranks_per_node=3)  # a holds 3 (driver + 2), b only 2
+    assert len(rank_order("a", ["a", "a", "b", "b", "b"], ranks_per_node=3)) == 5
+
+
 def test_killed_actor_is_replaced(tmp_path: Path) -> None:
     job = start_job(tmp_path, "trainer.steps=6")
     record = tmp_path / "run" / "launch" / "ray_workers.jsonl"

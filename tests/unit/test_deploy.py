@@ -55,6 +55,7 @@ def mount_of(c: dict[str, Any], path: str) -> str:
 
 def test_manifests_parse_and_name_their_kinds() -> None:
     assert [d["kind"] for d in load("kuberay/rayjob.yaml")] == ["RayJob", "PersistentVolumeClaim"]
+    assert [d["kind"] for d in load("kuberay/rayjob-moe.yaml")] == ["RayJob"]
     assert [d["kind"] for d in load("eks/cluster.yaml")] == ["ClusterConfig"]
     assert [d["kind"] for d in load("eks/efa-device-plugin.yaml")] == ["DaemonSet"]
     assert rayjob()["apiVersion"] == "ray.io/v1"
@@ -234,3 +235,57 @@ def test_gpu_image_installs_in_the_seeds_order_and_asserts_the_result() -> None:
     assert "Never built".lower() in text.lower()
     ignore = (DEPLOY / "Dockerfile.gpu.dockerignore").read_text().split()
     assert {".git", ".venv", ".wheelhouse"} <= set(ignore)
+
+
+def moe_rayjob() -> dict[str, Any]:
+    return next(d for d in load("kuberay/rayjob-moe.yaml") if d["kind"] == "RayJob")
+
+
+def _ray_resources(params: dict[str, str]) -> dict[str, float]:
+    """KubeRay's `resources` rayStartParam: a JSON object inside a quoted string."""
+    import json
+
+    return json.loads(json.loads(params["resources"])) if "resources" in params else {}
+
+
+def test_moe_rayjob_places_every_trainer_rank_on_a_trainer_gpu() -> None:
+    """The multi-node trainer variant: the entrypoint is a valid sharded layout; the placement
+    group's bundles (run.ray_trainer_resources) fit the slots the trainer pods advertise, with
+    exactly ranks_per_node ranks per node (the driver's rank 0 included), on EFA trainer nodes."""
+    job = moe_rayjob()
+    argv = shlex.split(job["spec"]["entrypoint"])
+    assert argv[:2] == ["slipstream", "run"], argv
+    rest, overrides = split_overrides(argv[1:])
+    cfg = load_config(build_parser().parse_args(rest).config, overrides)
+    tc, par = cfg.trainer, cfg.trainer.parallel
+    assert cfg.run.launcher == "ray" and cfg.store.url.startswith("s3://")
+    assert par.sharded and par.ep > 1 and par.dp_shard * par.ep == tc.num_processes
+    assert cfg.model.num_experts % par.ep == 0 and tc.groups_per_step % tc.num_processes == 0
+    spec = job["spec"]["rayClusterSpec"]
+    head = spec["headGroupSpec"]
+    groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
+    trainer = groups["trainer"]
+    bundle = cfg.run.ray_trainer_resources
+    assert bundle == {"GPU": 1.0, "slipstream_trainer": 1.0}
+    head_gpus = int(head["rayStartParams"]["num-gpus"])
+    head_slots = _ray_resources(head["rayStartParams"])["slipstream_trainer"]
+    pod_gpus = int(trainer["rayStartParams"]["num-gpus"])
+    pod_slots = _ray_resources(trainer["rayStartParams"])["slipstream_trainer"]
+    # rank 0 (the driver) takes the head GPU that no rank actor gets
+    assert head_slots == head_gpus - 1 and pod_slots == pod_gpus
+    assert par.ranks_per_node == head_gpus == pod_gpus
+    assert 1 + head_slots + trainer["replicas"] * pod_slots == tc.num_processes
+    assert trainer["minReplicas"] == trainer["maxReplicas"] == trainer["replicas"]
+    # the GPUs Ray advertises are the ones the pods hold; trainer pods sit on the EFA node group
+    for pod, name, gpus in ((head["template"], "ray-head", head_gpus),
+                            (trainer["template"], "ray-worker", pod_gpus)):  # fmt: skip
+        limits = container(pod, name)["resources"]["limits"]
+        assert limits["nvidia.com/gpu"] == gpus and limits["vpc.amazonaws.com/efa"] > 0
+        assert pod["spec"]["nodeSelector"] == {"slipstream.io/role": "trainer"}
+        init = pod["spec"]["initContainers"][0]
+        assert init["command"][-1] == cfg.model.init_from  # every rank reads its shard there
+    groups_ng = node_groups()
+    assert groups_ng["trainer"]["efaEnabled"] is True
+    # the rollout side is rayjob.yaml's, unchanged
+    assert groups["rollout"] == rayjob()["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
+    assert cfg.rollout.num_workers == groups["rollout"]["replicas"]

@@ -19,7 +19,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from slipstream.config import ConfigError
 from slipstream.config.args import add_config_args
-from slipstream.rl.types import RolloutFailed
+from slipstream.rl.types import RolloutFailed, TrainerRankLost
 
 __all__ = ["add_config_args", "build_parser", "main", "register_modules", "split_overrides"]
 
@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"slipstream: {e}", file=sys.stderr)
         return 2
     except RolloutFailed as e:  # e.g. a worker slot crash-loops: the reason ends with its output
+        print(f"slipstream: {e}", file=sys.stderr)
+        return 1
+    except TrainerRankLost as e:  # the cause (a collective's error) is in the rank's log
         print(f"slipstream: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -49,6 +49,7 @@ class SlipstreamConfig(Section):
         - `buffer.max_staleness` is the one staleness bound: `trainer.mode` = "sync" sets it to 0,
           "one_step_off" to 1; "async" keeps the configured value.
         - `trainer.deterministic` needs `trainer.mode = "sync"` and turns on `rollout.seeded`.
+        - `trainer.routing_replay = "r3"` turns on `rollout.record_routing`.
         - `store.url` empty -> `<run.output_dir>/store` as an absolute path, so every process of
           the job (rollout workers, trainer ranks) opens the same store whatever its directory.
         - `trainer.parallel.dp_replicate` 0 -> num_processes / (dp_shard x ep); the layout is
@@ -66,6 +67,8 @@ class SlipstreamConfig(Section):
                 )
             if not self.rollout.seeded:
                 self.rollout.seeded = True
+        if self.trainer.routing_replay == "r3" and not self.rollout.record_routing:
+            self.rollout.record_routing = True
         if not self.store.url:
             self.store.url = str(Path(self.run.output_dir).resolve() / "store")
         # The layout against the model it splits (a start checkpoint's own architecture is

@@ -41,6 +41,10 @@ class RolloutConfig(Section):
     """Median artificial verifier latency (verify_latency = lognormal)."""
     verify_latency_p99_over_p50: float = Field(default=5.0, ge=1)
     """Tail ratio of the artificial verifier latency (p99 / p50)."""
+    record_routing: bool = False
+    """Have the engine record, per position and MoE layer, the experts it routed to, carried in
+    each sample (for routing replay, and for the router-agreement metric). On when
+    trainer.routing_replay = "r3" (resolved at load)."""
     seeded: bool = False
     """Deterministic sampling: each sample's seed is a function of (run.seed, task id, sample
     index), so a sync run is reproducible (used by the kill-and-resume determinism test)."""
@@ -117,6 +121,13 @@ class TrainerConfig(Section):
     skip_no_signal: bool = True
     """GRPO: skip the optimizer step when every advantage in the batch is zero (all groups have
     equal rewards), for the same reason; the version still advances."""
+    routing_replay: Literal["off", "r3"] = "off"
+    """`r3` (rollout routing replay): every MoE layer of the trainer's forward routes each
+    position to the experts the engine routed it to (recorded by the engine, carried by the
+    sample), with gate weights recomputed from the live router at those experts, so the
+    gradient is taken through the experts that produced the sample while the router still
+    learns. Each position replays the routing of the policy version that produced it (partial
+    rollouts mix versions). Resolves rollout.record_routing on. `off`: the live router's top-k."""
     freeze_router: bool = False
     """Do not train the MoE routers (their weights stay at the starting checkpoint's): routing
     drift under noisy RL updates cost held-out accuracy on the quickstart (docs/rl.md)."""

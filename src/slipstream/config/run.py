@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from slipstream.config.base import Section
 
@@ -24,3 +24,16 @@ class RunConfig(Section):
     ray_address: str = ""
     """With `launcher = "ray"`: empty starts a private local Ray instance for this job; `auto`
     joins the existing cluster this machine belongs to; `host:port` joins that cluster."""
+    ray_trainer_resources: dict[str, float] = Field(default_factory=lambda: {"CPU": 1.0})
+    """With `launcher = "ray"` and trainer.num_processes > 1: what each trainer rank but rank 0
+    (the driver) reserves, as one bundle of a placement group that packs them onto as few nodes
+    as possible (e.g. {"GPU": 1, "slipstream_trainer": 1} on a cluster whose trainer nodes
+    advertise that custom resource; deploy/kuberay/rayjob-moe.yaml)."""
+
+    @field_validator("ray_trainer_resources")
+    @classmethod
+    def _positive_resources(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = {k: x for k, x in v.items() if not k or not x > 0}
+        if not v or bad:
+            raise ValueError(f"needs resource names with amounts > 0, got {v}")
+        return v

@@ -6,12 +6,15 @@
     codes = launcher.stop()                        # drain, then stop; {slot: exit code}
 
 Every launcher builds its workers with launch/worker.py and supervises them with the one policy
-of launch/supervise.py; the job driver (launch/job.py) never knows which launcher it has.
+of launch/supervise.py; the job driver (launch/job.py) never knows which launcher it has. The
+trainer ranks beyond rank 0 are placed by the same switch (`start_trainer_ranks`): processes here
+(launch/dp.py) or actors of a Ray placement group (launch/ray_ranks.py).
 """
 
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import Any, Protocol
 
 from slipstream.config import SlipstreamConfig
@@ -19,6 +22,10 @@ from slipstream.config import SlipstreamConfig
 LAUNCHERS = {
     "local": "slipstream.launch.local:LocalLauncher",
     "ray": "slipstream.launch.ray:RayLauncher",  # the `ray` extra
+}
+TRAINER_RANKS = {
+    "local": "slipstream.launch.dp:TrainerRanks",  # processes on this machine
+    "ray": "slipstream.launch.ray_ranks:RayTrainerRanks",  # actors of a placement group
 }
 
 
@@ -43,6 +50,31 @@ class Launcher(Protocol):
     def summary(self) -> dict[str, Any]:
         """Launcher facts for the run's report (restarts, re-placements, ...)."""
         ...
+
+
+class FollowerRanks(Protocol):
+    """Trainer ranks 1..W-1 as rank 0 (this process) sees them, however they were placed."""
+
+    def send(self, command: tuple[Any, ...]) -> None:
+        """Broadcast a command (launch/dp.py); rank 0 then does its own part of it."""
+        ...
+
+    def lost(self) -> Exception | None:
+        """An error naming the ranks that ended, or None while all run."""
+        ...
+
+    def close(self, timeout_s: float = 30.0) -> list[int | None]:
+        """Wait for them to leave (after ("stop",)), force the rest; exit codes."""
+        ...
+
+
+def start_trainer_ranks(
+    cfg: SlipstreamConfig, init_checkpoint: str, log_dir: Path
+) -> FollowerRanks:
+    """Start ranks 1..W-1 where run.launcher places them, and join their process group as rank 0
+    (blocks until all joined)."""
+    mod, cls = TRAINER_RANKS[cfg.run.launcher].split(":")
+    return getattr(importlib.import_module(mod), cls).start(cfg, init_checkpoint, log_dir)
 
 
 def make_launcher(cfg: SlipstreamConfig, coordinator: Any, *, restart: bool = True) -> Launcher:

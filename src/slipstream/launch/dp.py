@@ -57,14 +57,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init(cfg: SlipstreamConfig, rank: int, port: int) -> torch.device:
+def join_group(cfg: SlipstreamConfig, rank: int, address: str, local_gpu: int | None = None
+               ) -> torch.device:  # fmt: skip
+    """Join the trainer ranks' process group at tcp://address as `rank`; -> this rank's device.
+    On CUDA the rank uses cuda:<local_gpu> (default: cuda:<rank>, one machine)."""
     device = resolve_device(cfg.run)
     if device.type == "cuda":
-        device = torch.device("cuda", rank)
+        device = torch.device("cuda", rank if local_gpu is None else local_gpu)
         torch.cuda.set_device(device)
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"tcp://{address}",
         rank=rank,
         world_size=cfg.trainer.num_processes,
         timeout=datetime.timedelta(seconds=cfg.trainer.batch_timeout_s + 60),
@@ -72,7 +75,8 @@ def _init(cfg: SlipstreamConfig, rank: int, port: int) -> torch.device:
     return device
 
 
-def _broadcast(obj: Any) -> Any:
+def broadcast_command(obj: Any) -> Any:
+    """Rank 0: send `obj` to every rank; the others: receive it (pass None)."""
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
@@ -86,10 +90,12 @@ class TrainerRanks:
         self.log_dir = log_dir
 
     def lost(self) -> TrainerRankLost | None:
-        """An error naming the follower ranks that have exited, or None while all run."""
+        """An error naming the follower ranks that have exited (killed ones first: the others
+        usually failed at the collective with them), or None while all run."""
         dead = [(r, p.returncode) for r, p in enumerate(self.procs, start=1) if p.poll() is not None]
         if not dead:
             return None
+        dead.sort(key=lambda rc: (rc[1] >= 0, rc[0]))  # signals (negative codes) first
         names = ", ".join(f"rank {r} (exit {code}; {self.log_dir / f'trainer-rank{r}.log'})"
                           for r, code in dead)  # fmt: skip
         return TrainerRankLost(f"trainer {names} ended during the run, so the step could not "
@@ -114,7 +120,7 @@ class TrainerRanks:
             logf.close()
         group = cls(procs, log_dir)
         try:
-            _init(cfg, 0, port)
+            join_group(cfg, 0, f"127.0.0.1:{port}")
         except BaseException:
             group.close()
             raise
@@ -123,7 +129,7 @@ class TrainerRanks:
     def send(self, command: tuple[Any, ...]) -> None:
         """Broadcast one command to the followers (see the module docstring); rank 0 then does
         its own part of it."""
-        _broadcast(command)
+        broadcast_command(command)
 
     def close(self, timeout_s: float = 30.0) -> list[int | None]:
         """Wait for the followers (after ("stop",)); kill any that do not exit; exit codes."""
@@ -148,10 +154,6 @@ def _die_with_parent() -> None:
 
 
 def follower_main(argv: list[str]) -> int:
-    from slipstream.rl.trainer import build_trainer
-    from slipstream.storage import open_stores
-    from slipstream.tasks import get_taskset
-
     p = argparse.ArgumentParser(prog="slipstream.launch.dp")
     p.add_argument("--spec", required=True)
     p.add_argument("--rank", type=int, required=True)
@@ -162,12 +164,22 @@ def follower_main(argv: list[str]) -> int:
     spec = json.loads(Path(args.spec).read_text())
     cfg = SlipstreamConfig.model_validate(spec["config"])
     set_threads(cfg.run)
-    device = _init(cfg, args.rank, spec["port"])
+    device = join_group(cfg, args.rank, f"127.0.0.1:{spec['port']}")
+    return follow(cfg, spec["init"], device, args.rank)
+
+
+def follow(cfg: SlipstreamConfig, init_checkpoint: str, device: torch.device, rank: int) -> int:
+    """A follower rank's life after it joined the group: build its part of the trainer, then
+    execute rank 0's commands until ("stop",). Returns 0. Every launcher's followers run this."""
+    from slipstream.rl.trainer import build_trainer
+    from slipstream.storage import open_stores
+    from slipstream.tasks import get_taskset
+
     # Built as the Controller builds rank 0's, so every rank starts from the same state.
-    trainer = build_trainer(cfg, spec["init"], device, get_taskset(cfg.task).tokenizer.pad_id)
+    trainer = build_trainer(cfg, init_checkpoint, device, get_taskset(cfg.task).tokenizer.pad_id)
     ckpts = open_stores(cfg).checkpoints
     num_steps = 0
-    while (command := _broadcast(None))[0] != "stop":
+    while (command := broadcast_command(None))[0] != "stop":
         match command:
             case ("resume", step):
                 if step is not None:
@@ -181,7 +193,7 @@ def follower_main(argv: list[str]) -> int:
             case ("save",):
                 trainer.save(ckpts, None, {})
             case _:
-                raise RuntimeError(f"rank {args.rank}: unknown command {command[0]!r} from rank 0")
+                raise RuntimeError(f"rank {rank}: unknown command {command[0]!r} from rank 0")
     log.info("done after %d steps (version %d)", num_steps, trainer.version)
     return 0
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from slipstream.config import SlipstreamConfig
-from slipstream.launch.base import Launcher, make_launcher
+from slipstream.launch.base import FollowerRanks, Launcher, make_launcher, start_trainer_ranks
 
 
 def setup_start_checkpoint(cfg: SlipstreamConfig, console: Any = None) -> str:
@@ -37,13 +37,12 @@ def setup_start_checkpoint(cfg: SlipstreamConfig, console: Any = None) -> str:
     return str(ckpt)
 
 
-def setup_trainer_ranks(cfg: SlipstreamConfig, init: str) -> Any:
-    """The other trainer ranks (launch/dp.py) when trainer.num_processes > 1, else None."""
+def setup_trainer_ranks(cfg: SlipstreamConfig, init: str) -> FollowerRanks | None:
+    """The other trainer ranks when trainer.num_processes > 1 (placed per run.launcher), else
+    None."""
     if cfg.trainer.num_processes == 1:
         return None
-    from slipstream.launch.dp import TrainerRanks
-
-    return TrainerRanks.start(cfg, init, Path(cfg.run.output_dir) / "launch" / "logs")
+    return start_trainer_ranks(cfg, init, Path(cfg.run.output_dir) / "launch" / "logs")
 
 
 def run_job(cfg: SlipstreamConfig, console: Any = None, *, display: bool = True) -> Any:

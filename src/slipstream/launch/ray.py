@@ -82,6 +82,29 @@ def _import_ray() -> Any:
     return ray
 
 
+def init_ray(cfg: SlipstreamConfig) -> bool:
+    """Join Ray per run.ray_address (see the module docstring) unless this process already has;
+    -> whether this call started a private local instance (which its caller then shuts down).
+    The private instance has a CPU for every rollout worker and every trainer rank but rank 0."""
+    ray = _import_ray()
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_DISABLE_USAGE_STATS", "1")
+    kwargs: dict[str, Any] = {"ignore_reinit_error": True, "include_dashboard": False}
+    if cfg.run.ray_address:
+        kwargs["address"] = cfg.run.ray_address
+    else:
+        cpus = cfg.rollout.num_workers + (cfg.trainer.num_processes - 1)
+        kwargs.update(address="local", num_cpus=cpus, object_store_memory=_OBJECT_STORE_BYTES)
+    # ray.init installs its own SIGTERM handler (sys.exit); keep the job's.
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if on_main else None
+    ray.init(**kwargs)
+    if previous is not None:
+        signal.signal(signal.SIGTERM, previous)
+    return not cfg.run.ray_address
+
+
 def is_local_path(url: str) -> bool:
     """True for a plain filesystem path (no scheme), which other nodes cannot be assumed to see."""
     return "://" not in url
@@ -193,22 +216,7 @@ class RayLauncher:
             raise
 
     def _init_ray(self, ray: Any) -> None:
-        if ray.is_initialized():
-            return
-        os.environ.setdefault("RAY_DISABLE_USAGE_STATS", "1")
-        kwargs: dict[str, Any] = {"ignore_reinit_error": True, "include_dashboard": False}
-        if self.cfg.run.ray_address:
-            kwargs["address"] = self.cfg.run.ray_address
-        else:
-            kwargs.update(address="local", num_cpus=self.cfg.rollout.num_workers,
-                          object_store_memory=_OBJECT_STORE_BYTES)  # fmt: skip
-        # ray.init installs its own SIGTERM handler (sys.exit); keep the job's.
-        on_main = threading.current_thread() is threading.main_thread()
-        previous = signal.getsignal(signal.SIGTERM) if on_main else None
-        ray.init(**kwargs)
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-        self._started_ray = not self.cfg.run.ray_address
+        self._started_ray = init_ray(self.cfg)
 
     def _shutdown_ray(self, ray: Any) -> None:
         if self._started_ray:

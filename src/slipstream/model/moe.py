@@ -232,20 +232,38 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = MLP(hidden_size, shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
-    def route(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> (router logits (N, E) in x's dtype, top-k weights (N, k) in x's dtype, ids (N, k))."""
+    def route(
+        self, x_ND: torch.Tensor, replay_ids_Nk: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (router logits (N, E) in x's dtype, top-k weights (N, k) in x's dtype, ids (N, k)).
+
+        `replay_ids_Nk` (routing replay, R3): use these experts instead of the router's top-k;
+        their weights are the live router's probabilities at those ids (renormalised like the
+        top-k's), so the router still gets its gradient. With the ids the router itself would
+        pick, the result equals the plain routing."""
         logits_NE = self.gate(x_ND)
         probs_NE = F.softmax(logits_NE, dim=-1, dtype=torch.float32)
-        w_Nk, ids_Nk = torch.topk(probs_NE, self.top_k, dim=-1)
+        if replay_ids_Nk is None:
+            w_Nk, ids_Nk = torch.topk(probs_NE, self.top_k, dim=-1)
+        else:
+            if replay_ids_Nk.shape != (x_ND.shape[0], self.top_k):
+                raise ValueError(
+                    f"replayed routing has shape {tuple(replay_ids_Nk.shape)}, the block routes "
+                    f"{x_ND.shape[0]} tokens to top-{self.top_k}"
+                )
+            ids_Nk = replay_ids_Nk.to(device=probs_NE.device, dtype=torch.long)
+            w_Nk = probs_NE.gather(-1, ids_Nk)
         if self.norm_topk_prob:
             w_Nk = w_Nk / w_Nk.sum(dim=-1, keepdim=True)
         return logits_NE, w_Nk.to(logits_NE.dtype), ids_Nk
 
-    def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (output (B, T, D), router logits (B*T, E))."""
+    def forward(
+        self, x_BTD: torch.Tensor, replay_ids_Nk: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (output (B, T, D), router logits (B*T, E)). `replay_ids_Nk`: see `route`."""
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(-1, D)
-        logits_NE, w_Nk, ids_Nk = self.route(x_ND)
+        logits_NE, w_Nk, ids_Nk = self.route(x_ND, replay_ids_Nk)
         if self.routing_sink is not None:
             self.routing_sink(ids_Nk)
         out_ND = self.experts(x_ND, ids_Nk, w_Nk, impl=self.impl)

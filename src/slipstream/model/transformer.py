@@ -75,11 +75,12 @@ class DecoderLayer(nn.Module):
         x_BTD: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         cache: KVCache | None,
+        replay_ids_Nk: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), cos_sin, cache)
         h = self.post_attention_layernorm(x_BTD)
         if isinstance(self.mlp, SparseMoeBlock):
-            out, router_logits = self.mlp(h)
+            out, router_logits = self.mlp(h, replay_ids_Nk)
             return x_BTD + out, router_logits
         return x_BTD + self.mlp(h), None
 
@@ -168,14 +169,26 @@ class MoEForCausalLM(nn.Module):
         cache: KVCache | None = None,
         token_mask_BT: torch.Tensor | None = None,
         logits_to_keep: int = 0,
+        replay_routing_LNk: torch.Tensor | None = None,
     ) -> ModelOutput:
         """Logits for every input position. Without a cache: causal attention over the T tokens
         given (no padding mask: right-pad batches). With a cache: see `KVCache`.
         `token_mask_BT` (optional, bool) only excludes tokens from the router losses, which are
         not computed (aux_loss = 0) for cached forwards under torch.no_grad / inference_mode.
         `logits_to_keep` > 0 returns logits for the last that many positions only (saves the
-        (B, T, V) projection at prefill); 0 keeps all."""
+        (B, T, V) projection at prefill); 0 keeps all.
+        `replay_routing_LNk` (routing replay): per MoE layer (model order), the experts each of
+        the N = B*T tokens (row-major) is routed to instead of the router's own top-k (see
+        `SparseMoeBlock.route`); the router losses still follow the live router."""
         B, T = input_ids_BT.shape
+        if replay_routing_LNk is not None and replay_routing_LNk.shape[:2] != (
+            len(self.moe_layer_ids),
+            B * T,
+        ):
+            raise ValueError(
+                f"replay_routing_LNk has shape {tuple(replay_routing_LNk.shape)}; expected "
+                f"({len(self.moe_layer_ids)} MoE layers, {B * T} tokens, top-k)"
+            )
         if position_ids_BT is None:
             position_ids_BT = self.default_position_ids(B, T, cache, input_ids_BT.device)
         x_BTD = self.model.embed_tokens(input_ids_BT)
@@ -185,12 +198,15 @@ class MoEForCausalLM(nn.Module):
         router_logits: list[torch.Tensor] = []
         checkpoint = self.gradient_checkpointing and self.training and cache is None
         for layer in self.model.layers:
+            replay = None
+            if replay_routing_LNk is not None and isinstance(layer.mlp, SparseMoeBlock):
+                replay = replay_routing_LNk[len(router_logits)]
             if checkpoint:
                 x_BTD, rl = torch.utils.checkpoint.checkpoint(
-                    layer, x_BTD, cos_sin, None, use_reentrant=False
+                    layer, x_BTD, cos_sin, None, replay, use_reentrant=False
                 )
             else:
-                x_BTD, rl = layer(x_BTD, cos_sin, cache)
+                x_BTD, rl = layer(x_BTD, cos_sin, cache, replay)
             if rl is not None:
                 router_logits.append(rl)
         if logits_to_keep > 0:

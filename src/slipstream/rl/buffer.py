@@ -20,6 +20,7 @@ Not covered: persistence by itself (the checkpoint writes `snapshot()`), priorit
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import threading
 from collections import Counter
@@ -30,13 +31,20 @@ from slipstream.rl.types import Batch, Group, Sample, TaskRef
 
 
 def group_to_dict(g: Group) -> dict[str, Any]:
-    return dataclasses.asdict(g)
+    """JSON-ready (recorded routing as base64)."""
+    d = dataclasses.asdict(g)
+    for s in d["samples"]:
+        s["routed_experts"] = base64.b64encode(s["routed_experts"]).decode()
+    return d
 
 
 def group_from_dict(d: dict[str, Any]) -> Group:
+    def sample(s: dict[str, Any]) -> Sample:
+        return Sample(**{**s, "routed_experts": base64.b64decode(s.get("routed_experts", ""))})
+
     return Group(
         task=TaskRef(**d["task"]),
-        samples=[Sample(**s) for s in d["samples"]],
+        samples=[sample(s) for s in d["samples"]],
         worker_id=d.get("worker_id", ""),
         lease_id=d.get("lease_id", -1),
     )

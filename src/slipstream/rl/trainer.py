@@ -51,6 +51,7 @@ from slipstream.rl.losses import (
     kl_k3,
     token_logprobs,
 )
+from slipstream.rl.routing import MismatchStats, collate_routing, mismatch_metrics
 from slipstream.rl.types import Batch, Group, Sample
 from slipstream.storage import CheckpointStore
 
@@ -59,7 +60,10 @@ def collate(
     samples: list[Sample], pad_id: int, device: torch.device, pad_to: int | None = None
 ) -> dict[str, torch.Tensor]:
     """Right-padded tensors (to the longest sample, or `pad_to` positions); `mask_BT` marks
-    target positions holding completion tokens."""
+    target positions holding completion tokens, `valid_BT` every real input position,
+    `version_BT` the policy version that produced each input position's forward (prompt
+    positions: the first token's; -1 on padding). When every sample carries recorded routing,
+    `routing_BTLk` holds it (zeros on padding)."""
     T = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples) - 1
     if pad_to is not None:
         if pad_to < T:
@@ -70,6 +74,8 @@ def collate(
     targets_BT = torch.full((B, T), pad_id, dtype=torch.long)
     mask_BT = torch.zeros((B, T), dtype=torch.bool)
     behaviour_BT = torch.zeros((B, T), dtype=torch.float32)
+    version_BT = torch.full((B, T), -1, dtype=torch.long)
+    valid_BT = torch.zeros((B, T), dtype=torch.bool)
     last_B = torch.zeros(B, dtype=torch.long)
     for b, s in enumerate(samples):
         seq = s.prompt_ids + s.completion_ids
@@ -79,9 +85,17 @@ def collate(
         # target j is token j + 1, so the completion's targets are positions p-1 .. n-1
         mask_BT[b, p - 1 : n] = True
         behaviour_BT[b, p - 1 : n] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
+        valid_BT[b, :n] = True
+        if s.versions:
+            version_BT[b, : p - 1] = s.versions[0]
+            version_BT[b, p - 1 : n] = torch.tensor(s.versions)
         last_B[b] = max(n - 1, p - 1)
     out = {"inputs_BT": inputs_BT, "targets_BT": targets_BT, "mask_BT": mask_BT,
-           "behaviour_BT": behaviour_BT, "last_B": last_B}  # fmt: skip
+           "behaviour_BT": behaviour_BT, "last_B": last_B, "version_BT": version_BT,
+           "valid_BT": valid_BT}  # fmt: skip
+    if all(s.routed_experts for s in samples):
+        L, k = samples[0].routing_shape
+        out["routing_BTLk"] = collate_routing(samples, T).view(L, B, T, k).permute(1, 2, 0, 3)
     return {k: v.to(device) for k, v in out.items()}
 
 
@@ -318,8 +332,17 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16)
 
     def _logp(self, model: nn.Module, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:
+        replay = None
+        if self.cfg.routing_replay == "r3":  # route as the engine did for each position
+            if "routing_BTLk" not in t:
+                raise ValueError(
+                    "trainer.routing_replay = 'r3' but the batch carries no recorded routing "
+                    "(the engine must record it: rollout.record_routing, resolved on by r3)"
+                )
+            B, T, L, k = t["routing_BTLk"].shape
+            replay = t["routing_BTLk"].permute(2, 0, 1, 3).reshape(L, B * T, k)
         with self._autocast():
-            out = model(t["inputs_BT"], token_mask_BT=t["mask_BT"])
+            out = model(t["inputs_BT"], token_mask_BT=t["mask_BT"], replay_routing_LNk=replay)
         return token_logprobs(out.logits_BTV / self.temperature, t["targets_BT"]), out
 
     def _advantages(
@@ -397,12 +420,15 @@ class Trainer:
             num_tokens=float(t["mask_BT"].sum()),
             completion_len_mean=float(t["mask_BT"].sum(-1).float().mean()),
         )
-        totals = self.ranks.reduce_metrics(totals, summed=SUMMED_METRICS)
+        sums = [k for k in totals if k.endswith(MISMATCH_SUMS)]
+        totals = self.ranks.reduce_metrics(totals, summed=(*SUMMED_METRICS, *sums))
+        totals.update(mismatch_metrics({k: totals.pop(k) for k in sums}))
         totals["loss"] = self._total_loss(totals)
         # over the whole batch (every rank holds it), not this rank's share
         totals.update(
             reward_mean=float(np.mean([s.reward for s in batch.samples])),
             num_samples=float(len(batch.samples)),
+            routing_bytes_per_sample=float(np.mean([len(s.routed_experts) for s in batch.samples])),
         )
         return totals
 
@@ -413,6 +439,22 @@ class Trainer:
             return float("nan")
         return (m["pg_loss"] + m["aux_loss"] - cfg.entropy_coef * m.get("entropy", 0.0)
                 + cfg.kl_coef * m.get("kl", 0.0) + cfg.value_coef * m.get("value_loss", 0.0))  # fmt: skip
+
+    def _mismatch(
+        self, t: dict[str, torch.Tensor], logp_BT: torch.Tensor, out: Any
+    ) -> dict[str, float]:
+        """Train-inference mismatch sums of a minibatch (rl/routing.py): the proximal logp
+        against the behaviour logp, and (with recorded routing) the live router's top-k against
+        the engine's, by staleness."""
+        mis = MismatchStats()
+        stale_BT = self.version - t["version_BT"]
+        mis.add_logprobs(logp_BT.detach(), t["behaviour_BT"], t["mask_BT"], stale_BT)
+        if "routing_BTLk" in t and out.router_logits is not None:
+            B, T, L, k = t["routing_BTLk"].shape
+            recorded_LNk = t["routing_BTLk"].permute(2, 0, 1, 3).reshape(L, B * T, k)
+            mis.add_routing(out.router_logits, recorded_LNk, t["valid_BT"].reshape(-1),
+                            stale_BT.reshape(-1))  # fmt: skip
+        return mis.sums
 
     def _minibatch(self, t, extra, old_logp_BT, ref_logp_BT) -> dict[str, float]:
         """One optimizer step on a minibatch (this rank's slice of it). Loss terms are divided
@@ -431,6 +473,7 @@ class Trainer:
         loss = pg_loss + out.aux_loss
         stats["pg_loss"] = float(pg_loss.detach())
         stats["aux_loss"] = float(out.aux_loss.detach())
+        stats.update(self._mismatch(t, old, out))
         if cfg.entropy_coef > 0:
             ent = aggregate(entropy_from_logits(out.logits_BTV / self.temperature), mask_BT,
                             cfg.aggregation, denom)  # fmt: skip
@@ -460,6 +503,8 @@ class Trainer:
 
 SUMMED_METRICS = ("pg_loss", "entropy", "kl", "value_loss", "num_tokens")
 """Metrics that are each rank's part of the whole batch's value (added over ranks)."""
+MISMATCH_SUMS = tuple(f"_s{b}" for b in ("0", "1", "2+"))
+"""Suffixes of the mismatch sums (rl/routing.py), added over ranks before the means."""
 
 
 def build_trainer(

@@ -62,6 +62,13 @@ class Sample:
     reward: float = 0.0
     finish_reason: str = "stop"
     text: str = ""
+    routed_experts: bytes = b""
+    """The experts the engine routed every input position to (rl/routing.py): for the
+    P + C - 1 positions the trainer's forward sees (prompt, then each sampled token but the
+    last), per MoE layer, the top-k expert ids, as C-order uint8 (E <= 256) or int16 bytes; row
+    j was routed by the weights of version versions[max(0, j - P + 1)]. Empty: not recorded."""
+    routing_shape: tuple[int, int] = (0, 0)
+    """(MoE layers, k) of `routed_experts`; (0, 0) when not recorded."""
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -70,6 +77,17 @@ class Sample:
                 f"sample has {n} completion tokens but {len(self.behaviour_logprobs)} logprobs "
                 f"and {len(self.versions)} versions"
             )
+        self.routing_shape = tuple(self.routing_shape)  # type: ignore[assignment]  # JSON: a list
+        if self.routed_experts:
+            rows = len(self.prompt_ids) + n - 1
+            num_layers, k = self.routing_shape
+            per_row = num_layers * k
+            if not per_row or len(self.routed_experts) not in (rows * per_row, 2 * rows * per_row):
+                raise ValueError(
+                    f"routed_experts holds {len(self.routed_experts)} bytes; {rows} positions x "
+                    f"{num_layers} layers x top-{k} need {rows * per_row} (uint8) or "
+                    f"{2 * rows * per_row} (int16)"
+                )
 
     @property
     def oldest_version(self) -> int:

@@ -38,6 +38,7 @@ from slipstream.engine.base import (
     PublishedWeights,
     SamplingParams,
 )
+from slipstream.rl import routing
 from slipstream.rl.types import Group, Lease, Sample, TaskRef
 from slipstream.rl.verifier import Verifier
 from slipstream.tasks import TaskSet
@@ -54,6 +55,14 @@ class _TaskWork:
     rewards: list[float | None] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     done: bool = False  # acked, nacked or abandoned
+
+
+def _routing_fields(c: Completion) -> dict[str, Any]:
+    """The completion's recorded routing as Sample fields ({} when not recorded)."""
+    if c.routed_experts is None:
+        return {}
+    data, shape = routing.pack(c.routed_experts)
+    return {"routed_experts": data, "routing_shape": shape}
 
 
 def sample_seed(run_seed: int, task_id: int) -> int:
@@ -195,6 +204,7 @@ class RolloutWorker:
                 max_new_tokens=self.max_new_tokens,
                 n=self.cfg.group_size,
                 seed=sample_seed(self.run_seed, ref.task_id) if self.cfg.seeded else None,
+                return_routed_experts=self.cfg.record_routing,
             )
             req = GenerateRequest(self.taskset.prompt_ids(task), params)
             w = self._tasks[ref.task_id]
@@ -244,6 +254,7 @@ class RolloutWorker:
                 reward=float(r),
                 finish_reason=c.finish_reason,
                 text=t,
+                **_routing_fields(c),
             )  # fmt: skip
             for c, r, t in zip(w.completions, w.rewards, w.texts, strict=True)
         ]
