@@ -96,6 +96,7 @@ def run_mode(cfg: Any, init: str) -> dict[str, Any]:
         "pass_at_1_after": result.pass_at_1_after,
         "staleness_hist": controller.coord.buffer.metrics()["staleness_hist"],
         "dropped_stale": controller.coord.buffer.metrics()["dropped_stale"],
+        "records": steps,
     }
 
 
@@ -121,7 +122,9 @@ def run(args: argparse.Namespace) -> int:
             ]  # fmt: skip
             cfg = load_config(args.config, overrides)
             t0 = time.monotonic()
-            results.append(run_mode(cfg, init))
+            mode_result = run_mode(cfg, init)
+            del mode_result["records"]  # per-step records: r3's business, not this JSON's
+            results.append(mode_result)
             print(f"{mode}: {results[-1]['samples_per_s']:.2f} samples/s, idle "
                   f"{results[-1]['trainer_idle_frac']:.0%} ({time.monotonic() - t0:.0f} s)")  # fmt: skip
     base_r, fig_r = results[0], results[-1]
