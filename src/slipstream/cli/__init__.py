@@ -3,6 +3,12 @@
 Each subcommand module exposes `register(subparsers)`, which adds its parser and sets
 `func=handler(args) -> int`. Config-taking commands accept `-c FILE` plus any number of dotted
 overrides (`--trainer.lr=3e-4` or `--trainer.lr 3e-4`), collected into `args.overrides`.
+
+Errors a user can act on end in one line on stderr, never a traceback: a config error (exit 2),
+a store error (`slipstream.storage.errors`: a corrupt entry, another job holding the lock, NaN
+weights; exit 1), an OS error (ENOSPC, EACCES, EROFS, a file where a directory should be, a
+missing checkpoint; exit 1) as `slipstream: PATH: reason`. SLIPSTREAM_TRACEBACK=1 re-raises them
+with the traceback, for debugging.
 """
 
 from __future__ import annotations
@@ -20,8 +26,16 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from slipstream.config import ConfigError
 from slipstream.config.args import add_config_args
 from slipstream.rl.types import RolloutFailed, TrainerRankLost
+from slipstream.storage.errors import StoreError
 
-__all__ = ["add_config_args", "build_parser", "main", "register_modules", "split_overrides"]
+__all__ = [
+    "add_config_args",
+    "build_parser",
+    "main",
+    "os_error_line",
+    "register_modules",
+    "split_overrides",
+]
 
 # Subcommand modules, in the order `--help` lists them.
 SUBCOMMANDS = [
@@ -85,6 +99,16 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     return rest, overrides
 
 
+def os_error_line(e: OSError) -> str:
+    """`PATH: reason` (`PATH -> PATH2: reason` for renames), or the message when it names no
+    path itself (e.g. `no checkpoint at DIR`)."""
+    reason = e.strerror or str(e) or type(e).__name__
+    if e.filename is None:
+        return str(e) or type(e).__name__
+    where = str(e.filename) + (f" -> {e.filename2}" if e.filename2 is not None else "")
+    return f"{where}: {reason}"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -107,6 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     except TrainerRankLost as e:  # the cause (a collective's error) is in the rank's log
         print(f"slipstream: {e}", file=sys.stderr)
         return 1
+    except StoreError as e:  # before OSError: InvalidEntry is both
+        if os.environ.get("SLIPSTREAM_TRACEBACK"):
+            raise
+        print(f"slipstream: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("slipstream: interrupted", file=sys.stderr)
         return 130
@@ -114,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
         # output piped into `head` & co.: stop quietly, and keep Python's exit-time flush quiet too
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as e:  # ENOSPC, EACCES, EROFS, a file as output_dir, a missing checkpoint
+        if os.environ.get("SLIPSTREAM_TRACEBACK"):
+            raise
+        print(f"slipstream: {os_error_line(e)}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

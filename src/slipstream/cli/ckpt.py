@@ -1,10 +1,15 @@
 """`slipstream ckpt list|export`: inspect the weight versions and trainer checkpoints of a run's
-store, and export a published weight version as an HF-format directory."""
+store, and export a published weight version as an HF-format directory.
+
+`list` reads and verifies every entry (manifest, sizes, hashes, formats, finite weights) and
+prints JSON with each one's validity and, when invalid, why; invalid entries are also named on
+stderr. A resumed run skips invalid checkpoints (storage/checkpoints.py `latest_valid`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from slipstream.cli import add_config_args
 from slipstream.config import load_config
@@ -15,7 +20,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "ckpt", help="list weight versions / checkpoints in the store, export weights"
     )
     csub = p.add_subparsers(dest="ckpt_command", metavar="ACTION", required=True)
-    ls = csub.add_parser("list", help="published weight versions and resumable checkpoints")
+    ls = csub.add_parser(
+        "list", help="published weight versions and checkpoints, each verified (valid or why not)"
+    )
     add_config_args(ls)
     ls.set_defaults(func=cmd_list)
     ex = csub.add_parser(
@@ -39,8 +46,19 @@ def _stores(args: argparse.Namespace):
 
 def cmd_list(args: argparse.Namespace) -> int:
     _, weights, ckpts = _stores(args)
-    print(json.dumps({"store": weights.blob.url, "weight_versions": weights.versions(),
-                      "checkpoint_steps": ckpts.steps()}, indent=1))  # fmt: skip
+    versions, checkpoints = weights.status(), ckpts.status()
+    print(json.dumps({"store": weights.blob.url,
+                      "weight_versions": [v["version"] for v in versions],
+                      "checkpoint_steps": [c["step"] for c in checkpoints],
+                      "weights": versions, "checkpoints": checkpoints}, indent=1))  # fmt: skip
+    for v in versions:
+        if not v["valid"]:
+            print(f"slipstream ckpt: weight version {v['version']} is invalid: {v['reason']}",
+                  file=sys.stderr)  # fmt: skip
+    for c in checkpoints:
+        if not c["valid"]:
+            print(f"slipstream ckpt: checkpoint step {c['step']} is invalid (a resume skips it): "
+                  f"{c['reason']}", file=sys.stderr)  # fmt: skip
     return 0
 
 

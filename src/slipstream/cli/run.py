@@ -3,7 +3,8 @@
 trainer in this process and rollout.num_workers rollout workers (local processes, or Ray actors
 with run.launcher = "ray"; launch/job.py drives the job), a
 live progress display, JSON-lines metrics, TensorBoard events when installed, and a final report
-with the reward curve (<run.output_dir>/report.md, reward_curve.png)."""
+with the reward curve (<run.output_dir>/report.md, reward_curve.png). One job per output
+directory and per store: a second one is refused, naming the first (storage/lock.py)."""
 
 from __future__ import annotations
 
@@ -36,14 +37,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from slipstream.launch.job import run_job
+    from slipstream.storage.lock import job_locks
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     console = Console()
-    if args.force_sft and not cfg.model.init_from:
-        from slipstream.sft import run_sft
+    with job_locks(cfg, owner="slipstream run"):  # StoreLocked if another job has either
+        if args.force_sft and not cfg.model.init_from:
+            from slipstream.sft import run_sft
 
-        run_sft(cfg, console)
-    result = run_job(cfg, console, display=not args.plain)
+            run_sft(cfg, console)
+        result = run_job(cfg, console, display=not args.plain)
 
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{100 * x:.1f}%"

@@ -5,6 +5,10 @@ slipstream sandbox pool -c job.toml --execs 200 --concurrency 2   # live pool st
 slipstream sandbox doctor            # which backends work on this host, and why not
 slipstream sandbox build-image       # the qemu/firecracker guest image (cached)
 slipstream sandbox reap              # remove what a crashed pool left (journal orphans)
+
+Bad options are argparse errors (a usage line, exit 2); a template the sandbox layer refuses
+(unknown backend, sizes too small) is a config error (exit 2); a backend that cannot run here
+or a sandbox that breaks is one line `slipstream sandbox: ...` (exit 1). None is a traceback.
 """
 
 from __future__ import annotations
@@ -13,12 +17,39 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import sys
 import time
 from typing import Any
 
 from slipstream.cli import add_config_args
+
+BACKENDS = ("process", "bwrap", "qemu", "firecracker")  # slipstream.sandbox.base.BACKEND_NAMES
+
+
+def _seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds must be finite and > 0")
+    return v
+
+
+def _count(minimum: int):  # type: ignore[no-untyped-def]
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be >= {minimum}")
+        return v
+
+    return parse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,11 +58,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     r = ssub.add_parser("run", help="run one command in a fresh sandbox (argv after --)")
     add_config_args(r)
-    r.add_argument(
-        "--backend", default=None, help="process, bwrap, qemu, firecracker (default: config)"
-    )
-    r.add_argument("--timeout", type=float, default=None, help="command timeout in seconds")
-    r.add_argument("--memory-mib", type=int, default=None, help="memory limit (default: config)")
+    r.add_argument("--backend", default=None, choices=BACKENDS, help="default: config")
+    r.add_argument("--timeout", type=_seconds, default=None, help="command timeout in seconds")
+    r.add_argument("--memory-mib", type=_count(16), default=None,
+                   help="memory limit (default: config)")  # fmt: skip
     r.add_argument("--stdin", action="store_true", help="pass this process's stdin to the command")
     r.add_argument("--json", action="store_true", help="print the ExecResult as JSON")
     r.add_argument("argv", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
@@ -39,8 +69,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     pl = ssub.add_parser("pool", help="start a warm pool per config, run N execs, show live stats")
     add_config_args(pl)
-    pl.add_argument("--execs", type=int, default=50, help="commands to run through the pool")
-    pl.add_argument("--concurrency", type=int, default=2, help="commands in flight at once")
+    pl.add_argument("--execs", type=_count(1), default=50, help="commands to run through the pool")
+    pl.add_argument("--concurrency", type=_count(1), default=2, help="commands in flight at once")
     pl.add_argument("--command", default="echo ok", help="shell command each exec runs")
     pl.set_defaults(func=cmd_pool)
 
@@ -62,11 +92,21 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _template(args: argparse.Namespace, **over: Any):  # type: ignore[no-untyped-def]
-    from slipstream.config import load_config
+    from slipstream.config import ConfigError, load_config
     from slipstream.sandbox.base import SandboxTemplate
 
     cfg = load_config(args.config, args.overrides).sandbox
-    return cfg, SandboxTemplate.from_config(cfg, **{k: v for k, v in over.items() if v is not None})
+    try:
+        tmpl = SandboxTemplate.from_config(cfg, **{k: v for k, v in over.items() if v is not None})
+    except ValueError as e:  # the template's own checks name the field and the value
+        raise ConfigError(f"invalid sandbox settings: {e}") from None
+    return cfg, tmpl
+
+
+def _sandbox_failure(e: Exception) -> int:
+    """One line for a backend that cannot run here or a sandbox that broke; exit 1."""
+    print(f"slipstream sandbox: {e}", file=sys.stderr)
+    return 1
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -91,7 +131,12 @@ def cmd_run(args: argparse.Namespace) -> int:
             await sb.release()
         return res, t1 - t0
 
-    res, create_s = asyncio.run(go())
+    from slipstream.sandbox.errors import SandboxError
+
+    try:
+        res, create_s = asyncio.run(go())
+    except SandboxError as e:
+        return _sandbox_failure(e)
     if args.json:
         print(json.dumps({**res.to_dict(), "create_s": create_s}, indent=2))
     else:
@@ -173,7 +218,12 @@ def cmd_pool(args: argparse.Namespace) -> int:
                 await asyncio.gather(*workers)
                 live.update(_stats_table(pool, state["done"], args.execs, state["failures"]))
 
-    asyncio.run(go())
+    from slipstream.sandbox.errors import SandboxError
+
+    try:
+        asyncio.run(go())
+    except SandboxError as e:
+        return _sandbox_failure(e)
     return 0 if state["failures"] == 0 else 1
 
 
@@ -267,7 +317,10 @@ def cmd_build_image(args: argparse.Namespace) -> int:
         print(f"slipstream sandbox build-image: image builder unavailable: {e}", file=sys.stderr)
         return 1
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    paths = build_image(args.cache_dir, force=args.force)
+    try:
+        paths = build_image(args.cache_dir, force=args.force)
+    except RuntimeError as e:  # a missing input (kernel, busybox, guest python) or SandboxError
+        return _sandbox_failure(e)
     print(paths)
     return 0
 

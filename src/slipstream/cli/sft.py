@@ -34,6 +34,8 @@ def cmd_sft(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # fails on a bad config before torch loads
     prefer_passive_omp()
     from slipstream.sft import run_sft
+    from slipstream.storage.lock import job_locks
 
-    run_sft(cfg)
+    with job_locks(cfg, owner="slipstream sft", store=False):  # one writer of run.output_dir
+        run_sft(cfg)
     return 0

@@ -16,13 +16,18 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, field docstrings are the docs."""
+    """Base of every config section: unknown keys are errors, field docstrings are the docs, and
+    no float field (of any section, in lists and dicts too, on load and on assignment) takes NaN
+    or +-inf: TOML and the command line can spell them (`--trainer.lr=inf`), and a non-finite
+    learning rate, clip or timeout turns into NaN weights or waits that never end. The error
+    names the key and the value (`trainer.lr = inf: Input should be a finite number`)."""
 
     model_config = ConfigDict(
         extra="forbid",
         use_attribute_docstrings=True,
         validate_assignment=True,
         frozen=False,
+        allow_inf_nan=False,
     )
 
 
@@ -86,11 +91,19 @@ def format_validation_error(err: ValidationError, data: dict[str, Any], origin: 
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
+    """The TOML file at `path`; ConfigError naming it when it is missing, not a regular file,
+    unreadable, not UTF-8 or not TOML."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
+    if not path.is_file():  # a directory, a FIFO (reading one would block), a device
+        raise ConfigError(f"config file {path} is not a regular file")
     try:
-        return tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise ConfigError(f"config file {path}: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e})") from e
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from e
 

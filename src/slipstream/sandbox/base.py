@@ -16,11 +16,12 @@ import abc
 import importlib
 import inspect
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from slipstream.sandbox.agent_client import AgentConnection, AgentExit
+from slipstream.sandbox.agent_client import AGENT_GRACE_S, AgentConnection, AgentExit
 from slipstream.sandbox.errors import BackendUnavailable, SandboxBroken, SandboxError
 from slipstream.sandbox.journal import Journal, SandboxRecord
 
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 BACKEND_NAMES = ("process", "bwrap", "qemu", "firecracker")
+DEFAULT_GET_MAX_BYTES = 16 << 20
 PINNING_POLICIES = ("none", "core", "thread", "l3")
 MEMORY_POLICIES = ("local", "interleave")
 
@@ -66,8 +68,16 @@ class SandboxTemplate:
             )
         if self.network:
             raise ValueError("sandbox network=True is not supported: sandboxes have no network")
-        if self.vcpus < 1 or self.memory_mib < 16 or self.pids_max < 8:
-            raise ValueError(f"bad sandbox sizes: {self}")
+        minimums = {"vcpus": 1, "memory_mib": 16, "pids_max": 8, "workdir_mib": 1,
+                    "output_cap_bytes": 1}  # fmt: skip
+        for name, least in minimums.items():
+            value = getattr(self, name)
+            if type(value) is not int or value < least:
+                raise ValueError(f"sandbox {name} = {value!r}: must be an integer >= {least}")
+        for name in ("create_timeout_s", "exec_timeout_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"sandbox {name} = {value!r}: must be a finite number > 0")
 
     @classmethod
     def from_config(cls, cfg: SandboxConfig, **overrides: Any) -> SandboxTemplate:
@@ -131,10 +141,23 @@ class Sandbox(abc.ABC):
         SandboxBroken when the sandbox died; a failing command is a result, not an error."""
 
     @abc.abstractmethod
-    async def put_file(self, path: str, data: bytes | str, mode: int | None = None) -> None: ...
+    async def put_file(
+        self, path: str, data: bytes | str, mode: int | None = None, *,
+        timeout_s: float | None = None,
+    ) -> None:  # fmt: skip
+        """Write a regular file (path relative to the work dir, which it may not leave).
+        SandboxError when the path is a FIFO, device, socket, directory or symlink out;
+        SandboxBroken when the agent does not answer within `timeout_s` (default: the
+        template's exec_timeout_s)."""
 
     @abc.abstractmethod
-    async def get_file(self, path: str) -> bytes: ...
+    async def get_file(
+        self, path: str, *, timeout_s: float | None = None, max_bytes: int | None = None
+    ) -> bytes:
+        """Read a regular file of at most `max_bytes` (default 16 MiB). SandboxError when it is
+        missing, larger, or not a regular file (FIFO, device, socket, directory, symlink out:
+        refused without blocking); SandboxBroken when the agent does not answer within
+        `timeout_s` (default: the template's exec_timeout_s)."""
 
     @abc.abstractmethod
     async def reset(self) -> None:
@@ -234,11 +257,30 @@ class AgentSandbox(Sandbox):
             signal=raw.signal,
         )
 
-    async def put_file(self, path: str, data: bytes | str, mode: int | None = None) -> None:
-        await self.conn.put_file(path, _as_bytes(data), mode)
+    def _io_timeout_s(self, timeout_s: float | None) -> float:
+        # By default a file operation waits no longer than a command may run (plus the grace
+        # the host gives the agent's own exec deadline); an explicit timeout is taken as is.
+        return self.template.exec_timeout_s + AGENT_GRACE_S if timeout_s is None else timeout_s
 
-    async def get_file(self, path: str) -> bytes:
-        return await self.conn.get_file(path)
+    async def put_file(
+        self, path: str, data: bytes | str, mode: int | None = None, *,
+        timeout_s: float | None = None,
+    ) -> None:  # fmt: skip
+        if self.released:
+            raise SandboxError(f"{self.sandbox_id}: put_file after release")
+        await self.conn.put_file(
+            path, _as_bytes(data), mode, timeout_s=self._io_timeout_s(timeout_s)
+        )
+
+    async def get_file(
+        self, path: str, *, timeout_s: float | None = None, max_bytes: int | None = None
+    ) -> bytes:
+        if self.released:
+            raise SandboxError(f"{self.sandbox_id}: get_file after release")
+        return await self.conn.get_file(
+            path, max_bytes=DEFAULT_GET_MAX_BYTES if max_bytes is None else max_bytes,
+            timeout_s=self._io_timeout_s(timeout_s),
+        )  # fmt: skip
 
     async def reset(self) -> None:
         await self.conn.reset()

@@ -13,6 +13,11 @@ Contract:
   version again overwrites the debris.
 - After a publish, versions beyond the newest `keep_last` are deleted (manifest first, so readers
   stop seeing them before their files go), and manifest-less debris of older versions is removed.
+- `publish` refuses a state dict with a NaN/inf value (`NonFiniteTensor`, naming the tensor and
+  how many values): a diverged trainer (a NaN loss, an infinite learning rate) fails loudly
+  instead of serving garbage. `check_finite` is the same test for any other caller.
+- `check(version)` says why a published version cannot be loaded (manifest, sizes, hashes, the
+  safetensors and config.json parse, finite values), or None; `ckpt list` shows it.
 
 Not covered: several concurrent publishers to one URL (one trainer publishes), a reader that
 fetches a version while retention deletes it (it gets FileNotFoundError and should ask `latest()`
@@ -23,14 +28,24 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from slipstream.storage.blob import MANIFEST, BlobStore, read_manifested, write_manifested
+from slipstream.storage.blob import (
+    MANIFEST,
+    BlobStore,
+    read_manifested,
+    with_path,
+    write_manifested,
+)
+from slipstream.storage.errors import InvalidEntry, NonFiniteTensor
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +64,27 @@ def state_dict_to_bytes(state_dict: dict[str, torch.Tensor]) -> bytes:
         seen.add(t.untyped_storage().data_ptr())
         out[k] = t
     return st_save(out)
+
+
+def check_finite(tensors: Mapping[str, torch.Tensor], what: str) -> None:
+    """NonFiniteTensor naming the first floating-point tensor of `tensors` with a NaN or inf
+    value (and how many tensors have one); integer and bool tensors cannot hold either. One
+    host sync per device, not per tensor."""
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in tensors.items():
+        if t.is_floating_point() or t.is_complex():
+            by_device.setdefault(t.device, []).append((name, t.detach()))
+    bad: list[tuple[str, int, int]] = []
+    for items in by_device.values():
+        counts = torch.stack([(~torch.isfinite(t)).sum() for _, t in items]).tolist()
+        bad += [(name, int(n), t.numel()) for (name, t), n in zip(items, counts, strict=True) if n]
+    if bad:
+        name, n, total = bad[0]
+        more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
+        raise NonFiniteTensor(
+            f"{what}: tensor {name!r} has {n} of {total} values NaN or inf{more} "
+            "(a diverged training run? see the loss and trainer.lr)"
+        )
 
 
 class WeightStore:
@@ -72,6 +108,9 @@ class WeightStore:
         state_dict: dict[str, torch.Tensor],
         config: dict[str, Any] | None = None,
     ) -> None:
+        check_finite(
+            state_dict, f"refusing to publish weights version {version} to {self.blob.url}"
+        )
         files = {WEIGHTS_FILE: state_dict_to_bytes(state_dict)}
         if config is not None:
             files["config.json"] = json.dumps(config, indent=1).encode()
@@ -94,14 +133,55 @@ class WeightStore:
         vs = self.versions()
         return vs[-1] if vs else None
 
-    def fetch(self, version: int) -> dict[str, torch.Tensor]:
-        """The state dict of a published version (FileNotFoundError if not published)."""
+    def _files(self, version: int) -> dict[str, bytes]:
         _, files = read_manifested(self.blob, self._dir(version))
-        return st_load(files[WEIGHTS_FILE])
+        if WEIGHTS_FILE not in files:
+            raise InvalidEntry(f"{self.location(version)}: the manifest lists no {WEIGHTS_FILE}")
+        return files
+
+    def _tensors(self, version: int, files: dict[str, bytes]) -> dict[str, torch.Tensor]:
+        try:
+            return st_load(files[WEIGHTS_FILE])
+        except (SafetensorError, ValueError, RuntimeError) as e:
+            raise InvalidEntry(f"{self.location(version)}/{WEIGHTS_FILE}: not a valid "
+                               f"safetensors file ({e})") from None  # fmt: skip
+
+    def fetch(self, version: int) -> dict[str, torch.Tensor]:
+        """The state dict of a published version (FileNotFoundError if not published,
+        InvalidEntry when it fails validation)."""
+        files = self._files(version)
+        return self._tensors(version, files)
 
     def fetch_config(self, version: int) -> dict[str, Any] | None:
-        _, files = read_manifested(self.blob, self._dir(version))
-        return json.loads(files["config.json"]) if "config.json" in files else None
+        files = self._files(version)
+        if "config.json" not in files:
+            return None
+        try:
+            return json.loads(files["config.json"])
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise InvalidEntry(f"{self.location(version)}/config.json: not JSON ({e})") from None
+
+    def check(self, version: int) -> str | None:
+        """Why a published version cannot be loaded (None: it can): manifest, sizes, hashes,
+        safetensors and config.json parse, finite values. FileNotFoundError if unpublished."""
+        try:
+            files = self._files(version)
+            check_finite(self._tensors(version, files), f"{self.location(version)}")
+            self.fetch_config(version)
+        except (InvalidEntry, NonFiniteTensor) as e:
+            return str(e)
+        return None
+
+    def status(self) -> list[dict[str, Any]]:
+        """Every published version, ascending: {"version", "valid", "reason"} (`ckpt list`)."""
+        out = []
+        for v in self.versions():
+            try:
+                reason = self.check(v)
+            except FileNotFoundError:
+                continue  # removed by retention meanwhile
+            out.append({"version": v, "valid": reason is None, "reason": reason})
+        return out
 
     def location(self, version: int) -> str:
         """Where a version's HF-format directory lives: a local path, or a URL (s3://...) for
@@ -112,13 +192,15 @@ class WeightStore:
 
     def fetch_to_dir(self, version: int, local_dir: str) -> str:
         """Copy a published version into a local HF-format directory; returns it."""
-        import os
-
-        _, files = read_manifested(self.blob, self._dir(version))
+        files = self._files(version)  # names checked: plain relative names, no '..'
         os.makedirs(local_dir, exist_ok=True)
         for name, data in files.items():
-            with open(os.path.join(local_dir, name), "wb") as f:
-                f.write(data)
+            path = os.path.join(local_dir, name)
+            try:
+                with open(path, "wb") as f:
+                    f.write(data)
+            except OSError as e:  # ENOSPC on write names no file: say which
+                raise with_path(e, path) from e
         return local_dir
 
     def remove_after(self, version: int) -> list[int]:
