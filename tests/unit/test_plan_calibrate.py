@@ -13,12 +13,14 @@ from slipstream.plan.calibrate import (
     calibrate,
     discrete_lengths,
     engine_curve,
+    probe_rpc,
     probe_weight_load,
     read_worker_stats,
 )
 from slipstream.plan.results import figures_from_metrics
 
 NUM_STEPS = 30
+PROBES = {"weight_fetch_s": 0.01, "weight_apply_s": 0.001, "rpc_idle_s": 3e-4, "rpc_busy_s": 2e-3}
 
 
 def make_run(tmp_path: Path) -> Path:
@@ -92,6 +94,8 @@ def test_reads_worker_stats_engine_curve_and_weights(tmp_path: Path) -> None:
                              "num_experts_per_tok": 2})  # fmt: skip
     fetch, apply = probe_weight_load(run / "store" / "weights", repeats=3)
     assert fetch > 0 and apply > 0
+    idle, busy = probe_rpc(num_calls=10, repeats=1)  # a real server process on loopback
+    assert 0 < idle < 1 and 0 < busy < 1
     with pytest.raises(FileNotFoundError):
         probe_weight_load(tmp_path / "empty")
 
@@ -100,7 +104,7 @@ def test_calibrate_builds_rates_from_the_run_and_fits_the_latency(tmp_path: Path
     run, bench = make_run(tmp_path), make_bench(tmp_path)
     job = load_config("configs/quickstart.toml", ["trainer.mode=sync", "rollout.num_workers=1",
                                                    f"trainer.steps={NUM_STEPS}"])  # fmt: skip
-    plan = calibrate(run, job, engine_bench=bench, warmup_steps=2)
+    plan = calibrate(run, job, engine_bench=bench, warmup_steps=2, probes=PROBES)
     steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()][:-1]
     assert plan.trainer.step_s.values == [r["train_s"] for r in steps]
     assert plan.trainer.step_s.order == "sequential"
@@ -115,13 +119,15 @@ def test_calibrate_builds_rates_from_the_run_and_fits_the_latency(tmp_path: Path
     # the fit: the simulated request latency equals the measured one
     assert m["fitted_request_latency_s"] == pytest.approx(m["request_latency_s"], rel=0.01)
     assert plan.rollout.engine.slowdown == m["fitted_slowdown"]
+    assert plan.rollout.rpc_busy_s == PROBES["rpc_busy_s"]
+    assert plan.rollout.engine.weight_fetch_s == PROBES["weight_fetch_s"]
 
 
 def test_heavy_verifier_delay_is_not_counted_twice(tmp_path: Path) -> None:
     run, bench = make_run(tmp_path), make_bench(tmp_path)
     job = load_config("configs/quickstart.toml", ["rollout.verify_latency=lognormal",
                                                    "rollout.verify_latency_p50_s=0.25"])  # fmt: skip
-    plan = calibrate(run, job, engine_bench=bench, warmup_steps=2, fit=False)
+    plan = calibrate(run, job, engine_bench=bench, warmup_steps=2, fit=False, probes=PROBES)
     lat = plan.verifier.latency_s
     assert lat.kind == "lognormal" and lat.p50 == 0.25 and lat.shift == 0.0
 

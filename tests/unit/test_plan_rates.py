@@ -108,3 +108,16 @@ def test_cli_reports_a_config_error_and_exits_2(tmp_path: Path) -> None:
                          capture_output=True, text=True, check=False)  # fmt: skip
     assert out.returncode == 2
     assert "loop.groups_per_step = -1" in out.stderr and str(path) in out.stderr
+
+
+def test_plan_subcommands_parse_their_options() -> None:
+    from slipstream.cli import build_parser
+
+    p = build_parser()
+    v = p.parse_args(["plan", "validate", "--code-ref", "HEAD", "--reuse", "--cases", "sync-w1"])
+    assert (v.code_ref, v.reuse, v.cases, v.func.__name__) == ("HEAD", True, "sync-w1",
+                                                                "cmd_validate")  # fmt: skip
+    c = p.parse_args(["plan", "calibrate", "runs/x", "-o", "r.toml", "--no-fit"])
+    assert (c.run_dir, c.out, c.no_fit) == ("runs/x", "r.toml", True)
+    w = p.parse_args(["plan", "sweep", "-c", "f.toml", "--target-samples-per-s", "30"])
+    assert (w.config, w.target_samples_per_s, w.budget_per_hour) == ("f.toml", 30.0, None)
