@@ -10,7 +10,10 @@ and a small harness; the harness calls the function on each input and writes one
 test. The expected outputs are computed on the host from the reference solutions and never enter
 the sandbox, so a hostile candidate can only "pass" a test by producing the right value. Infinite
 loops hit the exec timeout (tests finished before it still count), huge output is capped by the
-sandbox, syntax errors and missing functions score 0 with a reason.
+sandbox, syntax errors and missing functions score 0 with a reason. The results file is read
+only when it is a regular file of at most MAX_RESULTS_BYTES, within min(timeout, 5 s): a
+candidate that replaces it with a FIFO, a device, a symlink out or a directory scores 0
+("results unreadable") at once instead of stalling verification.
 
 Not covered: per-test timeouts (one timeout covers all tests of a problem), resource accounting in
 the reward (only correctness counts).
@@ -27,7 +30,7 @@ import secrets
 import threading
 from typing import TYPE_CHECKING, Any
 
-from slipstream.sandbox.errors import BackendUnavailable, SandboxError
+from slipstream.sandbox.errors import BackendUnavailable, SandboxBroken, SandboxError
 from slipstream.tasks.base import Task, TaskSet, Verdict, keyed_uniform
 from slipstream.tasks.code_problems import PROBLEMS, CodeProblem
 
@@ -39,6 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 MAX_SOURCE_BYTES = 100_000
 MAX_RESULTS_BYTES = 4 << 20
+RESULTS_READ_TIMEOUT_S = 5.0  # reading <= 4 MiB from the work dir takes milliseconds
 DEFAULT_TIMEOUT_S = 10.0
 BY_NAME = {p.name: p for p in PROBLEMS}
 
@@ -148,11 +152,20 @@ async def verify_code(
             timeout_s=timeout_s,
             cwd=run_dir,
         )
-        raw = await sandbox.get_file(f"{run_dir}/results.jsonl")
     except SandboxError as e:
         return Verdict(0.0, f"sandbox failure: {str(e)[:200]}")
-    if len(raw) > MAX_RESULTS_BYTES:
-        return Verdict(0.0, "results too large")
+    try:
+        # Regular files only (a FIFO, device or symlink the candidate put there is refused by
+        # the agent without blocking), capped, and bounded in time by the exec timeout.
+        raw = await sandbox.get_file(
+            f"{run_dir}/results.jsonl",
+            timeout_s=min(timeout_s, RESULTS_READ_TIMEOUT_S),
+            max_bytes=MAX_RESULTS_BYTES,
+        )
+    except SandboxBroken as e:
+        return Verdict(0.0, f"sandbox failure: {str(e)[:200]}")
+    except SandboxError as e:  # missing, too large, or not a regular file: the candidate's doing
+        return Verdict(0.0, f"results unreadable: {str(e)[:200]}")
     got: dict[int, dict[str, Any]] = {}
     for line in raw.decode("utf-8", "replace").splitlines():
         try:

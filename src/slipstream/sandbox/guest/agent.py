@@ -25,13 +25,17 @@ process group); on timeout the whole group is SIGKILLed. After every command, pr
 outlived it are killed: its process group, and (the agent is a child subreaper when ctypes is
 available) every orphaned descendant re-parented to the agent. The output cap applies per stream;
 output past it is drained and dropped. Paths in put_file/get_file/files are relative to the work
-directory and may not leave it. Not covered: resource limits (the host applies cgroups/rlimits),
+directory and may not leave it (symlinks are resolved first), and they must name regular files:
+a FIFO, device, socket or directory planted there by a command is refused with an error, without
+blocking (files are opened O_NONBLOCK | O_NOFOLLOW and checked with fstat), so a command that
+turns its results file into a FIFO cannot stall the agent. Not covered: resource limits (the host applies cgroups/rlimits),
 concurrent execs, a command that escapes via setsid *and* is not our descendant (impossible in a
 private PID namespace or a VM).
 """
 
 import argparse
 import base64
+import errno
 import json
 import os
 import platform
@@ -39,6 +43,7 @@ import selectors
 import shutil
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -238,19 +243,37 @@ class Agent:
     def _put(self, rel, data, mode=None):
         path = self.resolve(rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(data)
-        if mode is not None:
-            os.chmod(path, int(mode))
+        fd = _open_regular(rel, path, os.O_WRONLY | os.O_CREAT)
+        try:
+            os.ftruncate(fd, 0)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            if mode is not None:
+                os.fchmod(fd, int(mode))
+        finally:
+            os.close(fd)
 
     def do_get_file(self, rid, msg):
         path = self.resolve(msg["path"])
         max_bytes = int(msg.get("max_bytes", MAX_FRAME_BYTES // 2))
-        size = os.path.getsize(path)
-        if size > max_bytes:
-            raise ValueError(f"{msg['path']} is {size} bytes, more than max_bytes={max_bytes}")
-        with open(path, "rb") as f:
-            data = f.read()
+        fd = _open_regular(msg["path"], path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            if size > max_bytes:
+                raise ValueError(f"{msg['path']} is {size} bytes, more than max_bytes={max_bytes}")
+            chunks, left = [], max_bytes + 1  # a file that grows past the cap is refused too
+            while left > 0:
+                chunk = os.read(fd, min(left, READ_CHUNK_BYTES * 16))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                left -= len(chunk)
+        finally:
+            os.close(fd)
+        data = b"".join(chunks)
+        if len(data) > max_bytes:
+            raise ValueError(f"{msg['path']} grew past max_bytes={max_bytes} while being read")
         self.send({"type": "ok", "id": rid, "data": _b64(data), "size": len(data)})
 
     def do_reset(self, rid, msg):
@@ -443,6 +466,51 @@ class Exec:
             _killpg(pid)
             result = os.wait4(pid, 0)[1:]
         return timed_out, result[0], result[1]
+
+
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISLNK, "a symlink"),
+)
+
+
+def _kind(mode):
+    for test, name in _KINDS:
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _open_regular(rel, path, flags):
+    """An fd of the regular file at `path` (created when flags has O_CREAT). Anything else is
+    refused with ValueError before any blocking call: lstat first (a FIFO, device or socket),
+    then open with O_NONBLOCK | O_NOFOLLOW (a FIFO swapped in meanwhile opens without waiting
+    for a peer; a symlink fails) and fstat again; the fd is made blocking only for a regular
+    file, where blocking never waits on another process."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        if not flags & os.O_CREAT:
+            raise
+    else:
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{rel} is {_kind(st.st_mode)}, not a regular file")
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENXIO):  # a symlink / a FIFO or socket without peer
+            raise ValueError(f"{rel} is not a regular file ({os.strerror(e.errno)})") from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise ValueError(f"{rel} is {_kind(st.st_mode)}, not a regular file")
+    os.set_blocking(fd, True)
+    return fd
 
 
 def _try_wait(pid):
