@@ -127,13 +127,15 @@ def test_sglang_response_shape(served):
         "text": "!#",  # char ids 5 and 7: inside the tiny vocabulary
         "sampling_params": {"max_new_tokens": 5, "temperature": 0.5, "n": 2, "sampling_seed": 3},
         "return_logprob": True,
+        "return_text_in_logprobs": True,
         "rid": "r1",
     }
     out = httpx.post(server.url + "/generate", json=body, timeout=30).json()
     assert isinstance(out, list) and len(out) == 2
     for i, o in enumerate(out):
         meta = o["meta_info"]
-        assert meta["id"] == f"r1_{i}" and meta["prompt_tokens"] == 2
+        # The text path encodes through the tokenizer's definition: BOS, then the characters.
+        assert meta["id"] == f"r1_{i}" and meta["prompt_tokens"] == 3
         assert (
             meta["completion_tokens"] == len(o["output_ids"]) == len(meta["output_token_logprobs"])
         )
@@ -200,7 +202,7 @@ def test_openai_completions(served, model):
         ("/generate", {"input_ids": [5], "sampling_params": {"top_p": 0}}, "top_p"),
         ("/generate", {"input_ids": [5], "surprise": True}, "surprise"),
         ("/generate", {"sampling_params": {}}, "exactly one"),
-        ("/v1/completions", {"prompt": "a", "max_tokens": -3}, "max_new_tokens"),
+        ("/v1/completions", {"prompt": "a", "max_tokens": -3}, "max_tokens"),
         ("/update_weights_from_disk", {"model_path": "/nonexistent"}, "not a directory"),
     ],
 )
@@ -243,7 +245,7 @@ def test_http_hot_swap_from_disk(served, tmp_path):
         )
         assert httpx.get(server.url + "/get_model_info").json()["weight_version"] == "7"
     finally:
-        client.update_weights(0, str(ckpt))  # restore for other tests
+        client.update_weights(8, str(ckpt))  # restore for other tests (versions only go up)
 
 
 def test_client_retries_5xx_with_backoff_but_not_4xx():

@@ -1,22 +1,29 @@
-"""`slipstream serve --model DIR`: the native engine behind SGLang's native HTTP API (+ OpenAI
-completions). The `[engine]` config section sizes the engine (KV budget, batch, slot length)."""
+"""`slipstream serve --model DIR`: the native engine behind SGLang's native HTTP API and OpenAI's
+completions / chat completions / models endpoints. The `[engine]` config section sizes the
+engine (KV budget, batch, slot length); the flags below set what the server accepts (see
+docs/security.md for what it trusts)."""
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import os
+import sys
 
 from slipstream.cli import add_config_args
 from slipstream.config import load_config
+
+API_KEY_ENV = "SLIPSTREAM_API_KEY"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
-        help="serve a model over HTTP (SGLang native API subset + /v1/completions)",
+        help="serve a model over HTTP (SGLang native API + OpenAI /v1 completions and chat)",
         description="Serve an HF-format model directory with slipstream's native engine. Endpoints: "
         "/generate, /update_weights_from_disk, /flush_cache, /abort_request, /get_model_info, "
-        "/health, /health_generate, /v1/completions, /v1/models.",
+        "/health, /health_generate, /v1/completions, /v1/chat/completions, /v1/models.",
     )
     p.add_argument("--model", required=True, metavar="DIR", help="HF-format model directory")
     p.add_argument(
@@ -24,13 +31,61 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="SPEC",
         help="tokenizer: 'char', a directory or a tokenizer.json (default: the model directory "
-        "if it holds one, else none: clients must send input_ids)",
+        "if it holds one, else none: clients must send token ids)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model id of /v1/models and responses (default: the model directory's name)",
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' on the admin endpoints (weight updates, "
+        f"abort, flush; every endpoint but /health with --api-key-scope all). Default: "
+        f"${API_KEY_ENV}, else no authentication",
+    )
+    p.add_argument("--api-key-scope", choices=("admin", "all"), default="admin")
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=8 * 2**20,
+        help="larger request bodies get 413 (default 8 MiB)",
+    )
+    p.add_argument(
+        "--max-batch-samples",
+        type=int,
+        default=1024,
+        help="most samples (prompts x n) one request may ask for; more get 413",
+    )
+    p.add_argument(
+        "--allow-weight-url-scheme",
+        action="append",
+        default=[],
+        metavar="SCHEME",
+        help="also accept weight sources with this URL scheme (default: local paths, file://, "
+        "s3://); repeatable",
+    )
+    p.add_argument(
+        "--allow-version-rollback",
+        action="store_true",
+        help="accept a weight_version below the served one (e.g. a job resumed from an older "
+        "checkpoint against this long-lived server)",
+    )
     p.add_argument("--log-level", default="warning")
     add_config_args(p)
     p.set_defaults(func=cmd_serve)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -38,23 +93,48 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from slipstream.engine.guard import ServeOptions
     from slipstream.engine.native import NativeEngine
     from slipstream.engine.server import create_app
     from slipstream.model import load_pretrained
     from slipstream.model.tokenizer import TOKENIZER_FILE, load_tokenizer
 
     logging.basicConfig(level=args.log_level.upper())
+    model_dir = Path(args.model)
+    if not (model_dir / "config.json").is_file():
+        print(f"slipstream serve: --model {args.model}: no config.json there (expected an "
+              "HF-format model directory)", file=sys.stderr)  # fmt: skip
+        return 2
     cfg = load_config(args.config, args.overrides)
+    options = ServeOptions(
+        served_model_name=args.served_model_name or model_dir.resolve().name,
+        api_key=args.api_key or None,
+        api_key_scope=args.api_key_scope,
+        max_request_bytes=args.max_request_bytes,
+        max_batch_samples=args.max_batch_samples,
+        weight_url_schemes=("file", "s3", *(s.lower() for s in args.allow_weight_url_scheme)),
+        allow_version_rollback=args.allow_version_rollback,
+    )
+    if options.api_key is None and not _is_loopback(args.host):
+        print(
+            "\n" + "!" * 78 + f"\nslipstream serve: WARNING: binding {args.host} (beyond loopback) "
+            "WITHOUT an API key:\n  anyone who can reach this port can replace the weights, "
+            "abort every request\n  and flush the cache. Pass --api-key (or set "
+            f"${API_KEY_ENV}).\n" + "!" * 78 + "\n",
+            file=sys.stderr,
+            flush=True,
+        )
     model = load_pretrained(args.model, device=cfg.engine.device)
     tok_spec = args.tokenizer
-    if tok_spec is None and (Path(args.model) / TOKENIZER_FILE).is_file():
+    if tok_spec is None and (model_dir / TOKENIZER_FILE).is_file():
         tok_spec = args.model
     tokenizer = load_tokenizer(tok_spec) if tok_spec is not None else None
     engine = NativeEngine(model, cfg.engine, tokenizer=tokenizer)
-    app = create_app(engine, tokenizer, model_path=str(args.model))
+    app = create_app(engine, tokenizer, model_path=str(args.model), options=options)
+    auth = f"API key on {options.api_key_scope} endpoints" if options.api_key else "no API key"
     print(
-        f"slipstream serve: {args.model} on http://{args.host}:{args.port} "
-        f"({engine.num_slots} slots x {engine.max_seq_len} tokens)",
+        f"slipstream serve: {options.served_model_name} on http://{args.host}:{args.port} "
+        f"({engine.num_slots} slots x {engine.max_seq_len} tokens, {auth})",
         flush=True,
     )
     try:

@@ -220,6 +220,9 @@ class StreamEvent:
     version: int = -1
     top_logprobs: list[tuple[int, float]] | None = None
     completion: Completion | None = None
+    prompt_logprobs: list[float | None] | None = None
+    """On a sample's first token event, when the request asked for prompt logprobs."""
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 class PublishedWeights(Protocol):

@@ -8,20 +8,31 @@ retries raise `EngineHTTPError` with the status and the server's message.
 
 api="sglang": POST /generate with input_ids, sampling_params (SGLang names) and
 return_logprob=True; versions come from meta_info.output_token_versions (slipstream) or
-meta_info.weight_version (SGLang) when it parses as an integer, else -1.
+meta_info.weight_version (SGLang) when it parses as an integer, else -1. Requests that ask for
+them also get top-n logprobs (`top_logprobs_num`), prompt logprobs (`logprob_start_len=0`) and
+MoE routing (`return_routed_experts`: SGLang's base64 int32 (P + C - 1, num_hidden_layers, k)
+in meta_info.routed_experts, decoded into `Completion.routed_experts` (P + C - 1, L_moe, k) in
+the compact dtype, exactly as the native engine returns it). Decoding needs the layout: from
+`model_config` (the served model's `ModelConfig`: layers, MoE layers, k, experts), else from
+slipstream's `routed_experts_layout` extra (shape, MoE layer ids, number of experts).
 api="openai": POST /v1/completions with token-id prompts, logprobs=0 and vLLM's
-return_tokens_as_token_ids so token ids come back exactly; versions are -1 (unknown).
+return_tokens_as_token_ids so token ids come back exactly; versions are -1 (unknown). The model
+name is `model`, else the first id /v1/models lists.
+
+Authentication: `api_key` (default: $SLIPSTREAM_API_KEY) is sent as `Authorization: Bearer` on
+every request, as `slipstream serve --api-key`, SGLang and vLLM expect.
 
 What the logprobs mean is the server's business: slipstream's are behaviour logprobs after all
 sampling processing; other servers may report them before top-k/top-p processing.
 Not covered: streaming, update_weights / load_version on api="openai" (vLLM has no standard
-endpoint).
+endpoint), routing and prompt logprobs on api="openai".
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import threading
 import time
@@ -33,6 +44,9 @@ from typing import Any
 import httpx
 
 from slipstream.engine.base import ALL_TOKENS, Completion, GenerateRequest, PublishedWeights
+from slipstream.engine.routing import decode_routed_experts, routing_dtype
+
+API_KEY_ENV = "SLIPSTREAM_API_KEY"
 
 log = logging.getLogger(__name__)
 
@@ -59,13 +73,17 @@ class HTTPEngine:
         model: str | None = None,
         version: int = 0,
         stage_dir: str | Path | None = None,
+        api_key: str | None = None,
+        model_config: Any = None,
     ) -> None:
         """`version`: what the client assumes the server holds until update_weights (-1: unknown,
         so a RolloutWorker's first weight sync loads the store's latest version into it).
         `stage_dir`: for `load_version`, a local directory the *server* can read, owned by this
         client alone, into which each version is copied from the store before the server is
         told to load it (the server cannot read the store: SGLang and an s3:// store). None:
-        the server is given the store's own location."""
+        the server is given the store's own location.
+        `api_key`: Bearer key (default $SLIPSTREAM_API_KEY; "" for none). `model_config`: the
+        served model's `ModelConfig`, to decode routing from servers that send no shape."""
         if api not in ("sglang", "openai"):
             raise ValueError(f"api must be 'sglang' or 'openai', got {api!r}")
         self.url = url.rstrip("/")
@@ -77,6 +95,9 @@ class HTTPEngine:
         self.model = model
         self._version = version
         self.stage_dir = Path(stage_dir).resolve() if stage_dir is not None else None
+        key = os.environ.get(API_KEY_ENV) if api_key is None else api_key
+        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.model_config = model_config
         self._group_sizes: dict[str, int] = {}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -91,7 +112,9 @@ class HTTPEngine:
         limits = httpx.Limits(
             max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency
         )
-        self._client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(self.timeout_s))
+        self._client = httpx.AsyncClient(
+            limits=limits, timeout=httpx.Timeout(self.timeout_s), headers=self._headers
+        )
         self._sem = asyncio.Semaphore(self.max_concurrency)
 
     def _call(self, coro: Any) -> Any:
@@ -174,7 +197,9 @@ class HTTPEngine:
         last = "no answer yet"
         while True:
             try:
-                resp = httpx.get(f"{self.url}/health", timeout=max(poll_s, 1.0))
+                resp = httpx.get(
+                    f"{self.url}/health", timeout=max(poll_s, 1.0), headers=self._headers
+                )
                 if resp.status_code == 200:
                     return
                 last = f"HTTP {resp.status_code}"
@@ -225,12 +250,18 @@ class HTTPEngine:
             sp["stop_token_ids"] = list(p.stop_token_ids)
         if p.seed is not None:
             sp["sampling_seed"] = p.seed
-        body = {
+        body: dict[str, Any] = {
             "input_ids": r.prompt_ids,
             "sampling_params": sp,
             "return_logprob": True,
             "rid": r.request_id,
         }
+        if p.top_logprobs or p.prompt_logprobs:
+            body["top_logprobs_num"] = max(p.top_logprobs, p.prompt_logprobs or 0)
+        if p.prompt_logprobs is not None:
+            body["logprob_start_len"] = 0
+        if p.return_routed_experts:
+            body["return_routed_experts"] = True
         self._group_sizes[r.request_id] = p.n
         try:
             out = await self._post("/generate", body)
@@ -256,15 +287,70 @@ class HTTPEngine:
         reason = finish.get("type", "abort")
         if reason not in ("stop", "length", "abort"):
             reason = "abort"
+        p = r.params
+        top = prompt_lp = prompt_top = routed = None
+        if p.top_logprobs:
+            top = [_pairs(alts)[: p.top_logprobs] for alts in meta.get("output_top_logprobs", [])]
+        if p.prompt_logprobs is not None:
+            items = meta.get("input_token_logprobs") or []
+            prompt_lp = [None if x[0] is None else float(x[0]) for x in items]
+            if prompt_lp:
+                prompt_lp[0] = None
+            if p.prompt_logprobs:
+                prompt_top = [
+                    None if alts is None or j == 0 else _pairs(alts)[: p.prompt_logprobs]
+                    for j, alts in enumerate(meta.get("input_top_logprobs") or [])
+                ]
+        if p.return_routed_experts:
+            routed = self._routing(meta, len(r.prompt_ids) + len(tokens) - 1)
         return Completion(
             r.request_id, index, r.prompt_ids, tokens, out.get("text", ""), logprobs, reason,
             [int(v) for v in versions], finish.get("matched"), {"meta_info": meta},
+            top_logprobs=top, prompt_logprobs=prompt_lp, prompt_top_logprobs=prompt_top,
+            routed_experts=routed,
         )  # fmt: skip
+
+    def _routing(self, meta: dict[str, Any], num_rows: int) -> Any:
+        """meta_info.routed_experts as (rows, L_moe, k); EngineHTTPError if it cannot be."""
+        data = meta.get("routed_experts")
+        if not isinstance(data, str):
+            raise EngineHTTPError(
+                f"{self.url}: return_routed_experts asked for, but the response has no "
+                "meta_info.routed_experts (SGLang needs --enable-return-routed-experts)"
+            )
+        cfg = self.model_config
+        try:
+            if cfg is not None:
+                from slipstream.model.transformer import is_moe_layer
+
+                layers = cfg.num_hidden_layers
+                moe = [i for i in range(layers) if is_moe_layer(cfg, i)]
+                return decode_routed_experts(data, num_rows, layers, cfg.num_experts_per_tok, moe,
+                                             routing_dtype(cfg.num_experts))  # fmt: skip
+            layout = meta.get("routed_experts_layout")
+            if not isinstance(layout, dict):
+                raise ValueError(
+                    "the server sent no routed_experts_layout: give HTTPEngine(model_config=...)"
+                )
+            rows, layers, k = (int(x) for x in layout["shape"])
+            if rows != num_rows:
+                raise ValueError(f"{rows} rows for {num_rows} input positions")
+            moe = [int(i) for i in layout["moe_layers"]]
+            dtype = routing_dtype(int(layout["num_experts"]))
+            return decode_routed_experts(data, rows, layers, k, moe, dtype)
+        except (ValueError, KeyError, TypeError) as e:
+            raise EngineHTTPError(f"{self.url}: cannot decode routed_experts: {e!r}") from None
+
+    async def _model_name(self) -> str:
+        if self.model is None:
+            listing = await self._request("GET", "/v1/models", None)
+            self.model = str(listing["data"][0]["id"])
+        return self.model
 
     async def _generate_openai(self, r: GenerateRequest) -> list[Completion]:
         p = r.params
         body: dict[str, Any] = {
-            "model": self.model or "default",
+            "model": await self._model_name(),
             "prompt": r.prompt_ids,
             "max_tokens": p.max_new_tokens,
             "temperature": p.temperature,
@@ -344,6 +430,11 @@ class HTTPEngine:
                     )
                 return resp.json() if expect_json else resp.text
         raise AssertionError("unreachable")
+
+
+def _pairs(alts: Any) -> list[tuple[int, float]]:
+    """SGLang [logprob, token_id, text] triples as (token_id, logprob) pairs."""
+    return [(int(x[1]), float(x[0])) for x in alts or []]
 
 
 def _error_message(resp: httpx.Response) -> str:

@@ -519,11 +519,17 @@ class NativeEngine:
         toks, lps = tokens_B[index].tolist(), logprobs_B[index].tolist()
         for i, tok, lp in zip(rows, toks, lps, strict=True):
             row = self.batch.rows[i]
-            top = None
-            if row.group.params.top_logprobs:
-                gen = int(self.batch.gen_N[i])
+            g, top = row.group, None
+            gen = int(self.batch.gen_N[i])
+            if g.params.top_logprobs:
                 top = self.batch.top_of(i, gen - 1, gen)[0]
-            self._emit(row.group, StreamEvent(row.index, tok, lp, self._version, top))
+            first = gen == 1 and g.prompt_logprobs is not None
+            event = StreamEvent(
+                row.index, tok, lp, self._version, top,
+                prompt_logprobs=g.prompt_logprobs if first else None,
+                prompt_top_logprobs=g.prompt_top if first else None,
+            )  # fmt: skip
+            self._emit(g, event)
 
     def _emit(self, group: Group, event: StreamEvent) -> None:
         """Call a request's stream hook; if it raises, that request alone is aborted."""

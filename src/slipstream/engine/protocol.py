@@ -1,25 +1,43 @@
-"""Wire formats of the HTTP server: SGLang's native `/generate` family and OpenAI `/v1/completions`.
+"""Wire formats of the HTTP server's SGLang-native endpoints (`/generate` family).
 
 Field names follow SGLang (python/sglang/srt/managers/io_struct.py `GenerateReqInput`,
 `UpdateWeightFromDiskReqInput`; python/sglang/srt/sampling/sampling_params.py `SamplingParams`;
-finish reasons from managers/schedule_batch.py `FINISH_*.to_json()`). Unknown fields are rejected
+finish reasons from managers/schedule_batch.py `FINISH_*.to_json()`; logprob tuples and
+`routed_experts` from the tokenizer manager's output processing). Unknown fields are rejected
 (extra="forbid") so a typo is a 400, not a silently ignored knob. Fields SGLang accepts but
-slipstream does not implement are accepted at their neutral value and rejected otherwise.
+slipstream does not implement are accepted at their neutral value and rejected otherwise. Every
+number is bounded here (and again by `SamplingParams`), floats must be finite.
 
-slipstream additions: `meta_info.output_token_versions` (policy version of each output token).
+slipstream additions: `meta_info.output_token_versions` (policy version of each output token)
+and `meta_info.routed_experts_layout` ({shape: [rows, num_hidden_layers, k], moe_layers,
+num_experts}: what a client needs to decode `routed_experts` without the model's config).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from slipstream.engine.base import ALL_TOKENS, Completion, SamplingParams
+from slipstream.engine.base import (
+    ALL_TOKENS,
+    MAX_INT32,
+    MAX_SAMPLES,
+    MAX_TOP_LOGPROBS,
+    SEED_RANGE,
+    Completion,
+    SamplingParams,
+)
+
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
+Count = Annotated[int, Field(ge=0, le=MAX_INT32)]
+Seed = Annotated[int, Field(ge=SEED_RANGE[0], lt=SEED_RANGE[1])]
+TopN = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 # SGLang sampling fields slipstream does not implement, with the value that means "off".
@@ -38,27 +56,27 @@ _NEUTRAL = {
 }
 
 
-class SGLSamplingParams(_Strict):
+class SGLSamplingParams(Strict):
     """SGLang's `sampling_params` object (the subset slipstream implements, plus neutral ones)."""
 
-    max_new_tokens: int | None = 128
+    max_new_tokens: Count | None = 128
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = ALL_TOKENS
+    top_k: Annotated[int, Field(ge=ALL_TOKENS, le=MAX_INT32)] = ALL_TOKENS
     min_p: float = 0.0
-    n: int = 1
+    n: Annotated[int, Field(ge=1, le=MAX_SAMPLES)] = 1
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
-    sampling_seed: int | None = None
-    stream_interval: int | None = None
+    sampling_seed: Seed | None = None
+    stream_interval: Annotated[int, Field(ge=1, le=MAX_INT32)] | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    min_new_tokens: int = 0
+    min_new_tokens: Count = 0
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
@@ -67,8 +85,9 @@ class SGLSamplingParams(_Strict):
     logit_bias: dict[str, float] | None = None
     custom_params: dict[str, Any] | None = None
 
-    def to_params(self, default_max_new_tokens: int) -> SamplingParams:
-        """Raises ValueError naming an unsupported or out-of-range field."""
+    def to_params(self, default_max_new_tokens: int, **outputs: Any) -> SamplingParams:
+        """Raises ValueError naming an unsupported or out-of-range field. `outputs`: the
+        optional-output fields of `SamplingParams` the request asks for."""
         for name, neutral in _NEUTRAL.items():
             if getattr(self, name) != neutral:
                 raise ValueError(f"sampling_params.{name} is not supported by slipstream's engine")
@@ -87,28 +106,34 @@ class SGLSamplingParams(_Strict):
             max_new_tokens=max_new,
             n=self.n,
             ignore_eos=self.ignore_eos,
+            **outputs,
         )
 
 
-class GenerateReqInput(_Strict):
-    """SGLang `POST /generate` body. One of text / input_ids; a list of either is a batch."""
+class GenerateReqInput(Strict):
+    """SGLang `POST /generate` body. One of text / input_ids; a list of either is a batch.
+    `logprob_start_len` >= 0 (with return_logprob) adds the prompt's logprobs from that position;
+    `top_logprobs_num` adds that many alternatives per token; `return_routed_experts` adds the
+    MoE routing of positions [routed_experts_start_len, prompt + completion - 1)."""
 
     text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    input_ids: list[TokenId] | list[list[TokenId]] | None = None
     sampling_params: SGLSamplingParams | list[SGLSamplingParams] | None = None
     rid: str | list[str] | None = None
     return_logprob: bool | list[bool] = False
-    logprob_start_len: int | list[int] = -1
-    top_logprobs_num: int | list[int] = 0
+    logprob_start_len: Annotated[int, Field(ge=-1, le=MAX_INT32)] = -1
+    top_logprobs_num: TopN = 0
     return_text_in_logprobs: bool = False
+    return_routed_experts: bool = False
+    routed_experts_start_len: Count = 0
     stream: bool = False
 
 
-class UpdateWeightFromDiskReqInput(_Strict):
-    """SGLang `POST /update_weights_from_disk` body. `weight_version` must parse as an integer
+class UpdateWeightFromDiskReqInput(Strict):
+    """SGLang `POST /update_weights_from_disk` body. `weight_version` must be a decimal integer
     here (slipstream versions are integers); absent, the version is incremented."""
 
-    model_path: str
+    model_path: Annotated[str, Field(min_length=1, max_length=4096)]
     load_format: str | None = None
     abort_all_requests: bool = False
     weight_version: str | None = None
@@ -117,64 +142,17 @@ class UpdateWeightFromDiskReqInput(_Strict):
     torch_empty_cache: bool = False
     keep_pause: bool = False
     recapture_cuda_graph: bool = False
-    token_step: int = 0
+    token_step: Count = 0
 
 
-class AbortReqInput(_Strict):
+class AbortReqInput(Strict):
     """SGLang `POST /abort_request` body."""
 
     rid: str = ""
     abort_all: bool = False
 
 
-class CompletionRequest(_Strict):
-    """OpenAI `POST /v1/completions` body (plus the top_k/min_p/stop_token_ids/ignore_eos
-    extensions that SGLang and vLLM accept, and vLLM's return_tokens_as_token_ids)."""
-
-    model: str | None = None
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = 1
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    logprobs: int | None = None
-    echo: bool = False
-    stream: bool = False
-    user: str | None = None
-    top_k: int = ALL_TOKENS
-    min_p: float = 0.0
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    return_tokens_as_token_ids: bool = False
-    """vLLM extension: logprobs.tokens as "token_id:N" strings."""
-
-    def to_params(self, default_max_new_tokens: int) -> SamplingParams:
-        if self.stream or self.echo:
-            raise ValueError("stream and echo are not supported by slipstream's server")
-        if self.frequency_penalty or self.presence_penalty:
-            raise ValueError("frequency_penalty / presence_penalty are not supported")
-        if self.logprobs is not None and self.logprobs > 1:
-            raise ValueError("logprobs > 1 (top alternatives) is not supported; use 0 or 1")
-        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        return SamplingParams(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            seed=self.seed,
-            stop_token_ids=tuple(self.stop_token_ids or ()),
-            stop=tuple(stop),
-            max_new_tokens=default_max_new_tokens if self.max_tokens is None else self.max_tokens,
-            n=self.n,
-            ignore_eos=self.ignore_eos,
-        )
-
-
-def finish_reason_json(c: Completion) -> dict[str, Any]:
+def finish_reason_json(c: Completion) -> dict[str, Any] | None:
     """SGLang's FINISH_MATCHED_TOKEN / FINISH_MATCHED_STR / FINISH_LENGTH / FINISH_ABORT JSON."""
     if c.finish_reason == "stop":
         return {"type": "stop", "matched": c.matched_stop}
@@ -183,11 +161,35 @@ def finish_reason_json(c: Completion) -> dict[str, Any]:
     return {"type": "abort", "message": c.meta.get("abort_message", "aborted")}
 
 
+# JSON has no -inf: a logprob below this is sent as this (vLLM's convention).
+MIN_LOGPROB = -9999.0
+
+
+def finite(lp: float | None) -> float | None:
+    """`lp` clamped to >= MIN_LOGPROB (None stays None), so a response always encodes."""
+    return None if lp is None else max(lp, MIN_LOGPROB)
+
+
+def logprob_tuples(
+    pairs: list[tuple[float | None, int]], token_text: Callable[[int], str | None] | None
+) -> list[list[Any]]:
+    """SGLang's [logprob, token_id, text] triples (text None unless return_text_in_logprobs)."""
+    return [[finite(lp), tok, token_text(tok) if token_text else None] for lp, tok in pairs]
+
+
 def generate_output(
-    c: Completion, rid: str, return_logprob: bool, token_text: Any, current_version: int
+    c: Completion,
+    rid: str,
+    obj: GenerateReqInput,
+    return_logprob: bool,
+    token_text: Callable[[int], str | None],
+    current_version: int,
+    routed_experts: str | None = None,
+    routed_layout: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One SGLang `/generate` output object for one sample."""
     version = c.versions[-1] if c.versions else current_version
+    text_fn = token_text if obj.return_text_in_logprobs else None
     meta: dict[str, Any] = {
         "id": rid,
         "finish_reason": finish_reason_json(c),
@@ -200,7 +202,24 @@ def generate_output(
         "output_token_versions": c.versions,
     }
     if return_logprob:
-        meta["output_token_logprobs"] = [
-            [lp, tok, token_text(tok)] for lp, tok in zip(c.logprobs, c.token_ids, strict=True)
-        ]
+        meta["output_token_logprobs"] = logprob_tuples(
+            list(zip(c.logprobs, c.token_ids, strict=True)), text_fn
+        )
+        if obj.top_logprobs_num and c.top_logprobs is not None:
+            meta["output_top_logprobs"] = [
+                logprob_tuples([(lp, t) for t, lp in alts], text_fn) for alts in c.top_logprobs
+            ]
+        if obj.logprob_start_len >= 0 and c.prompt_logprobs is not None:
+            start = min(obj.logprob_start_len, len(c.prompt_ids))
+            meta["input_token_logprobs"] = logprob_tuples(
+                list(zip(c.prompt_logprobs, c.prompt_ids, strict=True))[start:], text_fn
+            )
+            if obj.top_logprobs_num and c.prompt_top_logprobs is not None:
+                meta["input_top_logprobs"] = [
+                    None if alts is None else logprob_tuples([(lp, t) for t, lp in alts], text_fn)
+                    for alts in c.prompt_top_logprobs[start:]
+                ]
+    if routed_experts is not None:
+        meta["routed_experts"] = routed_experts
+        meta["routed_experts_layout"] = routed_layout
     return {"text": c.text, "output_ids": c.token_ids, "meta_info": meta}

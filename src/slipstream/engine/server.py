@@ -1,12 +1,19 @@
-"""HTTP server over the native engine: SGLang's native API subset plus OpenAI `/v1/completions`.
+"""HTTP server over the native engine: SGLang's native API plus OpenAI's completions, chat
+completions and models endpoints (`openai_api.py`).
 
-Endpoints: POST /generate, POST /update_weights_from_disk, POST|GET /flush_cache, POST
-/abort_request, GET /get_model_info, GET /health, GET /health_generate, POST /v1/completions,
-GET /v1/models. Concurrent requests share the engine's running batch (continuous batching).
+SGLang endpoints: POST /generate (streaming too), POST /update_weights_from_disk, POST|GET
+/flush_cache, POST /abort_request, GET /get_model_info, GET /health, GET /health_generate.
+Concurrent requests share the engine's running batch (continuous batching).
 
-Errors: a request that cannot run (bad field, unsupported option, prompt too long) gets 400 with
-{"error": {"message": ...}}; the server keeps serving. Not covered: streaming, top-n logprobs,
-input logprobs, chat completions, authentication.
+Every failure stays with its request: a request that cannot run (bad or out-of-range field,
+unsupported option, prompt too long, rid in use) gets 400 in OpenAI's error shape
+(`guard.error_response`) before anything runs; a weight source that fails validation gets 400
+and the old weights keep serving; a client that disconnects has its requests aborted; an engine
+that can no longer serve makes /health answer 503. Authentication, size limits, weight-source
+schemes and version rules are `guard.py`'s (see docs/security.md).
+
+Not covered: /get_server_info, /update_weights_from_tensor / _distributed, tokenize endpoints,
+multimodal inputs, TLS.
 """
 
 from __future__ import annotations
@@ -17,24 +24,30 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from slipstream.engine.base import Completion, GenerateRequest, SamplingParams
+from slipstream.engine.guard import (
+    GuardMiddleware,
+    ServeOptions,
+    check_weight_source,
+    error_body,
+    error_response,
+    parse_version,
+)
 from slipstream.engine.native import NativeEngine
 from slipstream.engine.protocol import (
     AbortReqInput,
-    CompletionRequest,
     GenerateReqInput,
     SGLSamplingParams,
     UpdateWeightFromDiskReqInput,
     generate_output,
 )
-
-
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+from slipstream.engine.routing import encode_routed_experts
+from slipstream.engine.streaming import ClientGone, Runner, TextStream, sse
 
 
 def _as_list(value: Any, n: int, name: str) -> list[Any]:
@@ -45,54 +58,129 @@ def _as_list(value: Any, n: int, name: str) -> list[Any]:
     return [value] * n
 
 
-def create_app(engine: NativeEngine, tokenizer: Any = None, model_path: str = "") -> FastAPI:
-    """The FastAPI app serving `engine`. `tokenizer` encodes `text` prompts and decodes texts."""
+class ServerState:
+    """What the endpoints share: engine, tokenizer, options, the runner, the update lock."""
+
+    def __init__(
+        self, engine: NativeEngine, tokenizer: Any, model_path: str, options: ServeOptions
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_path = model_path
+        self.options = options
+        self.runner = Runner(engine)
+        self.update_lock = asyncio.Lock()
+        self.created = int(time.time())
+        cfg = engine.model.config
+        self.num_hidden_layers = cfg.num_hidden_layers
+        self.moe_layer_ids = list(getattr(engine.model, "moe_layer_ids", []))
+        self.num_experts = cfg.num_experts
+        self.default_max_new = engine.config.max_new_tokens
+
+    def encode(self, text: str) -> list[int]:
+        """A text prompt as the tokenizer defines it (its post-processor: BOS for slipstream's
+        char vocabulary, whatever an HF tokenizer declares)."""
+        if self.tokenizer is None:
+            raise ValueError("this server has no tokenizer: send token ids instead of text")
+        return self.tokenizer.encode_prompt(text)
+
+    def token_text(self, tok: int) -> str:
+        return self.tokenizer.decode([tok]) if self.tokenizer is not None else ""
+
+    def text_of(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+    def decode(self) -> Any:
+        return self.tokenizer.decode if self.tokenizer is not None else None
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.options.served_model_name:
+            raise HTTPException(404, f"model {name[:200]!r} does not exist "
+                                     f"(this server serves {self.options.served_model_name!r})")  # fmt: skip
+
+    def check_batch(self, requests: list[GenerateRequest]) -> None:
+        total = sum(r.params.n for r in requests)
+        if total > self.options.max_batch_samples:
+            raise HTTPException(413, f"request asks for {total} samples (prompts x n); the "
+                                     f"limit is {self.options.max_batch_samples}")  # fmt: skip
+
+    def routed(self, c: Completion, start: int) -> tuple[str | None, dict[str, Any] | None]:
+        """SGLang's base64 routing of rows [start, P + C - 1) and slipstream's layout extra."""
+        if c.routed_experts is None:
+            return None, None
+        rows = c.routed_experts[min(start, c.routed_experts.shape[0]) :]
+        data = encode_routed_experts(rows, self.moe_layer_ids, self.num_hidden_layers)
+        layout = {"shape": [rows.shape[0], self.num_hidden_layers, rows.shape[2]],
+                  "moe_layers": self.moe_layer_ids, "num_experts": self.num_experts}  # fmt: skip
+        return data, layout
+
+
+def create_app(
+    engine: NativeEngine,
+    tokenizer: Any = None,
+    model_path: str = "",
+    options: ServeOptions | None = None,
+) -> FastAPI:
+    """The FastAPI app serving `engine`. `tokenizer` encodes text prompts and chat messages and
+    decodes texts. `options` default: served name = the model directory's name."""
+    from slipstream.engine.openai_api import add_openai_routes
+
+    if options is None:
+        options = ServeOptions(served_model_name=Path(model_path).name or "slipstream")
     app = FastAPI(title="slipstream engine server")
-    default_max_new = engine.config.max_new_tokens
+    app.add_middleware(GuardMiddleware, options=options)
+    state = ServerState(engine, tokenizer, model_path, options)
+    app.state.slipstream = state
 
     @app.exception_handler(RequestValidationError)
     async def _bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        parts = [
-            f"{'.'.join(str(p) for p in e['loc'] if p != 'body')}: {e['msg']}" for e in exc.errors()
-        ]
-        return _error(400, "invalid request: " + "; ".join(parts))
+        parts, param = [], None
+        for e in exc.errors():
+            loc = ".".join(str(p) for p in e["loc"] if p != "body")
+            param = param or loc
+            shown = repr(e.get("input"))
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            parts.append(f"{loc}: {e['msg']} (got {shown})")
+        return error_response(400, "invalid request: " + "; ".join(parts[:5]), param)
+
+    @app.exception_handler(StarletteHTTPException)  # FastAPI's and Starlette's (body parsing)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail))
 
     @app.exception_handler(ValueError)
     async def _bad_value(request: Request, exc: ValueError) -> JSONResponse:
-        return _error(400, str(exc))
+        return error_response(400, str(exc))
 
-    def encode(text: str) -> list[int]:
-        if tokenizer is None:
-            raise ValueError("this server has no tokenizer: send input_ids instead of text")
-        return tokenizer.encode(text)
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, exc: ClientGone) -> Response:
+        return error_response(499, "client disconnected; its requests were aborted")
 
-    def token_text(tok: int) -> str | None:
-        return tokenizer.decode([tok]) if tokenizer is not None else None
-
-    async def run(requests: list[GenerateRequest]) -> list[list[Completion]]:
-        for r in requests:  # ValueError -> 400 before any of them runs
-            engine.validate(r)
-        futures = [engine.submit(r) for r in requests]
-        return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+    @app.exception_handler(RuntimeError)
+    async def _engine_error(request: Request, exc: RuntimeError) -> JSONResponse:
+        status = 503 if not engine.healthy else 500
+        return error_response(status, f"engine error: {exc}")
 
     @app.get("/health")
     async def health() -> Response:
+        if not engine.healthy:
+            return error_response(503, f"engine not serving: {engine.error or 'closed'}")
         return Response(status_code=200)
 
     @app.get("/health_generate")
-    async def health_generate() -> Response:
-        probe = GenerateRequest([0], SamplingParams(max_new_tokens=1, temperature=0.7))
+    async def health_generate(request: Request) -> Response:
+        probe = GenerateRequest([0], SamplingParams(max_new_tokens=1, temperature=0.7),
+                                f"health-{uuid.uuid4().hex}")  # fmt: skip
         try:
-            await asyncio.wait_for(run([probe]), timeout=60)
-        except (RuntimeError, TimeoutError):
-            return Response(status_code=503)
+            await asyncio.wait_for(state.runner.run(request, [probe]), timeout=60)
+        except (RuntimeError, TimeoutError) as e:
+            return error_response(503, f"engine could not generate: {e}")
         return Response(status_code=200)
 
     @app.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:
         return {
-            "model_path": model_path,
-            "tokenizer_path": model_path,
+            "model_path": options.served_model_name,
+            "tokenizer_path": options.served_model_name,
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": str(engine.version),
@@ -113,127 +201,103 @@ def create_app(engine: NativeEngine, tokenizer: Any = None, model_path: str = ""
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(obj: UpdateWeightFromDiskReqInput) -> JSONResponse:
+        def failed(status: int, message: str) -> JSONResponse:  # SGLang's shape + the error
+            extra = {"success": False, "message": message, "num_paused_requests": 0}
+            return error_response(status, message, extra=extra)
+
         if obj.load_format not in (None, "auto", "safetensors"):
-            return _error(
-                400, f"load_format {obj.load_format!r} is not supported (safetensors only)"
-            )
-        try:
-            version = engine.version + 1 if obj.weight_version is None else int(obj.weight_version)
-        except ValueError:
-            return _error(400, f"weight_version {obj.weight_version!r} is not an integer")
-        if "://" not in obj.model_path and not Path(obj.model_path).is_dir():
-            content = {
-                "success": False,
-                "message": f"{obj.model_path} is not a directory",
-                "num_paused_requests": 0,
-            }
-            return JSONResponse(content, status_code=400)
-        if obj.abort_all_requests:
-            engine.abort_all()
-        try:
-            await asyncio.to_thread(engine.update_weights, version, obj.model_path)
-        except (ValueError, OSError, RuntimeError) as e:
-            content = {"success": False, "message": f"update failed: {e}", "num_paused_requests": 0}
-            return JSONResponse(content, status_code=400)
+            return failed(400, f"load_format {obj.load_format!r} is not supported (safetensors)")
+        async with state.update_lock:  # one load at a time; the others wait their turn
+            try:
+                version = parse_version(obj.weight_version, engine.version, options)
+                check_weight_source(obj.model_path, options)
+            except ValueError as e:
+                return failed(400, str(e))
+            if obj.abort_all_requests:
+                engine.abort_all()
+            try:
+                await asyncio.to_thread(engine.update_weights, version, obj.model_path)
+            except (ValueError, OSError) as e:
+                return failed(400, f"update failed, version {engine.version} still serving: {e}")
+            except RuntimeError as e:
+                return failed(503, f"update failed: {e}")
         message = f"Succeeded to update model weights (version {version})."
         return JSONResponse({"success": True, "message": message, "num_paused_requests": 0})
 
     @app.post("/generate")
-    async def generate(obj: GenerateReqInput) -> Any:
-        if obj.stream:
-            return _error(400, "stream=True is not supported by slipstream's server")
+    async def generate(obj: GenerateReqInput, request: Request) -> Any:
         if (obj.text is None) == (obj.input_ids is None):
-            return _error(400, "give exactly one of text or input_ids")
+            raise ValueError("give exactly one of text or input_ids")
         if obj.text is not None:
             batched = isinstance(obj.text, list)
-            prompts = [encode(t) for t in (obj.text if batched else [obj.text])]
+            prompts = [state.encode(t) for t in (obj.text if batched else [obj.text])]
         else:
             ids = obj.input_ids or []
             batched = bool(ids) and isinstance(ids[0], list)
             prompts = [list(p) for p in ids] if batched else [list(ids)]  # type: ignore[arg-type]
         n = len(prompts)
         sps = _as_list(obj.sampling_params or SGLSamplingParams(), n, "sampling_params")
-        rids = (
-            _as_list(obj.rid, n, "rid")
-            if obj.rid is not None
-            else [uuid.uuid4().hex for _ in prompts]
-        )
+        if obj.rid is not None:
+            rids = _as_list(obj.rid, n, "rid")
+        else:
+            rids = [uuid.uuid4().hex for _ in prompts]
         want_lp = _as_list(obj.return_logprob, n, "return_logprob")
-        requests = [
-            GenerateRequest(p, sp.to_params(default_max_new), rid)
-            for p, sp, rid in zip(prompts, sps, rids, strict=True)
-        ]
-        groups = await run(requests)
-        outs = []
-        for rid, lp, group in zip(rids, want_lp, groups, strict=True):
-            for c in group:
-                sample_rid = rid if len(group) == 1 else f"{rid}_{c.index}"  # as SGLang
-                outs.append(generate_output(c, sample_rid, lp, token_text, engine.version))
+        requests = []
+        for p, sp, rid, lp in zip(prompts, sps, rids, want_lp, strict=True):
+            outputs = {
+                "top_logprobs": obj.top_logprobs_num if lp else 0,
+                "prompt_logprobs": obj.top_logprobs_num if lp and obj.logprob_start_len >= 0
+                else None,
+                "return_routed_experts": obj.return_routed_experts,
+            }  # fmt: skip
+            requests.append(GenerateRequest(p, sp.to_params(state.default_max_new, **outputs), rid))
+        state.check_batch(requests)
+
+        def output(i: int, c: Completion) -> dict[str, Any]:
+            group_n = requests[i].params.n
+            sample_rid = rids[i] if group_n == 1 else f"{rids[i]}_{c.index}"  # as SGLang
+            routed, shape = state.routed(c, obj.routed_experts_start_len)
+            return generate_output(c, sample_rid, obj, want_lp[i], state.token_text,
+                                   engine.version, routed, shape)  # fmt: skip
+
+        if obj.stream:
+            return StreamingResponse(_sglang_stream(state, requests, output),
+                                     media_type="text/event-stream")  # fmt: skip
+        groups = await state.runner.run(request, requests)
+        outs = [output(i, c) for i, group in enumerate(groups) for c in group]
         return outs if (batched or len(outs) > 1) else outs[0]
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [{"id": model_path, "object": "model", "owned_by": "slipstream"}],
-        }
-
-    @app.post("/v1/completions")
-    async def completions(obj: CompletionRequest) -> dict[str, Any]:
-        params = obj.to_params(default_max_new)
-        p = obj.prompt
-        if isinstance(p, str):
-            prompts = [encode(p)]
-        elif p and isinstance(p[0], str):
-            prompts = [encode(t) for t in p]  # type: ignore[arg-type]
-        elif p and isinstance(p[0], list):
-            prompts = [list(x) for x in p]  # type: ignore[arg-type]
-        else:
-            prompts = [list(p)]  # type: ignore[arg-type]
-        groups = await run([GenerateRequest(ids, params) for ids in prompts])
-        choices, completion_tokens = [], 0
-        for group in groups:
-            for c in group:
-                completion_tokens += len(c.token_ids)
-                logprobs = None
-                if obj.logprobs is not None:
-                    texts = [
-                        f"token_id:{t}" if obj.return_tokens_as_token_ids else (token_text(t) or "")
-                        for t in c.token_ids
-                    ]
-                    offsets, pos = [], 0
-                    for t in texts:
-                        offsets.append(pos)
-                        pos += len(t)
-                    logprobs = {
-                        "tokens": texts,
-                        "token_logprobs": c.logprobs,
-                        "top_logprobs": None,
-                        "text_offset": offsets,
-                    }
-                choices.append(
-                    {
-                        "index": len(choices),
-                        "text": c.text,
-                        "logprobs": logprobs,
-                        "finish_reason": c.finish_reason,
-                        "matched_stop": c.matched_stop,
-                        "token_ids": c.token_ids,
-                        "token_versions": c.versions,
-                    }
-                )
-        prompt_tokens = sum(len(ids) for ids in prompts)
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": obj.model or model_path,
-            "choices": choices,
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-            },
-        }
-
+    add_openai_routes(app, state)
     return app
+
+
+async def _sglang_stream(state: ServerState, requests: list[GenerateRequest], output: Any) -> Any:
+    """SGLang's default (non-incremental) streaming: every event carries the sample's text and
+    output ids so far and its meta_info (finish_reason null until the last); `index` numbers
+    the samples (prompt-major); ends with [DONE]."""
+    texts: dict[tuple[int, int], TextStream] = {}
+    ids: dict[tuple[int, int], list[int]] = {}
+    lps: dict[tuple[int, int], list[float]] = {}
+    offsets = [sum(r.params.n for r in requests[:i]) for i in range(len(requests))]
+    try:
+        async for i, ev in state.runner.stream(requests):
+            key = (i, ev.index)
+            ts = texts.setdefault(key, TextStream(state.decode(), requests[i].params.stop))
+            if ev.completion is not None:
+                ts.finish(ev.completion)
+                out = output(i, ev.completion)
+            else:
+                ts.push(ev.token_id)
+                ids.setdefault(key, []).append(ev.token_id)
+                lps.setdefault(key, []).append(ev.logprob)
+                partial = Completion(requests[i].request_id, ev.index, requests[i].prompt_ids,
+                                     ids[key], ts.sent, lps[key], "abort", [])  # fmt: skip
+                out = output(i, partial)
+                out["text"] = ts.sent
+                out["meta_info"]["finish_reason"] = None
+                out["meta_info"]["output_token_versions"] = None
+            out["index"] = offsets[i] + ev.index
+            yield sse(out)
+    except (RuntimeError, ValueError) as e:
+        yield sse(error_body(500, f"engine error: {e}"))
+    yield sse("[DONE]")

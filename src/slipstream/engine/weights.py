@@ -32,10 +32,10 @@ _WEIGHT_FILES = (".safetensors", ".safetensors.index.json")
 
 def read_weights(source: WeightSource) -> dict[str, torch.Tensor]:
     """The tensors of a source. A truncated or malformed safetensors file, or a shard index
-    that is not JSON or names missing files, is a ValueError naming it."""
+    that is not JSON, names missing files or files outside the directory, or maps a tensor to
+    a file that lacks it, is a ValueError naming it. With an index, its weight_map is the
+    checkpoint: exactly the tensors it lists are read (so an incomplete map is incomplete)."""
     from safetensors import SafetensorError
-
-    from slipstream.model import read_safetensors_dir
 
     if not isinstance(source, str | Path):
         return dict(source)
@@ -43,14 +43,54 @@ def read_weights(source: WeightSource) -> dict[str, torch.Tensor]:
         if isinstance(source, str) and "://" in source:
             with tempfile.TemporaryDirectory(prefix="slipstream-weights-") as tmp:
                 _download(source, Path(tmp))
-                return read_safetensors_dir(tmp)
+                return _read_dir(Path(tmp))
         if not Path(source).is_dir():
             raise ValueError(f"update_weights: {source} is not a directory")
-        return read_safetensors_dir(source)
+        return _read_dir(Path(source))
     except SafetensorError as e:
         raise ValueError(f"update_weights: {source}: unreadable safetensors: {e}") from None
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"update_weights: {source}: bad shard index: {e!r}") from None
+
+
+def _read_dir(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    from slipstream.model.checkpoint import INDEX_FILE, SINGLE_FILE
+
+    index_path = directory / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise ValueError(f"update_weights: {index_path}: bad shard index: {e!r}") from None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise ValueError(f"update_weights: {index_path}: bad shard index: weight_map must "
+                             "map tensor names to file names")  # fmt: skip
+        by_file: dict[str, list[str]] = {}
+        for name, fname in weight_map.items():
+            if Path(fname).name != fname or not fname.endswith(".safetensors"):
+                raise ValueError(f"update_weights: {index_path}: bad shard index: file "
+                                 f"{fname[:80]!r} is not a .safetensors file in the directory")  # fmt: skip
+            by_file.setdefault(fname, []).append(name)
+    elif (directory / SINGLE_FILE).is_file():
+        by_file = {SINGLE_FILE: []}  # every tensor of the file
+    else:
+        raise FileNotFoundError(f"{directory}: neither {SINGLE_FILE} nor {INDEX_FILE}")
+    state: dict[str, torch.Tensor] = {}
+    for fname, names in sorted(by_file.items()):
+        path = directory / fname
+        if not path.is_file():
+            raise FileNotFoundError(f"No such file: {path} (named by {INDEX_FILE})")
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            present = set(f.keys())
+            wanted = names or sorted(present)
+            lacking = [n for n in wanted if n not in present]
+            if lacking:
+                raise ValueError(f"update_weights: {path} lacks {lacking[:5]} (named by the index)")
+            for name in wanted:
+                state[name] = f.get_tensor(name)
+    return state
 
 
 def prepare_weights(model: torch.nn.Module, source: WeightSource) -> dict[str, torch.Tensor]:

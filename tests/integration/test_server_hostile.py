@@ -1,0 +1,568 @@
+"""Hostile input against `slipstream serve`'s app (uvicorn on loopback): bad weight sources,
+versions and URL schemes, missing or wrong API keys, out-of-range numbers, oversized bodies and
+batches, malformed JSON, duplicate request ids, clients that disconnect, a broken engine. Every
+case asserts the failure stays with its request: the answer is a 4xx (or 503 for a broken
+engine) in OpenAI's error shape, and normal requests, including ones in flight at the time,
+still get the reference answer afterwards."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from test_server import Server, checks
+
+from slipstream.config.engine import EngineConfig
+from slipstream.engine import NativeEngine
+from slipstream.engine.guard import ServeOptions
+from slipstream.model import save_pretrained
+from slipstream.model.tokenizer import CharTokenizer
+
+pytest.importorskip("fastapi")
+torch.set_num_threads(1)
+KEY = "s3cret-key"
+PROMPT = [5, 6, 7]
+
+
+def make_engine(model) -> NativeEngine:
+    cfg = EngineConfig(kv_cache_tokens=6 * 128, max_seq_len=128, max_batch_size=6)
+    return NativeEngine(model, cfg, tokenizer=CharTokenizer())
+
+
+@pytest.fixture(scope="module")
+def model():
+    return checks.tiny_model()
+
+
+@pytest.fixture(scope="module")
+def expected(model) -> list[int]:
+    return checks.reference_greedy(model, PROMPT, 6, set())
+
+
+@pytest.fixture(scope="module")
+def site(model, tmp_path_factory):
+    """One engine behind two apps: open (no key) and keyed (admin endpoints need KEY)."""
+    from slipstream.engine.server import create_app
+
+    ckpt = tmp_path_factory.mktemp("ckpt")
+    save_pretrained(model, ckpt)
+    engine = make_engine(model)
+    tok = CharTokenizer()
+    open_app = create_app(engine, tok, str(ckpt), ServeOptions(served_model_name="m",
+                                                               max_request_bytes=2**20,
+                                                               max_batch_samples=64))  # fmt: skip
+    keyed_app = create_app(engine, tok, str(ckpt), ServeOptions(served_model_name="m",
+                                                                api_key=KEY))  # fmt: skip
+    with Server(open_app) as s_open, Server(keyed_app) as s_keyed:
+        yield s_open.url, s_keyed.url, engine, ckpt
+    engine.close()
+
+
+def generate(url: str, ids: list[int] = PROMPT, max_new: int = 6, **extra) -> httpx.Response:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "temperature": 0}}
+    return httpx.post(url + "/generate", json={**body, **extra}, timeout=60)
+
+
+def assert_serving(url: str, expected: list[int]) -> None:
+    """/health is 200 and a greedy request gets the reference tokens."""
+    assert httpx.get(url + "/health", timeout=10).status_code == 200
+    resp = generate(url)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["output_ids"] == expected
+
+
+def assert_error(resp: httpx.Response, status: int, needle: str) -> None:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"} and err["code"] == status
+    assert needle in err["message"], err["message"]
+
+
+class InFlight:
+    """A long greedy request running in a thread while the hostile one is sent."""
+
+    def __init__(self, url: str, model) -> None:
+        self.url, self.result = url, None
+        self.want = checks.reference_greedy(model, [8, 9], 60, set())
+        self.thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        body = {"input_ids": [8, 9], "sampling_params": {"max_new_tokens": 60, "temperature": 0}}
+        self.result = httpx.post(self.url + "/generate", json=body, timeout=120)
+
+    def __enter__(self) -> InFlight:
+        self.thread.start()
+        time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.thread.join(timeout=120)
+        assert self.result is not None and self.result.status_code == 200, self.result
+        assert self.result.json()["output_ids"] == self.want
+
+
+# ---- weight sources --------------------------------------------------------------------------
+
+
+def _write_bad_checkpoints(root, model) -> dict[str, tuple[object, str]]:
+    """name -> (model_path, expected message fragment)."""
+    good = root / "good"
+    save_pretrained(model, good)
+    data = (good / "model.safetensors").read_bytes()
+    out = {}
+
+    def ckpt(name: str, files: dict[str, bytes | str]) -> str:
+        d = root / name
+        d.mkdir()
+        for fname, content in files.items():
+            (d / fname).write_bytes(content if isinstance(content, bytes) else content.encode())
+        (d / "config.json").write_bytes((good / "config.json").read_bytes())
+        return str(d)
+
+    out["truncated"] = (ckpt("trunc", {"model.safetensors": data[: len(data) // 3]}),
+                        "unreadable safetensors")  # fmt: skip
+    out["random"] = (ckpt("rand", {"model.safetensors": bytes(range(256)) * 64}),
+                     "unreadable safetensors")  # fmt: skip
+    out["empty"] = (ckpt("empty", {"model.safetensors": b""}), "unreadable safetensors")
+    index = json.dumps({"weight_map": {"model.norm.weight": "model.safetensors"}})
+    out["incomplete index"] = (ckpt("partial", {"model.safetensors": data,
+                                                "model.safetensors.index.json": index}),
+                               "missing")  # fmt: skip
+    out["index to a missing shard"] = (
+        ckpt("noshard", {"model.safetensors.index.json":
+                         json.dumps({"weight_map": {"x": "model-00001.safetensors"}})}),
+        "No such file",
+    )  # fmt: skip
+    out["index escaping the directory"] = (
+        ckpt("escape", {"model.safetensors.index.json":
+                        json.dumps({"weight_map": {"x": "../good/model.safetensors"}})}),
+        "in the directory",
+    )  # fmt: skip
+    out["index not json"] = (ckpt("badjson", {"model.safetensors.index.json": "{nope"}),
+                             "bad shard index")  # fmt: skip
+    out["index wrong type"] = (ckpt("badtype", {"model.safetensors.index.json": "[1, 2]"}),
+                               "bad shard index")  # fmt: skip
+    from safetensors.torch import save_file
+
+    state = {k: v.clone().contiguous() for k, v in model.state_dict().items()}
+    for name, value in (("nan", math.nan), ("inf", math.inf)):
+        bad = dict(state)
+        bad["model.norm.weight"] = torch.full_like(state["model.norm.weight"], value)
+        d = root / name
+        d.mkdir()
+        save_file(bad, str(d / "model.safetensors"))
+        out[name] = (str(d), "NaN or infinite")
+    shape = dict(state)
+    shape["model.norm.weight"] = torch.ones(7)
+    d = root / "shape"
+    d.mkdir()
+    save_file(shape, str(d / "model.safetensors"))
+    out["wrong shape"] = (str(d), "shape")
+    ints = dict(state)
+    ints["model.norm.weight"] = torch.ones(state["model.norm.weight"].shape, dtype=torch.int32)
+    d = root / "ints"
+    d.mkdir()
+    save_file(ints, str(d / "model.safetensors"))
+    out["integer dtype"] = (str(d), "not floating point")
+    out["not a directory"] = (str(root / "nowhere"), "not a directory")
+    return out
+
+
+def test_bad_weight_sources_leave_the_old_weights_serving(site, model, expected, tmp_path):
+    url, _, engine, ckpt = site
+    before = engine.version
+    with InFlight(url, model):
+        for name, (path, needle) in _write_bad_checkpoints(tmp_path, model).items():
+            resp = httpx.post(url + "/update_weights_from_disk", json={"model_path": path},
+                              timeout=60)  # fmt: skip
+            assert_error(resp, 400, needle)
+            assert resp.json()["success"] is False, name
+            assert engine.version == before and engine.healthy, name
+    assert_serving(url, expected)
+    # ... and a valid load afterwards neither hangs nor fails
+    resp = httpx.post(url + "/update_weights_from_disk",
+                      json={"model_path": str(ckpt), "weight_version": str(before + 1)},
+                      timeout=60)  # fmt: skip
+    assert resp.status_code == 200 and resp.json()["success"] is True
+    assert httpx.get(url + "/get_model_info").json()["weight_version"] == str(before + 1)
+    assert_serving(url, expected)
+
+
+@pytest.mark.parametrize(
+    "version,needle",
+    [("-5", "non-negative decimal"), ("99999999999999999999", "non-negative decimal"),
+     ("4294967296", "exceeds the maximum"), ("1e3", "non-negative decimal"),
+     ("abc", "non-negative decimal"), ("0", "below the served version"), (" ", "non-negative")],
+)  # fmt: skip
+def test_bad_weight_versions_are_refused(site, expected, version, needle):
+    url, _, engine, ckpt = site
+    if version == "0" and engine.version == 0:
+        httpx.post(url + "/update_weights_from_disk", json={"model_path": str(ckpt),
+                   "weight_version": "1"}, timeout=60)  # fmt: skip
+    before = engine.version
+    resp = httpx.post(
+        url + "/update_weights_from_disk",
+        json={"model_path": str(ckpt), "weight_version": version},
+        timeout=60,
+    )
+    assert_error(resp, 400, needle)
+    assert engine.version == before
+    assert_serving(url, expected)
+    meta = generate(url).json()["meta_info"]
+    assert meta["weight_version"] == str(before)
+
+
+def test_weight_urls_outside_the_allowed_schemes_are_not_fetched(site, expected):
+    url, _, engine, _ = site
+    hits = []
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    listener.settimeout(0.5)
+    port = listener.getsockname()[1]
+    try:
+        for target in (f"http://127.0.0.1:{port}/ckpt", f"https://127.0.0.1:{port}/x",
+                       f"ftp://127.0.0.1:{port}/x", "memory://x", "github://o:r@main/"):  # fmt: skip
+            resp = httpx.post(url + "/update_weights_from_disk", json={"model_path": target},
+                              timeout=30)  # fmt: skip
+            assert_error(resp, 400, "is not allowed")
+        try:
+            hits.append(listener.accept())
+        except TimeoutError:
+            pass
+    finally:
+        listener.close()
+    assert hits == [], "the server connected to a URL it should have refused"
+    assert_serving(url, expected)
+
+
+# ---- authentication --------------------------------------------------------------------------
+
+
+def test_admin_endpoints_need_the_api_key(site, model, expected):
+    _, keyed, engine, ckpt = site
+    admin = [("/update_weights_from_disk", {"model_path": str(ckpt)}),
+             ("/abort_request", {"abort_all": True}), ("/flush_cache", {})]  # fmt: skip
+    with InFlight(keyed, model):  # abort_all without the key must not touch it
+        for path, body in admin:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+                            {"Authorization": f"Basic {KEY}"}):  # fmt: skip
+                resp = httpx.post(keyed + path, json=body, headers=headers, timeout=30)
+                assert_error(resp, 401, "API key")
+    before = engine.version
+    auth = {"Authorization": f"Bearer {KEY}"}
+    resp = httpx.post(keyed + "/update_weights_from_disk",
+                      json={"model_path": str(ckpt), "weight_version": str(before + 1)},
+                      headers=auth, timeout=60)  # fmt: skip
+    assert resp.status_code == 200 and engine.version == before + 1
+    assert httpx.post(keyed + "/flush_cache", headers=auth).status_code == 200
+    assert_serving(keyed, expected)  # generation and health stay open with scope "admin"
+
+
+def test_api_key_scope_all_guards_generation_but_not_health(model, expected):
+    from slipstream.engine.server import create_app
+
+    engine = make_engine(model)
+    app = create_app(engine, CharTokenizer(), "m", ServeOptions(api_key=KEY, api_key_scope="all"))
+    try:
+        with Server(app) as s:
+            assert_error(generate(s.url), 401, "API key")
+            assert httpx.get(s.url + "/v1/models").status_code == 401
+            assert httpx.get(s.url + "/health").status_code == 200
+            resp = httpx.post(s.url + "/generate", headers={"Authorization": f"Bearer {KEY}"},
+                              json={"input_ids": PROMPT, "sampling_params":
+                                    {"max_new_tokens": 6, "temperature": 0}})  # fmt: skip
+            assert resp.json()["output_ids"] == expected
+    finally:
+        engine.close()
+
+
+def test_http_engine_sends_the_key(site, model, expected, monkeypatch):
+    from slipstream.engine import GenerateRequest, HTTPEngine, SamplingParams
+
+    _, keyed, engine, ckpt = site
+    client = HTTPEngine(keyed, api_key=KEY, max_retries=0)
+    try:
+        client.update_weights(engine.version + 1, str(ckpt))
+        (c,) = client.generate([GenerateRequest(PROMPT, SamplingParams(temperature=0,
+                                                                       max_new_tokens=6))])  # fmt: skip
+        assert c.token_ids == expected
+    finally:
+        client.close()
+    monkeypatch.setenv("SLIPSTREAM_API_KEY", "wrong")
+    client = HTTPEngine(keyed, max_retries=0)
+    try:
+        with pytest.raises(Exception, match="401"):
+            client.update_weights(engine.version + 1, str(ckpt))
+    finally:
+        client.close()
+
+
+def test_serve_warns_when_binding_beyond_loopback_without_a_key(model, tmp_path, capsys,
+                                                                 monkeypatch):  # fmt: skip
+    import uvicorn
+
+    from slipstream.cli import main
+
+    save_pretrained(model, tmp_path / "m")
+    (tmp_path / "empty.toml").write_text("")
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: None)
+    monkeypatch.delenv("SLIPSTREAM_API_KEY", raising=False)
+    assert main(["serve", "--model", str(tmp_path / "m"), "--host", "0.0.0.0",
+                 "-c", str(tmp_path / "empty.toml")]) == 0  # fmt: skip
+    err = capsys.readouterr().err
+    assert "WARNING" in err and "WITHOUT an API key" in err
+    for args in (["--host", "127.0.0.1"], ["--host", "0.0.0.0", "--api-key", KEY]):
+        assert main(["serve", "--model", str(tmp_path / "m"), *args,
+                     "-c", str(tmp_path / "empty.toml")]) == 0  # fmt: skip
+        assert "WARNING" not in capsys.readouterr().err
+    assert main(["serve", "--model", str(tmp_path / "nope")]) == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
+# ---- numbers, bodies, batches ----------------------------------------------------------------
+
+HUGE = 2**70
+
+
+@pytest.mark.parametrize(
+    "body,needle",
+    [
+        ({"sampling_params": {"top_k": HUGE}}, "top_k"),
+        ({"sampling_params": {"stop_token_ids": [HUGE]}}, "stop_token_ids"),
+        ({"sampling_params": {"sampling_seed": HUGE}}, "sampling_seed"),
+        ({"sampling_params": {"max_new_tokens": HUGE}}, "max_new_tokens"),
+        ({"sampling_params": {"n": HUGE}}, "n"),
+        ({"sampling_params": {"n": 7}}, "KV slots"),
+        ({"sampling_params": {"temperature": 1e300}}, "temperature"),
+        ({"sampling_params": {"temperature": 1e-30}}, "temperature"),
+        ({"sampling_params": {"top_p": -1}}, "top_p"),
+        ({"sampling_params": {"min_p": 2}}, "min_p"),
+        ({"sampling_params": {"top_k": -7}}, "top_k"),
+        ({"sampling_params": {"stop_token_ids": list(range(300))}}, "stop_token_ids"),
+        ({"sampling_params": {"stop": ["x"] * 40}}, "stop"),
+        ({"sampling_params": {"stream_interval": 0}}, "stream_interval"),
+        ({"input_ids": [HUGE]}, "input_ids"),
+        ({"input_ids": [-1]}, "input_ids"),
+        ({"input_ids": [10**6]}, "outside"),
+        ({"input_ids": []}, "empty prompt"),
+        ({"top_logprobs_num": 10**9}, "top_logprobs_num"),
+        ({"logprob_start_len": -5}, "logprob_start_len"),
+        ({"routed_experts_start_len": HUGE}, "routed_experts_start_len"),
+        ({"rid": ["a", "b"]}, "rid has 2 entries"),
+        ({"sampling_params": {"temperature": "hot"}}, "temperature"),
+    ],
+)
+def test_out_of_range_fields_get_400_and_do_not_touch_requests_in_flight(site, model, expected,
+                                                                         body, needle):  # fmt: skip
+    url = site[0]
+    base = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}}
+    merged = {**base, **body}
+    if "sampling_params" in body:
+        merged["sampling_params"] = {**base["sampling_params"], **body["sampling_params"]}
+    with InFlight(url, model):
+        assert_error(httpx.post(url + "/generate", json=merged, timeout=30), 400, needle)
+        for path, oa in (("/v1/completions", {"prompt": PROMPT, "top_k": HUGE}),
+                         ("/v1/completions", {"prompt": PROMPT, "logprobs": 10**6}),
+                         ("/v1/completions", {"prompt": [[HUGE]]}),
+                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                   "top_logprobs": 99, "logprobs": True})):  # fmt: skip
+            assert_error(httpx.post(url + path, json=oa, timeout=30), 400, "")
+    assert_serving(url, expected)
+
+
+@pytest.mark.parametrize("raw", ['{"input_ids": [5], "sampling_params": {"temperature": NaN}}',
+                                 '{"input_ids": [5], "sampling_params": {"top_p": Infinity}}',
+                                 '{"input_ids": [5], "sampling_params": {"min_p": -Infinity}}',
+                                 '{"input_ids": [5',
+                                 "[" * 100000 + "]" * 100000,
+                                 '"just a string"'])  # fmt: skip
+def test_malformed_json_and_non_finite_numbers(site, expected, raw):
+    url = site[0]
+    resp = httpx.post(url + "/generate", content=raw,
+                      headers={"content-type": "application/json"}, timeout=30)  # fmt: skip
+    assert resp.status_code == 400, resp.text
+    assert "error" in resp.json()
+    assert_serving(url, expected)
+
+
+def test_oversized_bodies_get_413_before_parsing(site, expected):
+    url = site[0]
+    big = b'{"input_ids": [' + b"5," * (2**20) + b"5]}"
+    t0 = time.monotonic()
+    resp = httpx.post(url + "/generate", content=big, headers={"content-type": "application/json"},
+                      timeout=30)  # fmt: skip
+    assert_error(resp, 413, "exceeds the limit")
+    assert time.monotonic() - t0 < 10
+
+    def chunks():  # no Content-Length: counted while read
+        yield b'{"input_ids": ['
+        for _ in range(64):
+            yield b"5," * 16384
+        yield b"5]}"
+
+    resp = httpx.post(url + "/generate", content=chunks(), timeout=30,
+                      headers={"content-type": "application/json"})  # fmt: skip
+    assert_error(resp, 413, "exceeds the limit")
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:  # a bogus length
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: x9\r\n\r\n{}")
+        status_line = sock.recv(200).split(b"\r\n")[0]
+    assert b" 400 " in status_line or b" 413 " in status_line, status_line
+    assert_serving(url, expected)
+
+
+def test_oversized_batches_get_413(site, expected):
+    url = site[0]
+    resp = httpx.post(url + "/generate", json={"input_ids": [PROMPT] * 65}, timeout=30)
+    assert_error(resp, 413, "samples")
+    resp = httpx.post(url + "/v1/completions", json={"prompt": [PROMPT] * 20, "n": 4}, timeout=30)
+    assert_error(resp, 413, "samples")
+    assert_serving(url, expected)
+
+
+def test_a_rid_in_flight_cannot_be_reused_or_aborted_by_another_request(site, model, expected):
+    url = site[0]
+    holder: dict[str, httpx.Response] = {}
+
+    def first() -> None:
+        holder["r"] = httpx.post(url + "/generate", timeout=120, json={
+            "input_ids": [8, 9], "rid": "shared",
+            "sampling_params": {"max_new_tokens": 60, "temperature": 0}})  # fmt: skip
+
+    t = threading.Thread(target=first)
+    t.start()
+    time.sleep(0.2)
+    resp = generate(url, rid="shared")
+    if resp.status_code != 200:  # the first one may already be done on a fast machine
+        assert_error(resp, 400, "already in use")
+    t.join(timeout=120)
+    assert holder["r"].status_code == 200
+    assert holder["r"].json()["output_ids"] == checks.reference_greedy(model, [8, 9], 60, set())
+    assert_error(generate(url, rid=["x", "x"], ids=[PROMPT, PROMPT]), 400, "already in use")
+    assert_serving(url, expected)
+
+
+def test_unknown_fields_and_unsupported_options(site, expected):
+    url = site[0]
+    for path, body, needle in [
+        ("/generate", {"input_ids": PROMPT, "lora_path": "x"}, "lora_path"),
+        ("/generate", {"input_ids": PROMPT, "sampling_params": {"regex": "a+"}}, "regex"),
+        ("/v1/completions", {"prompt": "1", "suffix": "x"}, "suffix"),
+        ("/v1/completions", {"prompt": "1", "logit_bias": {"5": 3}}, "logit_bias"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "image_url"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+    ]:  # fmt: skip
+        assert_error(httpx.post(url + path, json=body, timeout=30), 400, needle)
+    assert_serving(url, expected)
+
+
+# ---- disconnects -----------------------------------------------------------------------------
+
+
+def _rows_running(engine: NativeEngine) -> int:
+    return len(engine.batch.rows) + len(engine._waiting)
+
+
+def _wait_idle(engine: NativeEngine, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _rows_running(engine) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _rows_running(engine) == 0, "the engine still runs a disconnected client's work"
+
+
+def _raw_request(url: str, path: str, body: dict) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    data = json.dumps(body).encode()
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)  # fmt: skip
+    return sock
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions", "/v1/chat/completions"])
+def test_a_disconnected_clients_work_is_cancelled(site, expected, path, stream):
+    url, _, engine, _ = site
+    long = {"max_new_tokens": 100000, "ignore_eos": True}
+    body = {
+        "/generate": {"input_ids": [8], "sampling_params": {**long, "n": 2}, "stream": stream},
+        "/v1/completions": {"prompt": [8], "max_tokens": 100000, "ignore_eos": True, "n": 2,
+                            "stream": stream},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": "1"}], "n": 2,
+                                 "max_tokens": 100000, "ignore_eos": True, "stream": stream},
+    }[path]  # fmt: skip
+    _wait_idle(engine)
+    sock = _raw_request(url, path, body)
+    deadline = time.monotonic() + 30
+    while not engine.batch.rows and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.batch.rows, "the request never started"
+    if stream:
+        assert sock.recv(64)  # the stream has begun
+    sock.close()
+    _wait_idle(engine)
+    assert_serving(url, expected)
+
+
+# ---- a broken engine ------------------------------------------------------------------------
+
+
+def test_health_reflects_a_broken_engine(model, tmp_path):
+    """A weight copy failing part-way (after validation) corrupts the weights: the engine stops
+    serving, /health and /health_generate answer 503, generation gets 503, nothing hangs."""
+    from slipstream.engine import native
+    from slipstream.engine.server import create_app
+
+    save_pretrained(model, tmp_path / "w")
+    engine = make_engine(checks.tiny_model())
+    try:
+        with Server(create_app(engine, CharTokenizer(), "m")) as s:
+            assert httpx.get(s.url + "/health").status_code == 200
+
+            def broken_copy(m, prepared):  # noqa: ANN001, ANN202
+                raise RuntimeError("device lost mid-copy")
+
+            original = native.apply_weights
+            native.apply_weights = broken_copy
+            try:
+                resp = httpx.post(s.url + "/update_weights_from_disk",
+                                  json={"model_path": str(tmp_path / "w")}, timeout=60)  # fmt: skip
+            finally:
+                native.apply_weights = original
+            assert_error(resp, 503, "weights corrupt")
+            assert_error(httpx.get(s.url + "/health"), 503, "weights corrupt")
+            assert httpx.get(s.url + "/health_generate", timeout=30).status_code == 503
+            assert_error(generate(s.url), 503, "not serving")
+    finally:
+        engine.close()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_health_reflects_a_dead_engine_thread(model):
+    from slipstream.engine.server import create_app
+
+    engine = make_engine(checks.tiny_model())
+    try:
+        with Server(create_app(engine, CharTokenizer(), "m")) as s:
+
+            def die() -> bool:
+                raise SystemExit("simulated thread death")
+
+            engine._iterate = die  # the loop calls it on its next wake-up
+            with engine._lock:
+                engine._aborted.add("wake-up")
+                engine._lock.notify_all()
+            engine._thread.join(timeout=10)
+            assert_error(httpx.get(s.url + "/health"), 503, "ended unexpectedly")
+            assert_error(generate(s.url), 503, "not serving")
+    finally:
+        engine.close()
