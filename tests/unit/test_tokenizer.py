@@ -123,3 +123,109 @@ def test_hf_missing_eos_and_missing_file(tmp_path) -> None:
         HFTokenizer(tmp_path / "tokenizer.json", eos_token="</s>")
     with pytest.raises(FileNotFoundError, match="nope"):
         load_tokenizer(tmp_path / "nope")
+
+
+# ---- tokenization that travels with the checkpoint ---------------------------------------------
+
+transformers = pytest.importorskip("transformers")
+
+
+def _heldout_prompts(tok) -> tuple[list, object]:
+    from slipstream.config import load_config
+    from slipstream.tasks import get_taskset
+
+    from pathlib import Path
+
+    cfg = load_config(str(Path(__file__).resolve().parents[2] / "configs/quickstart.toml"), [])
+    ts = get_taskset(cfg.task, tok)
+    return ts.heldout(), ts
+
+
+def test_transformers_tokenizer_from_the_export_gives_the_task_ids(tmp_path) -> None:
+    """AutoTokenizer on the saved files encodes every held-out prompt to exactly the ids the
+    tasks feed the model ([bos] + characters), with no BOS handling by the caller; decoding the
+    model's completions (EOS included) gives the text the verifier sees."""
+    tok = CharTokenizer()
+    tok.save(tmp_path)
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    tasks, ts = _heldout_prompts(tok)
+    assert len(tasks) == 500
+    for task in tasks:
+        ids = ts.prompt_ids(task)
+        assert hf(task.prompt)["input_ids"] == ids == tok.encode_prompt(task.prompt)
+        completion = ts.completion_ids(ts.demonstration(task))
+        assert hf.decode(completion, skip_special_tokens=True) == tok.decode(completion)
+    assert (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id) == (1, 2, 0)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert config["add_bos_token"] is True and config["add_eos_token"] is False
+    gen = json.loads((tmp_path / "generation_config.json").read_text())
+    assert gen == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    # The tokenizers library alone (what vLLM/SGLang use) applies the same post-processor.
+    raw = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert raw.encode("12+34=").ids == tok.encode_prompt("12+34=")
+    assert raw.encode("12+34=", add_special_tokens=False).ids == tok.encode("12+34=")
+
+
+def test_chat_template_renders_the_training_format(tmp_path) -> None:
+    tok = CharTokenizer()
+    tok.save(tmp_path)
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    one = [{"role": "user", "content": "12+34="}]
+    assert tok.chat_prompt(one) == [tok.bos_id, *tok.encode("12+34=")]
+    turns = [{"role": "system", "content": "S"}, *one, {"role": "assistant", "content": "46"},
+             {"role": "user", "content": "1+1="}]  # fmt: skip
+    for messages in (one, turns):
+        hf_ids = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        hf_ids = hf_ids["input_ids"] if hasattr(hf_ids, "keys") else hf_ids
+        assert hf_ids == tok.chat_prompt(messages)
+    assert tok.chat_prompt(turns).count(tok.eos_id) == 1  # the assistant turn is closed
+
+
+def test_special_token_strings_in_text_are_parsed_like_transformers(tmp_path) -> None:
+    tok = CharTokenizer()
+    tok.save(tmp_path)
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    for text in ["a <eos> b", "<bos>12", "<pad><pad>", "<eo s>", ""]:
+        assert hf(text)["input_ids"] == tok.encode_prompt(text)
+    assert tok.encode("<eos>") != [tok.eos_id]  # task prompts never parse specials
+
+
+def test_generation_config_is_not_overwritten(tmp_path) -> None:
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [7, 8]}')
+    CharTokenizer().save(tmp_path)
+    assert json.loads((tmp_path / "generation_config.json").read_text()) == {"eos_token_id": [7, 8]}
+
+
+def test_hf_tokenizer_keeps_its_own_behaviour(tmp_path) -> None:
+    """A Qwen-like tokenizer (no BOS post-processor, its own chat template) served or saved by
+    slipstream behaves as transformers says it does."""
+    _bpe_file(tmp_path / "tokenizer.json")
+    template = ("{% for m in messages %}<|pad|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>"
+                "{% endfor %}{% if add_generation_prompt %}<|pad|>assistant\n{% endif %}")  # fmt: skip
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|endoftext|>", "pad_token": "<|pad|>", "chat_template": template,
+        "tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False}))  # fmt: skip
+    tok = load_tokenizer(tmp_path)
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    for text in ["12+34=", "the quick <|endoftext|> fox"]:
+        assert tok.encode_prompt(text) == hf(text)["input_ids"]
+    msgs = [{"role": "user", "content": "12+34="}]
+    want = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    want = want["input_ids"] if hasattr(want, "keys") else want
+    assert tok.chat_prompt(msgs) == want
+    out = tmp_path / "saved"
+    tok.save(out)
+    saved = json.loads((out / "tokenizer_config.json").read_text())
+    assert saved["chat_template"] == template and saved["add_bos_token"] is False
+    again = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert again("12+34=")["input_ids"] == hf("12+34=")["input_ids"]
+
+
+def test_chat_template_errors_are_value_errors(tmp_path) -> None:
+    from slipstream.model.tokenizer import render_chat_template
+
+    with pytest.raises(ValueError, match="only user"):
+        render_chat_template("{{ raise_exception('only user') }}", [], True, "<s>", "</s>")
+    _wordlevel_file(tmp_path / "tokenizer.json")
+    with pytest.raises(ValueError, match="no chat template"):
+        load_tokenizer(tmp_path / "tokenizer.json").chat_prompt([{"role": "user", "content": "x"}])
