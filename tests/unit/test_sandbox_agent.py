@@ -6,7 +6,6 @@ import asyncio
 import os
 import struct
 import sys
-import time
 
 import pytest
 
@@ -76,10 +75,9 @@ def test_large_stdin_and_binary_output(tmp_path):
 def test_timeout_kills_group_and_strays(tmp_path):
     async def go():
         proc, conn = await _agent(tmp_path)
-        t0 = time.monotonic()
         r = await conn.exec(["sh", "-c", "sleep 60 & echo $! > bg.pid; sleep 60"], timeout_s=0.5)
-        assert r.timed_out and r.exit_code == -9 and r.signal == 9
-        assert time.monotonic() - t0 < 10
+        # killed by the timeout, not waited out: the host raises SandboxBroken past 0.5 + 5 s
+        assert r.timed_out and r.exit_code == -9 and r.signal == 9 and r.wall_s < 60
         bg = int(await conn.get_file("bg.pid"))
         assert not _alive(bg)
         # a daemon that left the process group (setsid) is still killed after the command ends
