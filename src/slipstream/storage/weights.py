@@ -19,9 +19,10 @@ Contract:
 - `check(version)` says why a published version cannot be loaded (manifest, sizes, hashes, the
   safetensors and config.json parse, finite values), or None; `ckpt list` shows it.
 
-Not covered: several concurrent publishers to one URL (one trainer publishes), a reader that
-fetches a version while retention deletes it (it gets FileNotFoundError and should ask `latest()`
-again; keep_last >= 2 makes that rare).
+Not covered: several concurrent publishers to one URL (one trainer publishes; `slipstream run`
+holds the store's lock, storage/lock.py, so a second job is refused), a reader that fetches a
+version while retention deletes it (it gets FileNotFoundError and should ask `latest()` again;
+keep_last >= 2 makes that rare).
 """
 
 from __future__ import annotations
