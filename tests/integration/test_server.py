@@ -82,7 +82,12 @@ def served(model, tmp_path_factory):
     engine = NativeEngine(model, cfg, tokenizer=CharTokenizer())
     with Server(create_app(engine, CharTokenizer(), model_path=str(ckpt))) as server:
         client = HTTPEngine(
-            server.url, max_concurrency=8, timeout_s=60, max_retries=1, backoff_s=0.05
+            server.url,
+            max_concurrency=8,
+            timeout_s=60,
+            max_retries=1,
+            backoff_s=0.05,
+            model_config=model.config,
         )
         yield server, client, engine, ckpt
         client.close()
@@ -360,3 +365,60 @@ def test_wait_ready_waits_for_a_starting_server_and_times_out_naming_it(model) -
         client.close()
         server.__exit__()
         engine.close()
+
+
+def test_http_routing_round_trips_exactly(served, model):
+    """return_routed_experts over HTTP: the client decodes SGLang's base64 int32 payload into
+    the same Completion.routed_experts the native engine gives (with the model's config, and
+    from the server's layout extra without it), equal to a plain forward's routing."""
+    server, client, engine = served[0], served[1], served[2]
+    checks.check_routing_matches_forward(client, model)
+    bare = HTTPEngine(server.url, max_retries=0)  # no model_config: uses routed_experts_layout
+    try:
+        checks.check_routing_matches_forward(bare, model)
+        reqs = [GenerateRequest([5, 6, 7], SamplingParams(temperature=0.9, max_new_tokens=6,
+                                                          seed=3, n=2, top_logprobs=2,
+                                                          prompt_logprobs=2,
+                                                          return_routed_experts=True))]  # fmt: skip
+        native, http = engine.generate(reqs), bare.generate(reqs)
+        for a, b in zip(native, http, strict=True):
+            assert torch.equal(a.routed_experts, b.routed_experts)
+            assert a.routed_experts.dtype == b.routed_experts.dtype == torch.uint8
+            assert a.token_ids == b.token_ids
+            assert a.prompt_logprobs == pytest.approx(b.prompt_logprobs)
+            for mine, theirs in ((a.top_logprobs, b.top_logprobs),
+                                 (a.prompt_top_logprobs, b.prompt_top_logprobs)):  # fmt: skip
+                assert len(mine) == len(theirs)
+                for x, y in zip(mine, theirs, strict=True):
+                    assert (x is None) == (y is None)
+                    if x is not None:
+                        assert [t for t, _ in x] == [t for t, _ in y]
+                        assert [lp for _, lp in x] == pytest.approx([lp for _, lp in y])
+    finally:
+        bare.close()
+
+
+def test_sglang_routed_experts_wire_format(served, model):
+    """As SGLang clients (slime, miles) read it: base64 little-endian int32 of shape
+    (len(prompt + output) - 1, num_hidden_layers, top-k); routed_experts_start_len drops the
+    first rows."""
+    import base64
+
+    import numpy as np
+
+    server = served[0]
+    body = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 5, "temperature": 0},
+            "return_routed_experts": True}  # fmt: skip
+    out = httpx.post(server.url + "/generate", json=body, timeout=30).json()
+    seq = [5, 6, 7, 8, *out["output_ids"]]
+    cfg = model.config
+    arr = np.frombuffer(base64.b64decode(out["meta_info"]["routed_experts"]), dtype=np.int32)
+    arr = arr.reshape(len(seq) - 1, cfg.num_hidden_layers, cfg.num_experts_per_tok)
+    assert np.array_equal(arr, checks.reference_routing(model, seq[:-1]).numpy())
+    tail = httpx.post(server.url + "/generate", json={**body, "routed_experts_start_len": 3},
+                      timeout=30).json()  # fmt: skip
+    arr3 = np.frombuffer(base64.b64decode(tail["meta_info"]["routed_experts"]), dtype=np.int32)
+    assert np.array_equal(arr3.reshape(-1, cfg.num_hidden_layers, 2), arr[3:])
+    plain = httpx.post(server.url + "/generate", json={**body, "return_routed_experts": False},
+                       timeout=30).json()  # fmt: skip
+    assert "routed_experts" not in plain["meta_info"]
