@@ -90,3 +90,25 @@ def kill_and_resume(tmp_path: Path, store: list[str], env: dict[str, str]) -> No
         assert b[step]["reward_mean"] == a[step]["reward_mean"]
     trained = [t for s in sorted(b) for t in b[s]["task_ids"]]
     assert len(trained) == len(set(trained))
+
+
+def test_a_corrupt_latest_checkpoint_is_passed_over(tmp_path: Path) -> None:
+    """The job resumes from the newest *valid* checkpoint: with the latest one truncated (a crash
+    mid-write on a store without atomic renames, or bit rot), it goes back to the previous one,
+    says so in the log and the report, and still trains every step once."""
+    save_random_init(tmp_path / "init", TINY)
+    first = start(tmp_path, "c", [], {})
+    assert first.wait(timeout=240) == 0, (tmp_path / "c.err").read_text()[-3000:]
+    ckpt = tmp_path / "c" / "store" / "ckpt"
+    steps = sorted(int(p.name.split("_")[1]) for p in ckpt.iterdir())
+    assert steps[-2:] == [5, 6]  # checkpoint_every=1, keep_checkpoints=2
+    victim = max((p for p in (ckpt / "step_00000006").iterdir() if p.name != "manifest.json"),
+                 key=lambda p: p.stat().st_size)  # fmt: skip
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    again = start(tmp_path, "c", ["trainer.steps=8"], {})
+    assert again.wait(timeout=240) == 0, (tmp_path / "c.err").read_text()[-3000:]
+    err = (tmp_path / "c.err").read_text()
+    assert "checkpoint step 6 is invalid" in err and "resuming from step 5" in err, err[-3000:]
+    report = (tmp_path / "c" / "report.md").read_text()
+    assert "**resumed from step**: 5" in report and "checkpoint step 6 is invalid" in report
+    assert sorted(trained_steps(tmp_path / "c" / "metrics.jsonl")) == list(range(1, 9))

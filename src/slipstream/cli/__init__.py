@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     except RolloutFailed as e:  # e.g. a worker slot crash-loops: the reason ends with its output
         print(f"slipstream: {e}", file=sys.stderr)
         return 1
-    except TrainerRankLost as e:  # the cause (a collective's error) is in the rank's log
+    except (TrainerRankLost, FloatingPointError) as e:  # a lost rank's cause is in its log
         print(f"slipstream: {e}", file=sys.stderr)
         return 1
     except StoreError as e:  # before OSError: InvalidEntry is both

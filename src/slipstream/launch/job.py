@@ -112,6 +112,8 @@ def write_job_report(cfg: SlipstreamConfig, result: Any, controller: Any, launch
         **launcher.summary(), "worker exit codes": codes,
         "buffer": controller.coord.buffer.metrics(),
     }  # fmt: skip
+    if controller.skipped_checkpoints:
+        summary["skipped checkpoints"] = controller.skipped_checkpoints
     if dp_codes is not None:
         summary["trainer processes (data parallel)"] = cfg.trainer.num_processes
         summary["trainer rank exit codes"] = dp_codes

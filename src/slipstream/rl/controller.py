@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -96,6 +97,7 @@ class Controller:
         )
         self.coord = Coordinator(queue, buffer)
         self.resumed_from: int | None = None
+        self.skipped_checkpoints: list[str] = []  # invalid newer checkpoints passed over
         self.pass_before: float | None = None
         self._eval_model: torch.nn.Module | None = None  # rank 0's full copy (sharded layouts)
         self._published: dict[str, torch.Tensor] | None = None
@@ -134,11 +136,16 @@ class Controller:
         return self._eval_model
 
     def _maybe_resume(self) -> None:
-        step = self.ckpts.latest()
+        # the newest *valid* checkpoint; each newer invalid one is logged and passed over
+        # (NoValidCheckpoint when checkpoints exist but none is valid)
+        point = self.ckpts.latest_valid()
+        self.skipped_checkpoints = point.warnings()
+        step = point.step
         self._tell_ranks("resume", step)
         if step is None:
             return
         coord_state, manifest = self.trainer.restore(self.ckpts, step)
+        self.ckpts.remove_after(step)  # the skipped bad ones: retention must never prefer them
         self.coord.restore(coord_state)
         self.pass_before = manifest.get("pass_at_1_before")
         gone = self.weights.remove_after(self.trainer.version)
@@ -187,6 +194,11 @@ class Controller:
             t_train = time.monotonic()
             self._tell_ranks("step", batch)  # the other ranks train their share of it
             m = self.trainer.step(batch)
+            if not m["skipped"] and not math.isfinite(m["loss"]):
+                raise FloatingPointError(
+                    f"the loss is {m['loss']} at step {self.trainer.step_count}: the policy "
+                    "diverged; nothing of this step is published"
+                )
             self.publish()
             train_s = time.monotonic() - t_train
             samples_total += len(batch.samples)
