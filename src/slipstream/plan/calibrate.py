@@ -36,7 +36,9 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import logging
 import math
+import os
 import re
 import statistics
 import subprocess
@@ -60,6 +62,8 @@ from slipstream.plan.rates import (
     VerifierRates,
 )
 from slipstream.plan.results import figures_from_metrics
+
+log = logging.getLogger(__name__)
 
 _EXIT_RE = re.compile(r"exiting \d+: (\{.*\})\s*$")
 
@@ -230,11 +234,102 @@ def discrete_lengths(mean: float, sd: float, n: int = 200) -> list[float]:
     return [float(x) for x in v]
 
 
-def run_probes(run_dir: Path) -> dict[str, float]:
-    """The weight and RPC probes for a run (see probe_weight_load, probe_rpc)."""
-    fetch_s, apply_s = probe_weight_load(Path(run_dir) / "store" / "weights")
-    rpc_idle_s, rpc_busy_s = probe_rpc()
-    return {"weight_fetch_s": fetch_s, "weight_apply_s": apply_s, "rpc_idle_s": rpc_idle_s,
+# The worker's own weight update, timed in a subprocess (the planner must not import torch):
+# WeightStore.fetch (read, manifest hashes, deserialise) and NativeEngine.update_weights (apply at
+# the idle engine's next step boundary), on the run's last published version.
+_ENGINE_LOAD_PROBE = """
+import json, statistics, sys, tempfile, time
+import torch
+torch.set_num_threads(1)
+from slipstream.config.engine import EngineConfig
+from slipstream.engine.native import NativeEngine
+from slipstream.model import load_pretrained
+from slipstream.storage.weights import WeightStore
+store = WeightStore(sys.argv[1], 3)
+version = max(store.versions())
+with tempfile.TemporaryDirectory() as tmp:
+    model = load_pretrained(store.fetch_to_dir(version, tmp))
+engine = NativeEngine(model, EngineConfig(), version=0)
+print("ready", flush=True)
+sys.stdin.readline()  # start together with the other probes (workers load every version at once)
+fetch, apply = [], []
+for i in range(int(sys.argv[2])):
+    t0 = time.perf_counter()
+    sd = store.fetch(version)
+    t1 = time.perf_counter()
+    engine.update_weights(version + 1 + i, sd)
+    fetch.append(t1 - t0)
+    apply.append(time.perf_counter() - t1)
+    time.sleep(0.05)
+engine.close()
+print(json.dumps({"fetch_s": statistics.median(fetch), "apply_s": statistics.median(apply)}))
+"""
+
+
+def probe_engine_weight_load(
+    store_dir: Path, num_concurrent: int = 1, repeats: int = 7, pythonpath: str | None = None
+) -> tuple[float, float]:
+    """(fetch_s, apply_s) of the real worker path (see _ENGINE_LOAD_PROBE), in `num_concurrent`
+    processes started together, as the run's workers all load each version at about the same
+    time; means over the processes of their medians. `pythonpath` puts another source tree first
+    (the code the run used). Raises RuntimeError (with the probe's output) if a probe fails."""
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _ENGINE_LOAD_PROBE, str(store_dir), str(repeats)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )  # fmt: skip
+        for _ in range(num_concurrent)
+    ]
+    try:
+        for p in procs:
+            assert p.stdout is not None
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"weight-load probe did not start: {p.communicate()[1][-2000:]}")
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        results = []
+        for p in procs:
+            out, err = p.communicate(timeout=300)
+            if p.returncode != 0:
+                raise RuntimeError(f"weight-load probe exited {p.returncode}: {err[-2000:]}")
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return (float(np.mean([r["fetch_s"] for r in results])),
+            float(np.mean([r["apply_s"] for r in results])))  # fmt: skip
+
+
+def run_probes(
+    run_dir: Path, num_workers: int = 1, pythonpath: str | None = None, rpc_calls: int = 200
+) -> dict[str, Any]:
+    """The weight and RPC probes for a run: the worker's real weight update in `num_workers`
+    concurrent processes (falling back, with a warning, to the numpy imitation when the engine
+    code cannot run here), and the RPC round trips."""
+    store = Path(run_dir) / "store"
+    probe = "engine"
+    try:
+        fetch_s, apply_s = probe_engine_weight_load(store, num_workers, pythonpath=pythonpath)
+    except (RuntimeError, OSError, subprocess.TimeoutExpired, json.JSONDecodeError) as e:
+        log.warning("weight-load probe through the engine failed (%s); using the numpy "
+                    "imitation, which underestimates the apply", str(e).splitlines()[0])  # fmt: skip
+        fetch_s, apply_s = probe_weight_load(store / "weights")
+        probe = "numpy"
+    rpc_idle_s, rpc_busy_s = probe_rpc(rpc_calls)
+    return {"weight_fetch_s": fetch_s, "weight_apply_s": apply_s, "weight_probe": probe,
+            "weight_probe_processes": num_workers, "rpc_idle_s": rpc_idle_s,
             "rpc_busy_s": rpc_busy_s}  # fmt: skip
 
 
@@ -266,7 +361,7 @@ def calibrate(
     warmup_steps: int = 1,
     request_latency_s: float | None = None,
     fit: bool = True,
-    probes: dict[str, float] | None = None,
+    probes: dict[str, Any] | None = None,
 ) -> PlanConfig:
     """Rates for the run in `run_dir`, started with the job config `job` (a SlipstreamConfig).
     `probes`: results of `run_probes(run_dir)` taken earlier (e.g. right after the run); None =
@@ -296,7 +391,7 @@ def calibrate(
         tokens, verify_s = fig["completion_len_mean"], 0.0
     ro_cfg, eng_cfg = job.rollout, job.engine
     fixed_s, per_token_s, curve = engine_curve(Path(engine_bench), job.model.model_dump())
-    probes = probes or run_probes(run_dir)
+    probes = probes or run_probes(run_dir, job.rollout.num_workers)
     fetch_s, apply_s = probes["weight_fetch_s"], probes["weight_apply_s"]
     rpc_idle_s, rpc_busy_s = probes["rpc_idle_s"], probes["rpc_busy_s"]
     groups = job.trainer.groups_per_step
@@ -350,7 +445,9 @@ def calibrate(
         f"request latency (generate_s / requests, worker logs): {request_latency_s * 1e3:.2f} ms",
         f"completion tokens per sample {tokens:.3f}; per group (shared by its samples) sd "
         f"{length_sd:.3f} from the per-step means",
-        f"probes: weight fetch {fetch_s * 1e3:.2f} ms, apply {apply_s * 1e3:.2f} ms; RPC "
+        f"probes: weight fetch {fetch_s * 1e3:.2f} ms, apply {apply_s * 1e3:.2f} ms "
+        f"({probes.get('weight_probe', 'given')} probe, {probes.get('weight_probe_processes', 1)} "
+        f"at once); RPC "
         f"{rpc_idle_s * 1e3:.3f} ms idle, {rpc_busy_s * 1e3:.3f} ms with a busy Python thread",
         f"prompt tokens {plan.rollout.engine.prompt_tokens} (estimated from the task config)",
     ]

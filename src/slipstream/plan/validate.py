@@ -171,6 +171,8 @@ def run_case(case: Case, config: str, init: str, out_dir: Path, *, engine_bench:
 
     run_dir = out_dir / case.name
     overrides = job_overrides(case, init, run_dir)
+    job = load_config(config, overrides)
+    workers = job.rollout.num_workers
     info_path = run_dir / "plan-validation-run.json"
     if reuse and info_path.is_file():  # a finished run of the same case: only re-predict
         info = json.loads(info_path.read_text())
@@ -178,7 +180,7 @@ def run_case(case: Case, config: str, init: str, out_dir: Path, *, engine_bench:
             raise ValueError(f"{run_dir} was run with other overrides; rerun without --reuse")
         before, after, wall = info["loadavg_before"], info["loadavg_after"], info["wall_s"]
         if "probes" not in info:  # a run recorded before probes were stored with it
-            info["probes"] = run_probes(run_dir)
+            info["probes"] = run_probes(run_dir, workers, pythonpath=info.get("job_src"))
     else:
         shutil.rmtree(run_dir, ignore_errors=True)
         before = os.getloadavg()
@@ -188,12 +190,12 @@ def run_case(case: Case, config: str, init: str, out_dir: Path, *, engine_bench:
         wall = time.monotonic() - t0
         after = os.getloadavg()
         info = {"overrides": overrides, "loadavg_before": before, "loadavg_after": after,
-                "wall_s": wall, "probes": run_probes(run_dir), "job_src": _JOB_SRC[0],
+                "wall_s": wall, "probes": run_probes(run_dir, workers, pythonpath=_JOB_SRC[0]),
+                "job_src": _JOB_SRC[0],
                 "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
         info_path.write_text(json.dumps(info))
         if not keep_runs:  # checkpoints are large; the weights the probe reads stay
             shutil.rmtree(run_dir / "store" / "ckpt", ignore_errors=True)
-    job = load_config(config, overrides)
     plan = calibrate(run_dir, job, engine_bench=engine_bench, warmup_steps=case.warmup_steps,
                      probes=info["probes"])  # fmt: skip
     measured = {k: float(v) for k, v in plan.calibration.measured.items()}
