@@ -163,6 +163,10 @@ class TrainerConfig(Section):
     """Run the forward pass under bfloat16 autocast (weights and optimizer stay float32)."""
     eval_every: int = Field(default=0, ge=0)
     """Held-out pass@1 every this many steps (0 = only before and after the run)."""
+    background_publish: bool = True
+    """Write each new weight version to the store from a background thread while the next step
+    trains (rl/publisher.py): the coordinator announces a version once it is written, so it can
+    lag the trainer by one version. False: publish inside the step."""
     checkpoint_every: int = Field(default=10, ge=0)
     """Write a resumable checkpoint every this many steps (0 = only at the end)."""
     deterministic: bool = False

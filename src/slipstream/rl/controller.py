@@ -33,6 +33,7 @@ from slipstream.model import MoEForCausalLM, hf_config_from_model_config, hf_fro
 from slipstream.observe.metrics import MetricsWriter
 from slipstream.rl.buffer import ExperienceBuffer
 from slipstream.rl.coordinator import Coordinator
+from slipstream.rl.publisher import Publisher
 from slipstream.rl.queue import TaskQueue
 from slipstream.rl.trainer import build_trainer
 from slipstream.runtime import resolve_device
@@ -102,7 +103,10 @@ class Controller:
         self._eval_model: torch.nn.Module | None = None  # rank 0's full copy (sharded layouts)
         self._published: dict[str, torch.Tensor] | None = None
         self._maybe_resume()
+        self.publisher = Publisher(self.weights, self.coord,
+                                   background=cfg.trainer.background_publish)  # fmt: skip
         self.publish()
+        self.publisher.flush()  # version 0 (or the resumed one) exists before any worker asks
 
     def _tell_ranks(self, *command: Any) -> None:
         """The other ranks do their part of what rank 0 does next (launch/dp.py)."""
@@ -111,16 +115,16 @@ class Controller:
 
     def publish(self) -> None:
         """Make the trainer's current version the policy: weights to the store first, then the
-        version to the coordinator (workers load what it announces, so it must exist)."""
+        version to the coordinator (workers load what it announces, so it must exist). With
+        trainer.background_publish the writing overlaps the next step (rl/publisher.py)."""
         self._tell_ranks("publish")
-        state = self.trainer.full_state()  # sharded: gathered from every rank
+        state = self.trainer.full_state()  # a snapshot; sharded: gathered from every rank
         assert state is not None  # rank 0
         self._published = state
         cfg = self.model.config
         dtype = next(iter(state.values())).dtype
-        self.weights.publish(self.trainer.version, hf_from_internal(state, cfg),
-                             hf_config_from_model_config(cfg, dtype))  # fmt: skip
-        self.coord.set_version(self.trainer.version)
+        self.publisher.submit(self.trainer.version, hf_from_internal(state, cfg),
+                              hf_config_from_model_config(cfg, dtype))  # fmt: skip
 
     def _policy_for_eval(self) -> torch.nn.Module:
         """The policy as one module: the trainer's own, or (sharded) a full copy on rank 0
@@ -154,6 +158,7 @@ class Controller:
                     step, self.trainer.version, gone)  # fmt: skip
 
     def checkpoint(self) -> None:
+        self.publisher.flush()  # the coordinator's version in the checkpoint is the trainer's
         self._tell_ranks("save")
         self.trainer.save(self.ckpts, self.coord.snapshot(), {"pass_at_1_before": self.pass_before})
 
@@ -182,7 +187,10 @@ class Controller:
         last_reward = float("nan")
         while self.trainer.step_count < tc.steps:
             t_wait = time.monotonic()
-            batch = self.coord.get_batch(tc.groups_per_step, tc.batch_timeout_s)
+            # staleness counts from the trainer's version (the coordinator's may lag one
+            # version while it is being published)
+            batch = self.coord.get_batch(tc.groups_per_step, tc.batch_timeout_s,
+                                         version=self.trainer.version)  # fmt: skip
             if batch is None:
                 raise TimeoutError(
                     f"no batch of {tc.groups_per_step} groups within trainer.batch_timeout_s="
@@ -230,6 +238,7 @@ class Controller:
             self.on_record(rec)
             if tc.checkpoint_every and step % tc.checkpoint_every == 0:
                 self.checkpoint()
+        self.publisher.flush()  # the last version is in the store
         self.coord.request_stop()
         if self.dp is not None:  # the other ranks save with rank 0 below, then leave
             self.dp_done = True

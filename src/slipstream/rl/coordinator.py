@@ -104,14 +104,14 @@ class Coordinator:
         with self._arrived:
             self._arrived.notify_all()
 
-    def get_batch(self, n: int, timeout_s: float) -> Batch | None:
-        """Wait up to timeout_s for n fresh groups; None on timeout. Raises RolloutFailed after
-        fail()."""
+    def get_batch(self, n: int, timeout_s: float, version: int | None = None) -> Batch | None:
+        """Wait up to timeout_s for n groups fresh at `version` (the trainer's; default: the
+        announced one); None on timeout. Raises RolloutFailed after fail()."""
         deadline = time.monotonic() + timeout_s
         while True:
             if self._failure is not None:
                 raise RolloutFailed(self._failure)
-            batch = self.buffer.get_batch(n, self._version)
+            batch = self.buffer.get_batch(n, self._version if version is None else version)
             if batch is not None or time.monotonic() >= deadline:
                 return batch
             with self._arrived:

@@ -60,10 +60,13 @@ def collate(
     samples: list[Sample], pad_id: int, device: torch.device, pad_to: int | None = None
 ) -> dict[str, torch.Tensor]:
     """Right-padded tensors (to the longest sample, or `pad_to` positions); `mask_BT` marks
-    target positions holding completion tokens, `valid_BT` every real input position,
-    `version_BT` the policy version that produced each input position's forward (prompt
-    positions: the first token's; -1 on padding). When every sample carries recorded routing,
-    `routing_BTLk` holds it (zeros on padding)."""
+    target positions holding tokens the policy *sampled* (each sample's `loss_mask`: observation
+    tokens a multi-turn environment appended are 0, so every loss term and the token mean ignore
+    them), `behaviour_BT` their behaviour logprobs (0 elsewhere), `valid_BT` every real input
+    position, `version_BT` the policy version that produced each input position's forward
+    (prompt positions: the first sampled token's; an observation position: the version of the
+    next sampled token, whose turn prefilled it; -1 on padding). When every sample carries
+    recorded routing, `routing_BTLk` holds it (zeros on padding)."""
     T = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples) - 1
     if pad_to is not None:
         if pad_to < T:
@@ -82,14 +85,23 @@ def collate(
         n, p = len(seq) - 1, len(s.prompt_ids)
         inputs_BT[b, :n] = torch.tensor(seq[:-1])
         targets_BT[b, :n] = torch.tensor(seq[1:])
-        # target j is token j + 1, so the completion's targets are positions p-1 .. n-1
-        mask_BT[b, p - 1 : n] = True
-        behaviour_BT[b, p - 1 : n] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
         valid_BT[b, :n] = True
+        last_B[b] = max(n - 1, p - 1)
+        # target j is token j + 1, so the completion's targets are positions p-1 .. n-1
+        if not s.loss_mask or all(s.loss_mask):  # every completion token was sampled
+            mask_BT[b, p - 1 : n] = True
+            behaviour_BT[b, p - 1 : n] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
+            if s.versions:
+                version_BT[b, : p - 1] = s.versions[0]
+                version_BT[b, p - 1 : n] = torch.tensor(s.versions)
+            continue
+        sampled_C = torch.tensor(s.loss_mask, dtype=torch.bool)
+        pos_S = (p - 1) + torch.nonzero(sampled_C).flatten()
+        mask_BT[b, pos_S] = True
+        behaviour_BT[b, pos_S] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
         if s.versions:
             version_BT[b, : p - 1] = s.versions[0]
-            version_BT[b, p - 1 : n] = torch.tensor(s.versions)
-        last_B[b] = max(n - 1, p - 1)
+            version_BT[b, p - 1 : n] = torch.tensor(_versions_per_token(s.loss_mask, s.versions))
     out = {"inputs_BT": inputs_BT, "targets_BT": targets_BT, "mask_BT": mask_BT,
            "behaviour_BT": behaviour_BT, "last_B": last_B, "version_BT": version_BT,
            "valid_BT": valid_BT}  # fmt: skip
@@ -97,6 +109,22 @@ def collate(
         L, k = samples[0].routing_shape
         out["routing_BTLk"] = collate_routing(samples, T).view(L, B, T, k).permute(1, 2, 0, 3)
     return {k: v.to(device) for k, v in out.items()}
+
+
+def _versions_per_token(loss_mask: list[int], versions: list[int]) -> list[int]:
+    """One version per completion token: a sampled token's own; an observation token the version
+    of the next sampled token (the turn whose prefill read it), or the last one if none follows."""
+    out = [0] * len(loss_mask)
+    sampled = iter(versions)
+    for i, m in enumerate(loss_mask):
+        out[i] = next(sampled) if m else -1
+    following = versions[-1] if versions else -1
+    for i in range(len(out) - 1, -1, -1):
+        if loss_mask[i]:
+            following = out[i]
+        else:
+            out[i] = following
+    return out
 
 
 def lr_factor(step: int, cfg: TrainerConfig) -> float:
@@ -316,15 +344,15 @@ class Trainer:
                 "step": self.step_count}  # fmt: skip
 
     def full_state(self) -> dict[str, torch.Tensor] | None:
-        """The policy's full internal state dict (every rank calls it; collective when sharded):
-        on rank 0 the tensors (the model's own when it is whole), None on the others."""
+        """A snapshot of the policy's full internal state dict (every rank calls it; collective
+        when sharded): on rank 0 copies the next step does not change, None on the others."""
         if self.ranks.sharded:
             from slipstream.parallel.sharding import gather_full_state
 
             return gather_full_state(self.model, self.ranks.rank)
         if self.ranks.rank != 0:
             return None
-        return {k: v.detach() for k, v in self.model.state_dict().items()}
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     # ---- step ----------------------------------------------------------------------------------
 

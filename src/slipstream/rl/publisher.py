@@ -1,0 +1,86 @@
+"""Publishing policy versions from a background thread, so the trainer's next step overlaps the
+serialisation, hashing and writing of the last one's weights.
+
+    publisher = Publisher(weights, coordinator)
+    publisher.submit(version, state, hf_config)   # returns once the previous publish finished
+    publisher.flush()                             # every submitted version is published
+
+Contract:
+- Versions are published one at a time, in submit order; after a version's files and manifest
+  are in the store, the coordinator is told (`set_version`): workers only ever see announced
+  versions, which exist. `submit` blocks while the previous version is still being written
+  (at most one in flight), so the coordinator lags the trainer by at most one version.
+- The caller hands over a snapshot it will not change (the trainer's next step must not write
+  into the tensors being serialised).
+- An error in the thread (e.g. the store refusing non-finite weights, a full disk) is raised
+  by the next `submit` or `flush`, naming the version; nothing after it is published.
+- `background=False` publishes on the caller's thread (deterministic tests, debugging).
+
+Not covered: publishing several versions concurrently, skipping versions no worker needs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+
+from slipstream.storage import WeightStore
+
+
+class PublishFailed(RuntimeError):
+    """A background publish failed; the message names the version and the cause."""
+
+
+class Publisher:
+    def __init__(self, weights: WeightStore, coordinator: Any, *, background: bool = True) -> None:
+        self.weights, self.coord, self.background = weights, coordinator, background
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._failed_version = -1
+        self.publish_s = 0.0
+        """Total wall time spent publishing (in the thread, or inline)."""
+        self.wait_s = 0.0
+        """Total time `submit`/`flush` waited for the previous publish."""
+
+    def submit(
+        self, version: int, state: dict[str, torch.Tensor], hf_config: dict[str, Any]
+    ) -> None:
+        """Publish `version` (HF-named `state`, config.json `hf_config`) after the previous one."""
+        self.flush()
+        if not self.background:
+            self._publish(version, state, hf_config)
+            self._raise()
+            return
+        self._thread = threading.Thread(target=self._publish, args=(version, state, hf_config),
+                                        daemon=True, name=f"publish-v{version}")  # fmt: skip
+        self._thread.start()
+
+    def flush(self) -> None:
+        """Wait until every submitted version is published (raises PublishFailed if one failed)."""
+        if self._thread is not None:
+            t0 = time.perf_counter()
+            self._thread.join()
+            self.wait_s += time.perf_counter() - t0
+            self._thread = None
+        self._raise()
+
+    def _publish(
+        self, version: int, state: dict[str, torch.Tensor], hf_config: dict[str, Any]
+    ) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.weights.publish(version, state, hf_config)
+            self.coord.set_version(version)
+        except BaseException as e:  # noqa: BLE001 - handed to the trainer's thread by _raise
+            self._error, self._failed_version = e, version
+        finally:
+            self.publish_s += time.perf_counter() - t0
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise PublishFailed(f"publishing weight version {self._failed_version} failed: "
+                                f"{type(err).__name__}: {err}") from err  # fmt: skip
