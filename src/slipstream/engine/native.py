@@ -55,6 +55,7 @@ from slipstream.engine.base import (
 )
 from slipstream.engine.batch import Group, Row, RunningBatch
 from slipstream.engine.kv_cache import Part, SlotKVCache
+from slipstream.engine.outputs import completion_routing, set_prompt_logprobs, stream_events
 from slipstream.engine.routing import RoutingRecorder
 from slipstream.engine.sampling import processed_logprobs, sample
 from slipstream.engine.weights import WeightSource, apply_weights, prepare_weights
@@ -487,49 +488,18 @@ class NativeEngine:
             if g.params.return_routed_experts and route_TLk is not None:
                 g.prompt_routing_PLk = route_TLk[off : off + length].clone()
             if g.params.prompt_logprobs is not None:
-                self._prompt_logprobs(g, logits_TV[off : off + length - 1])
+                set_prompt_logprobs(g, logits_TV[off : off + length - 1])
         logits_RV = logits_TV[torch.tensor(pick, device=dev)]
         batch.fill_uniforms(num_running)
         tokens_R, logprobs_R, _ = self._sample(logits_RV)
         self._stream_tokens(tokens_R, logprobs_R)
         self._finish_done(0, tokens_R)
 
-    def _prompt_logprobs(self, g: Group, logits_PV: torch.Tensor) -> None:
-        """log p(prompt[j] | prompt[:j]) for j >= 1 under the model's own distribution (no
-        temperature or filters: nothing was sampled there), plus top-n alternatives."""
-        lp_PV = torch.log_softmax(logits_PV.float(), dim=-1)
-        targets = torch.tensor(g.prompt_ids[1:], device=lp_PV.device)
-        own = lp_PV.gather(1, targets[:, None])[:, 0].tolist()
-        g.prompt_logprobs = [None, *own]
-        n = g.params.prompt_logprobs or 0
-        if n:
-            values, ids = lp_PV.topk(n, dim=-1)
-            pairs = [
-                list(zip(i, v, strict=True))
-                for i, v in zip(ids.tolist(), values.tolist(), strict=True)
-            ]
-            g.prompt_top = [None, *pairs]
-
     def _stream_tokens(self, tokens_B: torch.Tensor, logprobs_B: torch.Tensor) -> None:
         """A StreamEvent per streaming row for the token it just sampled (rows [0, B))."""
-        rows = self.batch.stream_rows
-        if not rows:
-            return
-        index = torch.tensor(rows, device=tokens_B.device)
-        toks, lps = tokens_B[index].tolist(), logprobs_B[index].tolist()
-        for i, tok, lp in zip(rows, toks, lps, strict=True):
-            row = self.batch.rows[i]
-            g, top = row.group, None
-            gen = int(self.batch.gen_N[i])
-            if g.params.top_logprobs:
-                top = self.batch.top_of(i, gen - 1, gen)[0]
-            first = gen == 1 and g.prompt_logprobs is not None
-            event = StreamEvent(
-                row.index, tok, lp, self._version, top,
-                prompt_logprobs=g.prompt_logprobs if first else None,
-                prompt_top_logprobs=g.prompt_top if first else None,
-            )  # fmt: skip
-            self._emit(g, event)
+        if self.batch.stream_rows:
+            for group, event in stream_events(self.batch, tokens_B, logprobs_B, self._version):
+                self._emit(group, event)
 
     def _emit(self, group: Group, event: StreamEvent) -> None:
         """Call a request's stream hook; if it raises, that request alone is aborted."""
@@ -590,19 +560,10 @@ class NativeEngine:
                 why, versions, stop,  # type: ignore[arg-type]
                 top_logprobs=top, prompt_logprobs=g.prompt_logprobs,
                 prompt_top_logprobs=g.prompt_top,
-                routed_experts=self._routed(g, out.decode_routing_CLk, len(tokens)),
+                routed_experts=completion_routing(g, out.decode_routing_CLk, len(tokens)),
             )  # fmt: skip
             self._deliver(g, c)
         self.batch.remove(indices)
-
-    @staticmethod
-    def _routed(g: Group, decode_CLk: torch.Tensor | None, num_tokens: int) -> Any:
-        """The completion's (P + C - 1, L, k) routing on the CPU, or None if not recorded."""
-        if g.prompt_routing_PLk is None:
-            return None
-        parts = [g.prompt_routing_PLk] if decode_CLk is None else [g.prompt_routing_PLk, decode_CLk]
-        with torch.inference_mode(False):  # a normal tensor: the caller may write into it
-            return torch.cat(parts)[: len(g.prompt_ids) + num_tokens - 1].cpu().clone()
 
     def _text(self, tokens: list[int], stop_str: str | None) -> str:
         if self.tokenizer is None:
