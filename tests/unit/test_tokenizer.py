@@ -131,10 +131,10 @@ transformers = pytest.importorskip("transformers")
 
 
 def _heldout_prompts(tok) -> tuple[list, object]:
+    from pathlib import Path
+
     from slipstream.config import load_config
     from slipstream.tasks import get_taskset
-
-    from pathlib import Path
 
     cfg = load_config(str(Path(__file__).resolve().parents[2] / "configs/quickstart.toml"), [])
     ts = get_taskset(cfg.task, tok)

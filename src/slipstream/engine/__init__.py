@@ -1,5 +1,5 @@
 """Rollout inference: the `Engine` protocol, slipstream's native continuous-batching engine, an
-HTTP server speaking SGLang's native API (plus OpenAI completions) and an HTTP client engine.
+HTTP server speaking SGLang's native API and OpenAI's /v1 API, and an HTTP client engine.
 
 `engine.server` (FastAPI) is imported only by `slipstream serve`; this package needs torch and
 httpx only.
@@ -17,6 +17,7 @@ from slipstream.engine.base import (
     GenerateRequest,
     PublishedWeights,
     SamplingParams,
+    StreamEvent,
 )
 from slipstream.engine.http_client import EngineHTTPError, HTTPEngine
 from slipstream.engine.native import NativeEngine
@@ -30,10 +31,13 @@ def build_engine(
     tokenizer: Any = None,
     version: int = 0,
     stage_dir: str | None = None,
+    model_config: Any = None,
 ) -> Engine:
     """The engine named by an `EngineConfig`: "native" needs `model`; "http" needs `config.url`
     and takes `stage_dir`, this client's own directory for staged weight copies (see
-    `HTTPEngine`), when the server cannot read the weight store itself."""
+    `HTTPEngine`), when the server cannot read the weight store itself, and `model_config` (the
+    served model's `ModelConfig`), which decodes routing from an SGLang server; its API key
+    comes from $SLIPSTREAM_API_KEY."""
     if config.type == "native":
         if model is None:
             raise ValueError("engine.type = 'native' needs a model")
@@ -47,6 +51,7 @@ def build_engine(
         max_retries=config.max_retries,
         version=version,
         stage_dir=stage_dir,
+        model_config=model_config,
     )
 
 
@@ -62,6 +67,7 @@ __all__ = [
     "PublishedWeights",
     "RowParams",
     "SamplingParams",
+    "StreamEvent",
     "build_engine",
     "load_weights_into",
     "processed_logprobs",
