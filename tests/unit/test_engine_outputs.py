@@ -185,7 +185,9 @@ def _bad_sources(tmp_path, model) -> dict[str, object]:
     out["unreadable safetensors "] = rnd
     idx = tmp_path / "index"
     idx.mkdir()
-    (idx / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "a.safetensors"}}))
+    (idx / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"x": "a.safetensors"}})
+    )
     out["No such file"] = idx
     state = {k: v.clone() for k, v in model.state_dict().items()}
     nan = dict(state)
