@@ -334,7 +334,7 @@ def test_slipstream_serve_command(tmp_path, model):
             json={"text": "!#", "sampling_params": {"max_new_tokens": 4, "temperature": 0}},
             timeout=30,
         ).json()
-        expected = checks.reference_greedy(model, CharTokenizer().encode("!#"), 4, set())
+        expected = checks.reference_greedy(model, CharTokenizer().encode_prompt("!#"), 4, set())
         assert out["output_ids"][: len(expected)] == expected[: len(out["output_ids"])]
         assert out["meta_info"]["finish_reason"]["type"] in ("stop", "length")
         resp = httpx.post(url + "/generate", json={"input_ids": [5] * 64}, timeout=30)
