@@ -34,22 +34,28 @@ def gae(
     gamma: float = 1.0,
     lam: float = 0.95,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation over right-padded sequences.
+    """Generalised advantage estimation over right-padded sequences whose steps are the
+    positions where `mask_BT` is set.
 
-    delta_t = r_t + gamma * V_{t+1} * m_{t+1} - V_t;  A_t = delta_t + gamma * lam * m_{t+1} * A_{t+1}.
-    Value after the last valid token is 0 (episodes end with the completion). Returns
-    (advantages_BT, returns_BT = advantages + values), both zero on padding."""
-    mask_BT = mask_BT.to(values_BT.dtype)
-    values_BT = values_BT.detach() * mask_BT
+    Over the masked positions t < t' (t' the next masked position after t):
+    delta_t = r_t + gamma * V_t' - V_t;  A_t = delta_t + gamma * lam * A_t'. Value after the
+    last masked position is 0 (the episode ends with it). Unmasked positions are not steps and
+    are skipped, not terminal: padding and the prompt (outside the completion) change nothing,
+    and the observation tokens of a multi-turn episode (inside it) are passed over, so an earlier
+    turn's tokens still see the reward at the episode's end. Returns (advantages_BT, returns_BT =
+    advantages + values), both zero where the mask is not set."""
+    m_BT = mask_BT.to(values_BT.dtype)
+    values_BT = values_BT.detach() * m_BT
     B, T = rewards_BT.shape
     adv_BT = torch.zeros_like(values_BT)
     next_adv_B = torch.zeros(B, dtype=values_BT.dtype, device=values_BT.device)
     next_value_B = torch.zeros_like(next_adv_B)
-    next_mask_B = torch.zeros_like(next_adv_B)
     for t in reversed(range(T)):
-        delta_B = rewards_BT[:, t] + gamma * next_value_B * next_mask_B - values_BT[:, t]
-        next_adv_B = (delta_B + gamma * lam * next_mask_B * next_adv_B) * mask_BT[:, t]
-        adv_BT[:, t] = next_adv_B
-        next_value_B = values_BT[:, t]
-        next_mask_B = mask_BT[:, t]
-    return adv_BT, (adv_BT + values_BT) * mask_BT
+        m_B = m_BT[:, t]
+        delta_B = rewards_BT[:, t] + gamma * next_value_B - values_BT[:, t]
+        a_B = (delta_B + gamma * lam * next_adv_B) * m_B
+        adv_BT[:, t] = a_B
+        # an unmasked position carries the next step's advantage and value through unchanged
+        next_adv_B = torch.where(m_B > 0, a_B, next_adv_B)
+        next_value_B = torch.where(m_B > 0, values_BT[:, t], next_value_B)
+    return adv_BT, (adv_BT + values_BT) * m_BT

@@ -51,9 +51,20 @@ class Lease:
 
 @dataclass
 class Sample:
-    """One completion. `versions` has one entry per completion token: the policy version that
-    produced it (partial rollouts may span weight updates). `behaviour_logprobs` are the engine's
-    log-probabilities of the sampled tokens (the behaviour policy for off-policy correction)."""
+    """One episode (a single-turn task: one completion). `prompt_ids` is the environment's first
+    observation; `completion_ids` everything after it: the tokens the policy sampled, turn by turn,
+    with the observations the environment appended between turns (tool output).
+
+    `loss_mask` has one entry per completion token: 1 sampled by the policy, 0 an observation
+    token (never trained on: no policy loss, KL, entropy, value loss, and not counted by the
+    token mean). Empty means every completion token was sampled (single-turn samples and
+    checkpoints written before multi-turn episodes existed).
+
+    `behaviour_logprobs` and `versions` exist for *sampled* tokens only, in order (so their
+    length is the number of 1s in the mask): the engine's log-probability of each sampled token
+    (the behaviour policy for off-policy correction) and the policy version that sampled it
+    (partial rollouts and later turns may span weight updates). Staleness is therefore counted
+    over sampled tokens only."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
@@ -62,6 +73,19 @@ class Sample:
     reward: float = 0.0
     finish_reason: str = "stop"
     text: str = ""
+    loss_mask: list[int] = field(default_factory=list)
+    """Per completion token: 1 sampled, 0 observation; empty = all sampled (see above)."""
+    num_turns: int = 1
+    """Model turns in the episode (engine requests that sampled its tokens)."""
+    tool_calls: int = 0
+    """Tool calls the environment ran for this episode (e.g. `<py>` programs in its sandbox)."""
+    env_s: float = 0.0
+    """Wall time inside the environment (reset + steps: sandbox acquire, tool runs, verifier)."""
+    sandbox_acquire_s: float = -1.0
+    """How long acquiring this episode's sandbox waited; -1 when it used no sandbox."""
+    infra_retries: int = 0
+    """Earlier attempts of this episode that ended in an infrastructure failure and were re-run
+    from the start (their tokens are not here; they were never trained on)."""
     routed_experts: bytes = b""
     """The experts the engine routed every input position to (rl/routing.py): for the
     P + C - 1 positions the trainer's forward sees (prompt, then each sampled token but the
@@ -72,10 +96,19 @@ class Sample:
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
-        if len(self.behaviour_logprobs) != n or len(self.versions) != n:
+        sampled = n
+        if self.loss_mask:
+            if len(self.loss_mask) != n:
+                raise ValueError(
+                    f"sample has {n} completion tokens but a loss mask of {len(self.loss_mask)}"
+                )
+            if any(m not in (0, 1) for m in self.loss_mask):
+                raise ValueError("loss_mask entries must be 0 (observation) or 1 (sampled)")
+            sampled = sum(self.loss_mask)
+        if len(self.behaviour_logprobs) != sampled or len(self.versions) != sampled:
             raise ValueError(
-                f"sample has {n} completion tokens but {len(self.behaviour_logprobs)} logprobs "
-                f"and {len(self.versions)} versions"
+                f"sample has {sampled} sampled completion tokens but "
+                f"{len(self.behaviour_logprobs)} logprobs and {len(self.versions)} versions"
             )
         self.routing_shape = tuple(self.routing_shape)  # type: ignore[assignment]  # JSON: a list
         if self.routed_experts:
@@ -91,8 +124,19 @@ class Sample:
 
     @property
     def oldest_version(self) -> int:
-        """Version of the oldest token; a sample with no completion tokens counts as fresh."""
+        """Version of the oldest sampled token (observation tokens have none); a sample with no
+        sampled tokens counts as fresh."""
         return min(self.versions) if self.versions else 1 << 62
+
+    @property
+    def mask(self) -> list[int]:
+        """The loss mask with the empty default spelled out (one entry per completion token)."""
+        return self.loss_mask or [1] * len(self.completion_ids)
+
+    @property
+    def num_sampled(self) -> int:
+        """Completion tokens the policy sampled (the rest are observations)."""
+        return len(self.versions)
 
 
 @dataclass
