@@ -242,6 +242,7 @@ import json, statistics, sys, tempfile, time
 import torch
 torch.set_num_threads(1)
 from slipstream.config.engine import EngineConfig
+from slipstream.engine.base import GenerateRequest, SamplingParams
 from slipstream.engine.native import NativeEngine
 from slipstream.model import load_pretrained
 from slipstream.storage.weights import WeightStore
@@ -250,9 +251,12 @@ version = max(store.versions())
 with tempfile.TemporaryDirectory() as tmp:
     model = load_pretrained(store.fetch_to_dir(version, tmp))
 engine = NativeEngine(model, EngineConfig(), version=0)
+def request():  # one GRPO-shaped request: 8 samples of 4 tokens (no EOS: no tokenizer)
+    return GenerateRequest(list(range(3, 10)), SamplingParams(n=8, max_new_tokens=4, seed=0))
+engine.generate([request()])
 print("ready", flush=True)
 sys.stdin.readline()  # start together with the other probes (workers load every version at once)
-fetch, apply = [], []
+fetch, apply, steps, rows, step_s = [], [], 0, 0, 0.0
 for i in range(int(sys.argv[2])):
     t0 = time.perf_counter()
     sd = store.fetch(version)
@@ -260,19 +264,27 @@ for i in range(int(sys.argv[2])):
     engine.update_weights(version + 1 + i, sd)
     fetch.append(t1 - t0)
     apply.append(time.perf_counter() - t1)
+    before = dict(engine.stats)  # the engine's speed now, to compare with the run's
+    engine.generate([request()])
+    steps += engine.stats["decode_steps"] - before["decode_steps"]
+    rows += engine.stats["decode_rows"] - before["decode_rows"]
+    step_s += engine.stats["step_s"] - before["step_s"]
     time.sleep(0.05)
 engine.close()
-print(json.dumps({"fetch_s": statistics.median(fetch), "apply_s": statistics.median(apply)}))
+print(json.dumps({"fetch_s": statistics.median(fetch), "apply_s": statistics.median(apply),
+                  "step_s": step_s / steps, "batch_rows": rows / steps}))
 """
 
 
 def probe_engine_weight_load(
     store_dir: Path, num_concurrent: int = 1, repeats: int = 7, pythonpath: str | None = None
-) -> tuple[float, float]:
+) -> dict[str, float]:
     """(fetch_s, apply_s) of the real worker path (see _ENGINE_LOAD_PROBE), in `num_concurrent`
     processes started together, as the run's workers all load each version at about the same
-    time; means over the processes of their medians. `pythonpath` puts another source tree first
-    (the code the run used). Raises RuntimeError (with the probe's output) if a probe fails."""
+    time; means over the processes of their medians. Also returns the engine's step time and mean
+    batch measured between the loads (how fast the host runs the engine at probe time).
+    `pythonpath` puts another source tree first (the code the run used). Raises RuntimeError
+    (with the probe's output) if a probe fails."""
     env = dict(os.environ)
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
@@ -308,8 +320,8 @@ def probe_engine_weight_load(
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    return (float(np.mean([r["fetch_s"] for r in results])),
-            float(np.mean([r["apply_s"] for r in results])))  # fmt: skip
+    return {k: float(np.mean([r[k] for r in results]))
+            for k in ("fetch_s", "apply_s", "step_s", "batch_rows")}  # fmt: skip
 
 
 def run_probes(
@@ -319,18 +331,18 @@ def run_probes(
     concurrent processes (falling back, with a warning, to the numpy imitation when the engine
     code cannot run here), and the RPC round trips."""
     store = Path(run_dir) / "store"
-    probe = "engine"
+    out: dict[str, Any] = {"weight_probe": "engine", "weight_probe_processes": num_workers}
     try:
-        fetch_s, apply_s = probe_engine_weight_load(store, num_workers, pythonpath=pythonpath)
+        eng = probe_engine_weight_load(store, num_workers, pythonpath=pythonpath)
+        out.update(weight_fetch_s=eng["fetch_s"], weight_apply_s=eng["apply_s"],
+                   probe_engine_step_s=eng["step_s"], probe_engine_batch_rows=eng["batch_rows"])  # fmt: skip
     except (RuntimeError, OSError, subprocess.TimeoutExpired, json.JSONDecodeError) as e:
         log.warning("weight-load probe through the engine failed (%s); using the numpy "
                     "imitation, which underestimates the apply", str(e).splitlines()[0])  # fmt: skip
-        fetch_s, apply_s = probe_weight_load(store / "weights")
-        probe = "numpy"
-    rpc_idle_s, rpc_busy_s = probe_rpc(rpc_calls)
-    return {"weight_fetch_s": fetch_s, "weight_apply_s": apply_s, "weight_probe": probe,
-            "weight_probe_processes": num_workers, "rpc_idle_s": rpc_idle_s,
-            "rpc_busy_s": rpc_busy_s}  # fmt: skip
+        out["weight_fetch_s"], out["weight_apply_s"] = probe_weight_load(store / "weights")
+        out["weight_probe"] = "numpy"
+    out["rpc_idle_s"], out["rpc_busy_s"] = probe_rpc(rpc_calls)
+    return out
 
 
 def group_length_spread(
@@ -451,10 +463,17 @@ def calibrate(
         f"{rpc_idle_s * 1e3:.3f} ms idle, {rpc_busy_s * 1e3:.3f} ms with a busy Python thread",
         f"prompt tokens {plan.rollout.engine.prompt_tokens} (estimated from the task config)",
     ]
+    if "probe_engine_step_s" in probes:  # how slow the host ran the engine at probe time
+        measured["probe_slowdown"] = probes["probe_engine_step_s"] / (
+            fixed_s + per_token_s * probes["probe_engine_batch_rows"]
+        )
     if fit:
         plan, k, fit_lat = fit_slowdown(plan, request_latency_s)
         measured.update(fitted_slowdown=k, fitted_request_latency_s=fit_lat)
         notes.append(f"fitted slowdown {k:.3f} (simulated request latency {fit_lat * 1e3:.2f} ms)")
+        if "probe_slowdown" in measured:
+            notes.append(f"engine slowdown at probe time {measured['probe_slowdown']:.3f} "
+                         "(recorded only: weight and RPC probes are used as measured)")  # fmt: skip
     plan.calibration = CalibrationInfo(source=str(run_dir), notes=notes, measured=measured)
     return plan
 
