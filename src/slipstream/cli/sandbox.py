@@ -1,10 +1,12 @@
-"""`slipstream sandbox run|pool|doctor|build-image|reap`: the sandbox layer from the command line.
+"""`slipstream sandbox run|pool|doctor|build-image|reap|serve|status`: sandboxes from the CLI.
 
 slipstream sandbox run --backend bwrap -- python3 -c 'print(1)'
 slipstream sandbox pool -c job.toml --execs 200 --concurrency 2   # live pool statistics
 slipstream sandbox doctor            # which backends work on this host, and why not
 slipstream sandbox build-image       # the qemu/firecracker guest image (cached)
 slipstream sandbox reap              # remove what a crashed pool left (journal orphans)
+slipstream sandbox serve --socket /run/slipstream/sandbox-agent.sock   # the node's host agent
+slipstream sandbox status unix:///run/slipstream/sandbox-agent.sock     # its stats (cli/sandbox_agent.py)
 
 Bad options are argparse errors (a usage line, exit 2); a template the sandbox layer refuses
 (unknown backend, sizes too small) is a config error (exit 2); a backend that cannot run here
@@ -89,6 +91,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     rp = ssub.add_parser("reap", help="reap sandboxes whose owner died (journal orphans)")
     add_config_args(rp)
     rp.set_defaults(func=cmd_reap)
+
+    from slipstream.cli.sandbox_agent import register_actions
+
+    register_actions(ssub, _seconds, _count)  # serve, status: the node's host agent
 
 
 def _template(args: argparse.Namespace, **over: Any):  # type: ignore[no-untyped-def]

@@ -54,6 +54,11 @@ class RolloutConfig(Section):
     actor placed on that node afterwards does not start work there and is re-placed every
     restart_backoff_s. A Kubernetes preStop hook creates it when a Spot node is reclaimed
     (deploy/kuberay/rayjob.yaml). Empty: off."""
+    sandbox_agent: str = Field(default="", pattern=r"^(unix:///\S+)?$")
+    """Lease sandboxes from the node's host agent (`slipstream sandbox serve`) over its Unix
+    socket, `unix:///path/to/socket`: one warm pool and one admission limit per node, shared by
+    every worker there (docs/sandbox.md, "Host agent"). The agent must serve this job's
+    [sandbox] template. Empty: each rollout worker owns an in-process SandboxPool."""
     max_start_failures: int = Field(default=5, ge=1)
     """A worker slot whose worker ends this many times in a row before it ever reaches the
     coordinator is crash-looping: the job fails with the worker's last output (launch/supervise.py).

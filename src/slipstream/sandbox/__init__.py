@@ -1,5 +1,7 @@
 """Sandboxes for untrusted rollout code: backends (process, bwrap, qemu, firecracker), the guest
-agent they all run, the host agent's warm pool, pinning, and crash-safe cleanup. See docs/sandbox.md.
+agent they all run, the warm pool, pinning, crash-safe cleanup, and the node's host agent that
+leases one pool to every worker on the node (host_agent.py; client: agent_pool.py). See
+docs/sandbox.md.
 
     from slipstream.sandbox import SandboxPool, SandboxTemplate
     async with SandboxPool(SandboxTemplate(backend="bwrap")) as pool:
@@ -7,6 +9,7 @@ agent they all run, the host agent's warm pool, pinning, and crash-safe cleanup.
             result = await sb.exec(["python3", "-c", "print(1)"], timeout_s=5)
 """
 
+from slipstream.sandbox.agent_pool import AgentPool, LeasedSandbox, make_pool, open_pool
 from slipstream.sandbox.base import (
     AgentSandbox,
     Backend,
@@ -18,7 +21,10 @@ from slipstream.sandbox.base import (
 )
 from slipstream.sandbox.errors import (
     AdmissionTimeout,
+    AgentUnavailable,
     BackendUnavailable,
+    LeaseExpired,
+    NoCapacity,
     SandboxBroken,
     SandboxError,
 )
@@ -27,10 +33,15 @@ from slipstream.sandbox.pool import PoolOptions, PoolStats, SandboxPool
 
 __all__ = [
     "AdmissionTimeout",
+    "AgentPool",
     "AgentSandbox",
+    "AgentUnavailable",
     "Backend",
     "BackendUnavailable",
     "ExecResult",
+    "LeaseExpired",
+    "LeasedSandbox",
+    "NoCapacity",
     "PoolOptions",
     "PoolStats",
     "Sandbox",
@@ -41,4 +52,6 @@ __all__ = [
     "SandboxTemplate",
     "backend_class",
     "make_backend",
+    "make_pool",
+    "open_pool",
 ]

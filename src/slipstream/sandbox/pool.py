@@ -209,6 +209,25 @@ class SandboxPool:
         need = (self.template.memory_mib + self.opts.memory_reserve_mib) << 20
         return mem_available_bytes() >= need
 
+    def full(self) -> bool:
+        """True when no sandbox can be handed out before something is released: none idle, none
+        being created or destroyed, and admission refuses another (the host agent then answers
+        "no capacity" at once instead of queueing the request)."""
+        return (
+            not self._idle and not self._creating and not self._destroying
+            and not self._admissible()
+        )  # fmt: skip
+
+    def admission_state(self) -> str:
+        """One line naming what admission counts, for "no capacity" messages."""
+        return (
+            f"live={self._live()} in_use={len(self._in_use)} "
+            f"vcpus={self._live_vcpus}/{self.vcpu_capacity:g} (max_density "
+            f"{self.opts.max_density:g}) max_live={self.opts.max_live} "
+            f"free_cpus={len(self.pinning.free)} pinning={self.template.pinning} "
+            f"mem_available={mem_available_bytes() >> 20} MiB"
+        )
+
     async def _create_one(self) -> AgentSandbox:
         """Create a sandbox (admission already reserved by the caller: _creating and vcpus)."""
         cpus = None
