@@ -7,7 +7,16 @@ import argparse
 from slipstream.cli import register_modules
 
 # Benchmark modules under slipstream.bench, in the order `--help` lists them.
-BENCHMARKS = ["engine", "pipeline", "sandbox", "moe_experts", "moe_dispatch", "moe_train", "r3"]
+BENCHMARKS = [
+    "engine",
+    "pipeline",
+    "sandbox",
+    "moe_experts",
+    "moe_dispatch",
+    "moe_train",
+    "r3",
+    "limits",
+]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
