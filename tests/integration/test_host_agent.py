@@ -522,3 +522,20 @@ def test_hostile_clients_cannot_use_other_leases_or_break_the_agent(agents):
     wait_until(lambda: agent.stats()["in_use"] == 0, "A's lease ended on disconnect")
     assert agent.stop() == 0
     assert_agent_left_nothing(agent)
+
+
+def test_sigterm_drains_connected_workers_then_leaves_nothing(agents):
+    """SIGTERM: the socket goes at once (no new clients), the connected worker is still served,
+    a new lease included (a Spot-draining worker finishes its tasks), and the agent exits when
+    that worker has gone, long before its drain timeout."""
+    agent = agents("a", "--drain-timeout-s", "600").start()
+    w = Worker(agent)
+    w.ask("acquire 1")
+    agent.proc.send_signal(signal.SIGTERM)
+    wait_until(lambda: not agent.socket.exists(), "the socket removed on SIGTERM")
+    assert w.ask("acquire 1") and w.ask("exec")["results"] == ["ok", "ok"]
+    assert agent.proc.poll() is None  # still serving its connected worker
+    w.ask("release")
+    w.close()
+    assert agent.proc.wait(DEADLINE_S) == 0
+    assert_agent_left_nothing(agent)

@@ -7,7 +7,8 @@ slipstream sandbox status unix:///run/slipstream/sandbox-agent.sock       # exit
 `serve` takes the sandbox template and pool options from the job config's `[sandbox]` section
 (-c FILE plus --sandbox.* overrides: rollout workers must use the same template), starts the
 warm pool (reaping what a crashed earlier agent left), then listens. SIGTERM or SIGINT drains:
-no new leases, held ones may finish for --drain-timeout-s, then every sandbox is destroyed.
+the socket goes away (no new clients) while connected workers are still served, until they all
+disconnect or --drain-timeout-s passes; then every sandbox is destroyed.
 A backend that cannot run, another agent on the same socket or state dir, or a socket path that
 is not a socket is one line `slipstream sandbox: ...` (exit 1).
 """
@@ -81,7 +82,7 @@ def register_actions(ssub: argparse._SubParsersAction, seconds: Any, count: Any)
     s.add_argument("--allow-uid", type=count(0), action="append", default=None,
                    help="only these peer uids may lease (repeatable; default: any that can connect)")  # fmt: skip
     s.add_argument("--drain-timeout-s", type=float, default=20.0,
-                   help="on SIGTERM, how long held leases may finish (default 20)")  # fmt: skip
+                   help="on SIGTERM, how long connected workers are still served (default 20)")  # fmt: skip
     s.add_argument("--cpus", type=_cpus, default=None,
                    help="restrict the agent, its admission limit and pinning to these CPUs (e.g. 8-63)")  # fmt: skip
     s.set_defaults(func=cmd_serve)

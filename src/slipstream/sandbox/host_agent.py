@@ -18,9 +18,10 @@ Contract:
   its socket), or when it sends nothing for `lease_ttl_s` (a frozen worker; the client's
   heartbeat renews every ttl/3). An ended lease's sandbox is destroyed, never reused; a later
   operation on it answers `expired`.
-- `stop(drain_timeout_s)` (SIGTERM in the CLI) refuses new leases (`stopping`), waits up to the
-  drain timeout for leases to be released, then destroys every sandbox and removes the socket;
-  no process, cgroup or journal entry is left.
+- `stop(drain_timeout_s)` (SIGTERM in the CLI) removes the socket (no new connections) and
+  keeps serving the connected workers, new leases included, until they have all disconnected or
+  the drain timeout passed; then every sandbox is destroyed and no process, cgroup or journal
+  entry is left. Requests that arrive while the pool stops answer `stopping`.
 
 Not covered: leases surviving an agent restart (the restarted agent reaps every sandbox; clients
 see AgentUnavailable and lease again), per-client quotas or priorities (FIFO-ish among waiters),
@@ -185,14 +186,23 @@ class HostAgent:
         return self
 
     async def stop(self, drain_timeout_s: float = 0.0) -> None:
-        """Drain (refuse new leases, wait for held ones up to drain_timeout_s), then destroy
-        everything and remove the socket. Idempotent."""
+        """Drain, then destroy everything. Draining: no new connections (the socket is removed
+        at once, so a replacement agent can bind it), while the connected workers are served as
+        usual, new leases included, so that a worker draining for a Spot interruption can
+        finish its in-flight tasks; it ends when no worker is connected or after
+        drain_timeout_s. Idempotent."""
         self._draining = True
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        unlink_socket(self.socket_path, self._socket_ino)
+        self._socket_ino = None
         deadline = time.monotonic() + drain_timeout_s
-        while self._in_use() and time.monotonic() < deadline:
+        while self._sessions and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self._in_use():
-            log.warning("host agent stop: %d leases still held; destroying them", self._in_use())
+        if self._sessions:
+            log.warning("host agent stop: %d clients still connected, %d leases held; destroying "
+                        "them", len(self._sessions), self._in_use())  # fmt: skip
         await self._teardown()
 
     async def _teardown(self) -> None:
@@ -427,7 +437,7 @@ class HostAgent:
     async def _acquire(self, session: Session, msg: dict[str, Any]) -> dict[str, Any]:
         pool = self.pool
         assert pool is not None
-        if self._draining:
+        if pool.stopping:
             raise AgentUnavailable("the host agent is stopping: no new leases")
         wait_s = min(
             positive_seconds(msg.get("wait_s", 0), "wait_s", allow_zero=True), self.max_wait_s
@@ -445,10 +455,14 @@ class HostAgent:
             sb = await pool.acquire(timeout_s=timeout_s)
         except AdmissionTimeout as e:
             raise NoCapacity(f"no capacity within {timeout_s:g} s: {e}") from None
+        except SandboxError as e:
+            if pool.stopping:
+                raise AgentUnavailable(f"the host agent is stopping: {e}") from None
+            raise
         finally:
             self._waiting -= 1
-        if session.closed or self._draining:  # the client left (or we stop) while it waited
-            await pool.release(sb, reuse=not self._draining)
+        if session.closed:  # the client left while it waited: give the sandbox back, unused
+            await pool.release(sb, reuse=True)
             raise AgentUnavailable("session closed while acquiring")
         lease = Lease(secrets.token_hex(12), sb, time.monotonic())
         session.leases[lease.lease_id] = lease

@@ -209,6 +209,11 @@ class SandboxPool:
         need = (self.template.memory_mib + self.opts.memory_reserve_mib) << 20
         return mem_available_bytes() >= need
 
+    @property
+    def stopping(self) -> bool:
+        """stop() was called: acquires fail from now on."""
+        return self._stopping
+
     def full(self) -> bool:
         """True when no sandbox can be handed out before something is released: none idle, none
         being created or destroyed, and admission refuses another (the host agent then answers
