@@ -13,7 +13,11 @@ max_new_tokens. pass@k uses the unbiased estimator of Chen et al. (2021):
 1 - C(n-c, k) / C(n, k).
 
 `heldout_pass_at_1(model, taskset, cfg)` is what the RL job reports before, during and after
-training; `run_eval(cfg)` is `slipstream eval`. Writes <run.output_dir>/eval/results.json
+training; `run_eval(cfg)` is `slipstream eval`. A task whose environment is multi-turn
+(`task.env` other than `single_turn`) is evaluated by running its episodes (`episode_eval`: the
+rollout workers' episode loop, through a NativeEngine with the environment's stop strings and,
+when the environment needs them, sandboxes from a pool built from [sandbox] for the call); a
+single-turn task by `decode` + the verifier, as before. Writes <run.output_dir>/eval/results.json
 (figures, config, per-prompt samples). Not covered: top-p/top-k at evaluation, stop strings.
 """
 
@@ -123,9 +127,69 @@ def decode(
     return out
 
 
+def episode_eval(
+    model: MoEForCausalLM, taskset: TaskSet, cfg: SlipstreamConfig, tasks: list[Task], *,
+    temperature: float = 0.0, num_samples: int = 1, seed: int = 0,
+) -> list[list[tuple[float, str, str]]]:  # fmt: skip
+    """(reward, reason, text) of `num_samples` episodes per task in the task's environment
+    (greedy when temperature is 0), each turn at most eval.max_new_tokens tokens, the other
+    episode bounds from [rollout]. Sandboxes (when the environment needs them) come from a pool
+    that lives for this call. Raises RuntimeError naming the task when a group did not finish
+    (e.g. infrastructure failures beyond rollout.max_infra_retries)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from slipstream.config.engine import EngineConfig
+    from slipstream.engine import NativeEngine
+    from slipstream.envs import (
+        EpisodeLimits,
+        EpisodeRunner,
+        env_needs_sandbox,
+        make_env_factory,
+        run_episodes,
+    )
+    from slipstream.envs.sandboxes import SandboxHost
+    from slipstream.envs.single_turn import taskset_scorer
+
+    if not tasks:
+        return []
+    limits = EpisodeLimits.from_config(cfg.rollout, cfg.eval.max_new_tokens)
+    slot_len = model.config.max_position_embeddings
+    slots = max(num_samples, min(cfg.eval.batch_size, len(tasks) * num_samples))
+    engine_cfg = EngineConfig(max_batch_size=slots, kv_cache_tokens=max(64, slots * slot_len),
+                              max_seq_len=slot_len, max_new_tokens=cfg.eval.max_new_tokens,
+                              device=str(next(model.parameters()).device))  # fmt: skip
+    host = (
+        SandboxHost.from_config(cfg.sandbox).start() if env_needs_sandbox(taskset.cfg.env) else None
+    )
+    was_training = model.training
+    engine = NativeEngine(model, engine_cfg, tokenizer=taskset.tokenizer)
+    try:
+        with ThreadPoolExecutor(max(1, cfg.rollout.verify_threads), "eval-env") as pool:
+            make_env = make_env_factory(taskset, scorer=taskset_scorer(taskset), sandboxes=host,
+                                        limits=limits)  # fmt: skip
+            runner = EpisodeRunner(engine, make_env, taskset.tokenizer, limits, pool,
+                                   temperature=temperature, context_tokens=engine.max_seq_len)  # fmt: skip
+            outcomes = run_episodes(runner, tasks, num_samples,
+                                    seed=None if temperature == 0 else seed)  # fmt: skip
+    finally:
+        engine.close()
+        model.train(was_training)
+        if host is not None:
+            host.close()
+    out = []
+    for task, o in zip(tasks, outcomes, strict=True):
+        if o.status != "done":
+            raise RuntimeError(f"evaluation of {task.task_id} ended {o.status}: {o.error}")
+        out.append([(e.reward, e.reason, e.text) for e in o.episodes])
+    return out
+
+
 def heldout_pass_at_1(model: MoEForCausalLM, taskset: TaskSet, cfg: SlipstreamConfig) -> float:
     """Greedy pass@1 on the first eval.num_prompts held-out tasks (what the RL job reports)."""
     tasks = taskset.heldout()[: cfg.eval.num_prompts]
+    if taskset.cfg.env != "single_turn":
+        results = episode_eval(model, taskset, cfg, tasks)
+        return sum(r[0][0] for r in results) / len(tasks)
     outs = decode(model, [taskset.prompt_ids(t) for t in tasks], cfg.eval.max_new_tokens,
                   taskset.tokenizer.eos_id, max_batch_size=cfg.eval.batch_size)  # fmt: skip
     correct = sum(
@@ -175,16 +239,26 @@ def run_eval(
     prompts = [taskset.prompt_ids(t) for t in tasks]
     n = ec.num_samples or ec.k
     eos = taskset.tokenizer.eos_id
+    multi_turn = taskset.cfg.env != "single_turn"
     with make_progress(console) as progress:
         bar = progress.add_task(
             "eval", total=2, stats=f"{len(tasks)} prompts, greedy + {n} samples"
         )
-        greedy_ids = decode(model, prompts, ec.max_new_tokens, eos, max_batch_size=ec.batch_size)
-        greedy = _score(taskset, tasks, greedy_ids)
+        if multi_turn:
+            greedy = [r[0] for r in episode_eval(model, taskset, cfg, tasks)]
+        else:
+            greedy_ids = decode(
+                model, prompts, ec.max_new_tokens, eos, max_batch_size=ec.batch_size
+            )
+            greedy = _score(taskset, tasks, greedy_ids)
         progress.advance(bar)
-        sampled_ids = decode(model, prompts, ec.max_new_tokens, eos, temperature=ec.temperature,
-                             num_samples=n, seed=cfg.run.seed, max_batch_size=ec.batch_size)  # fmt: skip
-        sampled = _score(taskset, [t for t in tasks for _ in range(n)], sampled_ids)
+        if multi_turn:
+            sampled = [r for rs in episode_eval(model, taskset, cfg, tasks, temperature=ec.temperature,
+                                                num_samples=n, seed=cfg.run.seed) for r in rs]  # fmt: skip
+        else:
+            sampled_ids = decode(model, prompts, ec.max_new_tokens, eos, temperature=ec.temperature,
+                                 num_samples=n, seed=cfg.run.seed, max_batch_size=ec.batch_size)  # fmt: skip
+            sampled = _score(taskset, [t for t in tasks for _ in range(n)], sampled_ids)
         progress.advance(bar)
     num_correct = [sum(r for r, _, _ in sampled[i * n : (i + 1) * n]) for i in range(len(tasks))]
     reasons = Counter(_reason_class(reason) for _, reason, _ in greedy)

@@ -90,27 +90,30 @@ def build_model(
 
 
 def collate(
-    taskset: TaskSet, tasks: list[Task], device: torch.device
+    taskset: TaskSet, tasks: list[Task], device: torch.device, max_observation_tokens: int = 64
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input_ids_BT, target_ids_BT, loss_mask_BT): right-padded; the mask marks target positions
-    that are completion tokens (what the loss is taken on)."""
+    that are the teacher's completion tokens (what the loss is taken on). Each sequence is the
+    teacher's episode in the task's environment (`slipstream.envs.demonstration`): for
+    single-turn tasks `<bos> prompt demonstration <eos>`; for multi-turn ones the observation
+    tokens between the teacher's turns (tool output) are not in the mask."""
+    from slipstream.envs import demonstration
+
     pad = taskset.tokenizer.pad_id
     rows = []
     for task in tasks:
-        prompt = taskset.prompt_ids(task)
-        seq = prompt + taskset.completion_ids(taskset.demonstration(task))
-        rows.append((seq, len(prompt)))
-    T = max(len(seq) for seq, _ in rows) - 1
+        demo = demonstration(taskset, task, max_observation_tokens)
+        rows.append((demo.prompt_ids + demo.completion_ids, len(demo.prompt_ids), demo.loss_mask))
+    T = max(len(seq) for seq, _, _ in rows) - 1
     inputs_BT = torch.full((len(rows), T), pad, dtype=torch.long)
     targets_BT = torch.full((len(rows), T), pad, dtype=torch.long)
     mask_BT = torch.zeros((len(rows), T), dtype=torch.bool)
-    for b, (seq, prompt_len) in enumerate(rows):
+    for b, (seq, prompt_len, loss_mask) in enumerate(rows):
         n = len(seq) - 1
         inputs_BT[b, :n] = torch.tensor(seq[:-1])
         targets_BT[b, :n] = torch.tensor(seq[1:])
-        mask_BT[b, prompt_len - 1 : n] = (
-            True  # target j is token j+1: completion starts at prompt_len
-        )
+        # target j is token j+1: the completion starts at prompt_len
+        mask_BT[b, prompt_len - 1 : n] = torch.tensor(loss_mask, dtype=torch.bool)
     return inputs_BT.to(device), targets_BT.to(device), mask_BT.to(device)
 
 
@@ -163,7 +166,9 @@ def run_sft(cfg: SlipstreamConfig, console: Console | None = None) -> SFTResult:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             tasks = taskset.train_batch(step * sc.batch_size, sc.batch_size)
-            inputs_BT, targets_BT, mask_BT = collate(taskset, tasks, device)
+            inputs_BT, targets_BT, mask_BT = collate(
+                taskset, tasks, device, cfg.rollout.max_observation_tokens
+            )
             out = model(inputs_BT, token_mask_BT=inputs_BT != taskset.tokenizer.pad_id)
             ce_BT = F.cross_entropy(
                 out.logits_BTV.flatten(0, 1), targets_BT.flatten(), reduction="none"

@@ -1,7 +1,8 @@
 """RL verification through the sandbox pool: SandboxVerifier with real bwrap sandboxes scores the
-code task's references 1.0 and wrong or hostile candidates < 1 from several threads at once, never
-raises, and leaves no sandbox, cgroup, journal entry or process after close(); one rollout worker
-built by the local launcher on the `code` task verifies through its pool and stops it on exit."""
+code task's references 1.0 and wrong or hostile candidates < 1 from several threads at once (an
+infrastructure failure raises InfraError, never a reward) and leaves no sandbox, cgroup, journal
+entry or process after close(); one rollout worker built by the local launcher on the `code` task
+verifies through its pool and stops it on exit."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 
 from slipstream.config import load_config
 from slipstream.config.task import TaskConfig
+from slipstream.envs import InfraError
 from slipstream.launch.worker import WorkerSpec, build_worker, close_worker
 from slipstream.model import MoEForCausalLM, hf_weights, load_pretrained, save_pretrained
 from slipstream.rl.buffer import ExperienceBuffer
@@ -124,7 +126,7 @@ def test_sandbox_verifier_concurrent_hostile_and_clean_stop(tmp_path: Path) -> N
     assert summary["infra_failures"] == 0 and summary["verified"] == len(cases)
     assert summary["acquires"] == len(cases)  # one sandbox per verification (single use)
 
-    # after close: nothing left, and verify still answers (a verifier failure) without raising
+    # after close: nothing left, and verify raises InfraError
     st = verifier.stats()
     assert st is not None and st.live == 0 and st.in_use == 0 and st.destroyed == st.created
     assert Journal(tmp_path / "state").entries() == []
@@ -133,9 +135,11 @@ def test_sandbox_verifier_concurrent_hostile_and_clean_stop(tmp_path: Path) -> N
     assert [d for d in cgroups.leftover_dirs() if mine in d] == []
     new_children = set(children_of(os.getpid())) - before
     assert [c for c in new_children if "bwrap" in c or "python" in c] == []
-    assert not any(t.name == "sandbox-verifier" for t in threading.enumerate())
-    reward, reason = verifier.verify(cases[0][1], cases[0][2])
-    assert reward == 0.0 and "verifier failure" in reason
+    assert not any(t.name == "sandbox-host" for t in threading.enumerate())
+    # an infrastructure failure is not a reward: verify raises InfraError (counted), no 0.0
+    with pytest.raises(InfraError, match="not running"):
+        verifier.verify(cases[0][1], cases[0][2])
+    assert verifier.summary()["infra_failures"] == 1
 
 
 def test_make_verifier_selects_by_config_and_task(tmp_path: Path) -> None:

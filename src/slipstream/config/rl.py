@@ -67,6 +67,24 @@ class RolloutConfig(Section):
     """Wait before restarting a worker that failed to start; doubles with each failure in a row."""
     restart_backoff_max_s: float = Field(default=30.0, gt=0)
     """Cap of that wait (at least restart_backoff_s)."""
+    max_turns: int = Field(default=8, ge=1)
+    """Most model turns per episode (multi-turn environments, task.env); single-turn
+    environments end after one."""
+    max_episode_tokens: int = Field(default=0, ge=0)
+    """Most completion tokens of an episode, sampled and observation tokens together; 0 = what
+    the engine's context leaves after the prompt. Each turn samples at most max_new_tokens."""
+    max_observation_tokens: int = Field(default=64, ge=1)
+    """Most tokens of one observation (tool output is capped to fit: head and tail kept)."""
+    turn_timeout_s: float = Field(default=30.0, gt=0)
+    """Most seconds one tool run in an episode's sandbox may take (then its processes are killed
+    and the observation says so)."""
+    episode_timeout_s: float = Field(default=300.0, gt=0)
+    """Wall-clock bound of an episode, checked between turns: past it the next turn is the last."""
+    max_infra_retries: int = Field(default=2, ge=0)
+    """An episode that hits an infrastructure failure (no sandbox in time, the pool stopped, its
+    sandbox died, no verdict) is re-run from the start up to this many times; one more and its
+    task is dropped (counted in the buffer's `dropped_infra`), never trained with a made-up
+    reward."""
 
     @model_validator(mode="after")
     def _backoff_cap(self) -> "RolloutConfig":

@@ -8,8 +8,14 @@ from slipstream.config.base import Section
 
 
 class TaskConfig(Section):
-    name: Literal["arithmetic", "countdown", "code"] = "arithmetic"
-    """Built-in task: multi-digit arithmetic, Countdown, or sandboxed code problems."""
+    name: Literal["arithmetic", "countdown", "code", "tool_arithmetic"] = "arithmetic"
+    """Built-in task: multi-digit arithmetic, Countdown, sandboxed code problems, or arithmetic
+    whose teacher sometimes uses the `<py>` tool (`tool_arithmetic`, for `env = "python_tool"`)."""
+    env: Literal["single_turn", "python_tool", "code_tests"] = "single_turn"
+    """Rollout environment (slipstream.envs, docs/envs.md): `single_turn` (the prompt, one
+    completion, the verifier's reward), `python_tool` (the policy may run `<py>...</py>` programs
+    in the episode's sandbox before it answers), `code_tests` (the `code` task, revised against
+    visible tests run in the episode's sandbox). Environments with sandboxes use [sandbox]."""
     seed: int = Field(default=1234, ge=0)
     """Seed of the task generator (train and held-out splits are disjoint for a seed)."""
     num_train: int = Field(default=20000, ge=1)
@@ -30,6 +36,10 @@ class TaskConfig(Section):
     """Arithmetic: share of `+`/`-` problems needing a carry or borrow whose SFT demonstration drops
     it (digit-wise, as a weak teacher does: 57+68 -> "15"). Simulates demonstrations from an
     imperfect teacher; the verifier, rewards and evaluation stay exact. 0 = perfect demonstrations."""
+    demo_tool_use: float = Field(default=0.0, ge=0, le=1)
+    """tool_arithmetic: share of problems (a keyed hash of the problem) whose SFT demonstration
+    runs the answer through the `<py>` tool (`<py>print(a*b)</py>`, its output, the answer); the
+    rest answer without it. The imperfect teacher of configs/agentic.toml."""
     countdown_numbers: int = Field(default=4, ge=2, le=5)
     """Countdown: how many numbers are given (the demonstration solver is exhaustive, hence <= 5)."""
     countdown_max_number: int = Field(default=20, ge=2, le=1000)

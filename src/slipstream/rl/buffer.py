@@ -14,6 +14,11 @@ Contract:
   sizes full under dynamic sampling).
 - Dynamic sampling (optional): a group whose rewards are all equal carries no GRPO signal and is
   dropped at `put`.
+- Episode accounting (what the run's report shows about rollouts): every group `put` adds its
+  samples' turns, tool calls, environment time, sandbox acquire waits and infrastructure
+  retries; `count_dropped_infra` adds the tasks given up after repeated infrastructure failures
+  (never trained). `metrics()` reports per-episode means, acquire p50/p99 (over the last
+  ACQUIRE_WINDOW episodes that held a sandbox), infra failures, retried episodes and drops.
 
 Not covered: persistence by itself (the checkpoint writes `snapshot()`), priorities.
 """
@@ -23,11 +28,22 @@ from __future__ import annotations
 import base64
 import dataclasses
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
 from slipstream.rl.types import Batch, Group, Sample, TaskRef
+
+ACQUIRE_WINDOW = 4096  # recent sandbox acquire waits kept for the percentiles (and checkpoints)
+_EPISODE_COUNTERS = ("episodes", "turns", "tool_calls", "env_s", "observation_tokens",
+                     "infra_failures", "infra_retried_episodes", "dropped_infra")  # fmt: skip
+
+
+def _percentile(samples: list[float], q: float) -> float | None:
+    if not samples:
+        return None
+    s = sorted(samples)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
 def group_to_dict(g: Group) -> dict[str, Any]:
@@ -78,6 +94,27 @@ class ExperienceBuffer:
         self.num_dropped_uniform = 0
         self.num_wasted_samples = 0
         self.staleness_hist: Counter[int] = Counter()
+        self.episode_counts: dict[str, float] = dict.fromkeys(_EPISODE_COUNTERS, 0)
+        self.acquire_s: deque[float] = deque(maxlen=ACQUIRE_WINDOW)
+
+    def _count_episodes(self, group: Group) -> None:
+        c = self.episode_counts
+        for s in group.samples:
+            c["episodes"] += 1
+            c["turns"] += s.num_turns
+            c["tool_calls"] += s.tool_calls
+            c["env_s"] += s.env_s
+            c["observation_tokens"] += len(s.completion_ids) - s.num_sampled
+            c["infra_failures"] += s.infra_retries
+            c["infra_retried_episodes"] += s.infra_retries > 0
+            if s.sandbox_acquire_s >= 0:
+                self.acquire_s.append(s.sandbox_acquire_s)
+
+    def count_dropped_infra(self, num_tasks: int, infra_failures: int) -> None:
+        """Tasks given up after repeated infrastructure failures (and those failures)."""
+        with self._lock:
+            self.episode_counts["dropped_infra"] += num_tasks
+            self.episode_counts["infra_failures"] += infra_failures
 
     def put(self, group: Group) -> bool:
         """Add a complete group. False if dynamic sampling dropped it."""
@@ -85,6 +122,7 @@ class ExperienceBuffer:
             raise ValueError(f"group for task {group.task.task_id} has no samples")
         with self._lock:
             self.num_put += 1
+            self._count_episodes(group)
             if self.dynamic_sampling and len(set(group.rewards)) == 1:
                 self.num_dropped_uniform += 1
                 self.num_wasted_samples += len(group.samples)
@@ -137,6 +175,9 @@ class ExperienceBuffer:
 
     def metrics(self) -> dict[str, Any]:
         with self._lock:
+            c = self.episode_counts
+            n = max(1.0, c["episodes"])
+            waits = list(self.acquire_s)
             return {
                 "buffered": len(self._groups),
                 "consumed": self.num_consumed,
@@ -144,6 +185,16 @@ class ExperienceBuffer:
                 "dropped_uniform": self.num_dropped_uniform,
                 "wasted_samples": self.num_wasted_samples,
                 "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
+                "episodes": int(c["episodes"]),
+                "turns_per_episode": round(c["turns"] / n, 4),
+                "tool_calls_per_episode": round(c["tool_calls"] / n, 4),
+                "env_s_per_episode": round(c["env_s"] / n, 6),
+                "observation_tokens_per_episode": round(c["observation_tokens"] / n, 3),
+                "sandbox_acquire_p50_s": _percentile(waits, 0.5),
+                "sandbox_acquire_p99_s": _percentile(waits, 0.99),
+                "infra_failures": int(c["infra_failures"]),
+                "infra_retried_episodes": int(c["infra_retried_episodes"]),
+                "dropped_infra": int(c["dropped_infra"]),
             }
 
     def snapshot(self) -> dict[str, Any]:
@@ -156,6 +207,8 @@ class ExperienceBuffer:
                 "num_dropped_uniform": self.num_dropped_uniform,
                 "num_wasted_samples": self.num_wasted_samples,
                 "staleness_hist": dict(self.staleness_hist),
+                "episode_counts": dict(self.episode_counts),
+                "acquire_s": list(self.acquire_s),
             }
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -167,3 +220,7 @@ class ExperienceBuffer:
             self.num_dropped_uniform = state["num_dropped_uniform"]
             self.num_wasted_samples = state["num_wasted_samples"]
             self.staleness_hist = Counter({int(k): v for k, v in state["staleness_hist"].items()})
+            # checkpoints from before episode accounting have neither (counts start at 0)
+            self.episode_counts = {**dict.fromkeys(_EPISODE_COUNTERS, 0),
+                                   **state.get("episode_counts", {})}  # fmt: skip
+            self.acquire_s = deque(state.get("acquire_s", []), maxlen=ACQUIRE_WINDOW)

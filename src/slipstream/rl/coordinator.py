@@ -1,7 +1,7 @@
 """Coordinator: the trainer-side service rollout workers talk to (queue + buffer + version), and
 its local transport.
 
-Workers call lease / ack / nack / extend / version / stopping / report; the trainer calls
+Workers call lease / ack / nack / drop / extend / version / stopping / report; the trainer calls
 get_batch / set_version / snapshot / restore directly on the object.
 
 Admission control happens in `lease`: a worker gets at most `buffer.admission_slots(version,
@@ -73,6 +73,14 @@ class Coordinator:
     def nack(self, lease_id: int, task_ids: list[int] | None = None) -> int:
         return self.queue.nack(lease_id, task_ids)
 
+    def drop(self, lease_id: int, task_ids: list[int], infra_failures: int = 0) -> int:
+        """Give up on leased tasks whose episodes kept failing for infrastructure reasons (never
+        trained, not redelivered); counted with their failures in the buffer's metrics."""
+        n = self.queue.drop(lease_id, task_ids)
+        if n:
+            self.buffer.count_dropped_infra(n, infra_failures)
+        return n
+
     def extend(self, lease_id: int, ttl_s: float) -> bool:
         return self.queue.extend(lease_id, ttl_s)
 
@@ -127,6 +135,7 @@ class Coordinator:
             "redelivered": q.num_redelivered,
             "rejected_acks": q.num_rejected_acks,
             "expired_leases": q.num_expired_leases,
+            "dropped_tasks": q.num_dropped,
             **{f"buffer_{k}": v for k, v in self.buffer.metrics().items()},
         }
 

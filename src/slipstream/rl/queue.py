@@ -12,6 +12,9 @@ Contract:
   later ack from it is rejected (the lease id is the fencing token; ids are never reused, also
   across snapshot/restore).
 - `requeue(task_ids)` turns done tasks back into pending ones (a group dropped as too stale).
+- `drop(lease_id, task_ids)` gives up on leased tasks without a group (their episodes kept
+  failing for infrastructure reasons): they count as done, never reach the sink, and are not
+  redelivered (`num_dropped`).
 - `snapshot()`/`restore()` carry pending + done + counters; leases are not carried: their tasks
   come back as pending (the worker that held them can no longer ack).
 
@@ -46,6 +49,7 @@ class QueueStats:
     num_redelivered: int
     num_rejected_acks: int
     num_expired_leases: int
+    num_dropped: int = 0
 
 
 class TaskQueue:
@@ -77,6 +81,7 @@ class TaskQueue:
         self._num_redelivered = 0
         self._num_rejected_acks = 0
         self._num_expired_leases = 0
+        self._num_dropped = 0
 
     @property
     def lock(self) -> threading.RLock:
@@ -176,6 +181,23 @@ class TaskQueue:
                 del self._leases[lease_id]
             return len(back)
 
+    def drop(self, lease_id: int, task_ids: list[int]) -> int:
+        """Give up on tasks a live lease holds: done without a group (not redelivered). Returns
+        how many were dropped; 0 for a dead lease (its tasks were already redelivered)."""
+        with self._lock:
+            st = self._live(lease_id)
+            if st is None:
+                return 0
+            gone = st.task_ids & set(task_ids)
+            for tid in gone:
+                st.task_ids.discard(tid)
+                del self._owner[tid]
+                self._done.add(tid)
+            if not st.task_ids:
+                del self._leases[lease_id]
+            self._num_dropped += len(gone)
+            return len(gone)
+
     def extend(self, lease_id: int, ttl_s: float) -> bool:
         """Move a live lease's deadline to now + ttl_s. False if the lease is dead."""
         with self._lock:
@@ -225,6 +247,7 @@ class TaskQueue:
                 num_redelivered=self._num_redelivered,
                 num_rejected_acks=self._num_rejected_acks,
                 num_expired_leases=self._num_expired_leases,
+                num_dropped=self._num_dropped,
             )
 
     def snapshot(self) -> dict[str, Any]:
@@ -239,6 +262,7 @@ class TaskQueue:
                 "next_lease_id": self._next_lease_id,
                 "done": sorted(self._done),
                 "num_redelivered": self._num_redelivered,
+                "num_dropped": self._num_dropped,
             }
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -262,3 +286,4 @@ class TaskQueue:
             self._owner.clear()
             self._done = set(state["done"])
             self._num_redelivered = state.get("num_redelivered", 0)
+            self._num_dropped = state.get("num_dropped", 0)

@@ -1,26 +1,29 @@
-"""Verifier: how a rollout worker scores completions. One interface, whether the task's verifier
-runs in-process or in a sandbox from the worker's pool.
+"""Verifier: how a rollout worker scores answers. One interface, whether the task's verifier
+runs in-process or in a sandbox from the worker's pool; the worker's environments call it
+(`slipstream.envs`: the single-turn environment scores its one completion with it, the tool
+environment its final answer).
 
-`verify(task, completion_text) -> (reward, reason)` may block (sandboxes, test suites); the worker
-calls it from a thread pool. It must return for any completion text: a verifier that raises would
-leave its group neither acked nor nacked.
+`verify(task, completion_text) -> (reward, reason)` may block (sandboxes, test suites); it is
+called from the worker's thread pool. For anything the completion does it returns a reward;
+for an infrastructure failure (no sandbox in time, the pool stopped, no verdict in time) it
+raises `InfraError`, which is never turned into a reward: the episode is re-run, or its task
+dropped (rl/worker.py).
 
 - `InProcessVerifier`: the task set's own `verify` (arithmetic, countdown: they parse numbers and
   never execute model output).
 - `SandboxVerifier`: the task set's `averify(task, completion, sandbox)` (the `code` task) with a
-  sandbox acquired from a `SandboxPool` per call (single use by default). The pool lives on one
-  event loop in a background thread owned by the verifier: `start()` ... `close()`.
-- `make_verifier(cfg, taskset)` picks one by `sandbox.verify_in_sandbox`.
+  sandbox acquired from a `SandboxHost` (a pool on an event loop in a background thread) per
+  call (single use by default): `start()` ... `close()`.
+- `verifier.sandboxes`: the SandboxHost the worker's environments take their sandboxes from
+  (the same pool; None when nothing of the task needs one). The verifier owns it: `close()`
+  stops it.
+- `make_verifier(cfg, taskset)` picks one by `sandbox.verify_in_sandbox` and `task.env`.
 - `LatencyInjector` wraps any verifier with an artificial delay drawn from a heavy-tailed
   distribution, for the pipeline benchmark (the delay is recorded, not hidden).
 """
 
 from __future__ import annotations
 
-import asyncio
-import atexit
-import concurrent.futures
-import contextlib
 import logging
 import math
 import random
@@ -30,11 +33,13 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from slipstream.envs import InfraError, env_needs_sandbox
+from slipstream.envs.sandboxes import SandboxHost
 from slipstream.tasks import Task, TaskSet
 
 if TYPE_CHECKING:
     from slipstream.config.sandbox import SandboxConfig
-    from slipstream.sandbox import PoolOptions, PoolStats, SandboxPool, SandboxTemplate
+    from slipstream.sandbox import PoolOptions, PoolStats, SandboxTemplate
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +48,12 @@ Z99 = 2.3263478740408408
 
 
 class Verifier(Protocol):
+    sandboxes: SandboxHost | None
+    """The sandbox host of the worker's episodes (owned by the verifier), or None."""
+
     def verify(self, task: Task, completion: str) -> tuple[float, str]:
-        """Reward in [0, 1] and a short reason. Must not raise on any completion text."""
+        """Reward in [0, 1] and a short reason for any completion text; InfraError (never a
+        reward) when the infrastructure failed."""
         ...
 
     def close(self) -> None:
@@ -55,17 +64,20 @@ class Verifier(Protocol):
 
 class InProcessVerifier:
     """Calls the task set's own verifier in this process (no isolation: the built-in arithmetic
-    and countdown verifiers parse numbers and never execute model output)."""
+    and countdown verifiers parse numbers and never execute model output). `sandboxes`: a started
+    host for the task's environment (tool runs), closed by `close()`."""
 
-    def __init__(self, taskset: TaskSet) -> None:
+    def __init__(self, taskset: TaskSet, sandboxes: SandboxHost | None = None) -> None:
         self.taskset = taskset
+        self.sandboxes = sandboxes
 
     def verify(self, task: Task, completion: str) -> tuple[float, str]:
         verdict = self.taskset.verify(task, completion)
         return float(verdict.reward), verdict.reason
 
     def close(self) -> None:
-        """Nothing to release."""
+        if self.sandboxes is not None:
+            self.sandboxes.close()
 
 
 def has_sandboxed_verifier(taskset: TaskSet) -> bool:
@@ -73,7 +85,7 @@ def has_sandboxed_verifier(taskset: TaskSet) -> bool:
     return callable(getattr(taskset, "averify", None))
 
 
-def wants_sandbox(mode: str, taskset: TaskSet) -> bool:
+def verifies_in_sandbox(mode: str, taskset: TaskSet) -> bool:
     """`sandbox.verify_in_sandbox` resolved for a task set: auto = when it has a sandboxed verifier
     (it executes model output); always = required (ValueError naming the task when it has none)."""
     if mode == "never":
@@ -90,6 +102,12 @@ def wants_sandbox(mode: str, taskset: TaskSet) -> bool:
     raise ValueError(f"sandbox.verify_in_sandbox must be auto, always or never, got {mode!r}")
 
 
+def wants_sandbox(mode: str, taskset: TaskSet) -> bool:
+    """Whether the worker needs a sandbox pool: it verifies in a sandbox (`verifies_in_sandbox`)
+    or the task's environment (`task.env`) gives every episode a sandbox."""
+    return verifies_in_sandbox(mode, taskset) or env_needs_sandbox(taskset.cfg.env)
+
+
 def _percentile(samples: list[float], q: float) -> float | None:
     if not samples:
         return None
@@ -98,24 +116,23 @@ def _percentile(samples: list[float], q: float) -> float | None:
 
 
 class SandboxVerifier:
-    """The task set's `averify` in a sandbox from a `SandboxPool`, callable from any thread.
+    """The task set's `averify` in a sandbox from a `SandboxHost`, callable from any thread.
 
     Contract:
-    - `start()` runs one asyncio event loop in a daemon thread, starts the pool there (reaping
-      journal orphans of dead owners) and waits until `min_idle` sandboxes are warm; a backend that
-      cannot create sandboxes fails here, loudly, not on the first verification.
-    - `verify(task, completion)` submits acquire -> `averify` -> release to that loop
-      (`asyncio.run_coroutine_threadsafe`) and blocks for the verdict. Whatever the completion
-      does (loops, kills its sandbox, floods output) is a verdict from the task set. An
-      infrastructure failure (no sandbox within `acquire_timeout_s`, the pool stopped, the whole
-      call past `verify_timeout_s`) returns reward 0 with a "verifier failure" reason, is logged and
-      counted in `counts["infra_failures"]`; it never raises.
-    - `close()` (idempotent; also registered with atexit) stops the pool — every sandbox, idle or
-      in use, is destroyed, no process, cgroup or journal entry is left — then stops the loop.
-      Verifications still running then end with a verifier failure.
+    - `start()` starts the host (loop thread + pool, reaping journal orphans of dead owners) and
+      waits until `min_idle` sandboxes are warm; a backend that cannot create sandboxes fails
+      here, loudly, not on the first verification.
+    - `verify(task, completion)` acquires a sandbox, runs `averify` in it, releases it, and
+      returns the verdict. Whatever the completion does (loops, kills its sandbox, floods
+      output) is a verdict from the task set. An infrastructure failure (no sandbox within
+      `acquire_timeout_s`, the host stopped, no verdict within `verify_timeout_s`) raises
+      InfraError, is logged (bounded) and counted in `counts["infra_failures"]`.
+    - `close()` (idempotent) stops the host — every sandbox, idle or in use, is destroyed, no
+      process, cgroup or journal entry is left. Verifications still running then raise
+      InfraError.
 
-    Not covered: sharing one pool between verifiers or processes (each worker owns its pool and
-    admits against the whole host), retrying a verification after an infrastructure failure.
+    Not covered: sharing one pool between processes (each worker owns its host and admits
+    against the whole host), retrying inside verify (the episode runner re-runs the episode).
     """
 
     def __init__(
@@ -128,104 +145,32 @@ class SandboxVerifier:
         ready_timeout_s: float = 60.0,
         verify_timeout_s: float | None = None,
     ) -> None:
-        from slipstream.sandbox import PoolOptions
-
         if not has_sandboxed_verifier(taskset):
             raise ValueError(f"task {taskset.name!r} has no sandboxed verifier (averify)")
         self.taskset = taskset
         self.template = template
-        self.options = options or PoolOptions()
-        self.state_dir = state_dir
-        self.ready_timeout_s = ready_timeout_s
-        # acquire may wait acquire_timeout_s; the code verifier's exec has its own timeout (10 s)
-        # plus the host's 5 s grace for a hung agent; the rest is margin for a loaded host.
-        self.verify_timeout_s = verify_timeout_s or (
-            self.options.acquire_timeout_s + template.exec_timeout_s + 30.0
+        self.sandboxes: SandboxHost | None = SandboxHost(
+            template, options, state_dir=state_dir, ready_timeout_s=ready_timeout_s
         )
+        self.options = self.sandboxes.options
+        # the code verifier's exec has its own timeout (10 s) plus the host's 5 s grace for a
+        # hung agent; the rest is margin for a loaded host
+        self.verify_timeout_s = verify_timeout_s or (template.exec_timeout_s + 30.0)
         self.counts = {"verified": 0, "infra_failures": 0}
         self._latency_s: deque[float] = deque(maxlen=100_000)
         self._lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._pool: SandboxPool | None = None
-        self._closed = False
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
     def start(self) -> SandboxVerifier:
-        if self._loop is not None or self._closed:
-            raise RuntimeError("SandboxVerifier.start() may be called once")
-        loop = asyncio.new_event_loop()
-        thread = threading.Thread(
-            target=self._run_loop, args=(loop,), daemon=True, name="sandbox-verifier"
-        )
-        thread.start()
-        self._loop, self._thread = loop, thread
-        atexit.register(self.close)
-        try:
-            fut = asyncio.run_coroutine_threadsafe(self._start_pool(), loop)
-            fut.result(timeout=self.ready_timeout_s + 30.0)
-        except BaseException:
-            self.close()
-            raise
+        assert self.sandboxes is not None
+        self.sandboxes.start()
         return self
 
-    @staticmethod
-    def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_forever()
-        finally:
-            loop.run_until_complete(loop.shutdown_asyncgens())
-            loop.close()
-
-    async def _start_pool(self) -> None:
-        from slipstream.sandbox import SandboxError, SandboxPool
-
-        pool = SandboxPool(self.template, self.options, state_dir=self.state_dir)
-        self._pool = pool  # before start(): close() must stop a half-started pool too
-        await pool.start()
-        if pool.orphans_reaped:
-            log.warning("sandbox verifier: reaped %d orphaned sandboxes", pool.orphans_reaped)
-        if self.options.min_idle:
-            try:
-                await pool.wait_ready(self.ready_timeout_s)
-            except TimeoutError:
-                raise SandboxError(
-                    f"sandbox verifier: no warm {self.template.backend} sandbox within "
-                    f"{self.ready_timeout_s} s ({pool.stats()}); see `slipstream sandbox doctor`"
-                ) from None
-
     def close(self, timeout_s: float = 60.0) -> None:
-        """Stop the pool (nothing left behind) and the loop. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        atexit.unregister(self.close)
-        loop, thread = self._loop, self._thread
-        if loop is None or thread is None:
-            return
-        try:
-            if loop.is_running():
-                asyncio.run_coroutine_threadsafe(self._stop_pool(), loop).result(timeout_s)
-        finally:
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(loop.stop)
-            thread.join(timeout_s)
-        if thread.is_alive():
-            log.error("sandbox verifier: event loop thread did not stop within %s s", timeout_s)
-
-    async def _stop_pool(self) -> None:
-        if self._pool is not None:
-            await self._pool.stop()
-        # Verifications still in flight (their sandboxes are gone now): cancel them so that their
-        # callers get a verdict instead of waiting for verify_timeout_s.
-        me = asyncio.current_task()
-        rest = [t for t in asyncio.all_tasks() if t is not me]
-        for t in rest:
-            t.cancel()
-        await asyncio.gather(*rest, return_exceptions=True)
+        """Stop the host (nothing left behind). Idempotent."""
+        if self.sandboxes is not None:
+            self.sandboxes.close(timeout_s)
 
     def __enter__(self) -> SandboxVerifier:
         return self.start()
@@ -235,67 +180,36 @@ class SandboxVerifier:
 
     # ---- verification --------------------------------------------------------------------------
 
-    async def _averify(self, task: Task, completion: str) -> tuple[float, str]:
-        from slipstream.sandbox import SandboxError
-
-        pool = self._pool
-        assert pool is not None
-        sb = await pool.acquire()
-        try:
-            verdict = await self.taskset.averify(task, completion, sb)  # type: ignore[attr-defined]
-        finally:
-            # after a concurrent stop() the sandbox is already destroyed: nothing to give back
-            with contextlib.suppress(SandboxError):
-                await pool.release(sb)
-        return float(verdict.reward), verdict.reason
-
     def verify(self, task: Task, completion: str) -> tuple[float, str]:
-        from slipstream.sandbox import SandboxError
-        from slipstream.sandbox.pinning import NoCpusFree
-
+        host = self.sandboxes
+        assert host is not None
         t0 = time.perf_counter()
-        fut = None
-        with self._lock:  # no submission can race close(): it sets _closed under this lock
-            if not (self._closed or self._loop is None or self._pool is None):
-                fut = asyncio.run_coroutine_threadsafe(self._averify(task, completion), self._loop)
-        if fut is None:
-            return self._infra_failure("sandbox verifier is not running")
         try:
-            reward, reason = fut.result(timeout=self.verify_timeout_s)
-        except TimeoutError:
-            fut.cancel()
-            return self._infra_failure(f"no verdict within {self.verify_timeout_s:g} s")
-        except concurrent.futures.CancelledError:
-            return self._infra_failure("cancelled by close()")
-        except (SandboxError, OSError, NoCpusFree) as e:
-            return self._infra_failure(f"{type(e).__name__}: {e}")
+            held = host.acquire()
+            try:
+                verdict = held.run(
+                    lambda sb: self.taskset.averify(task, completion, sb),  # type: ignore[attr-defined]
+                    self.verify_timeout_s, "sandboxed verification",
+                )  # fmt: skip
+            finally:
+                held.release()
+        except InfraError as e:
+            with self._lock:
+                self.counts["infra_failures"] += 1
+                n = self.counts["infra_failures"]
+            if n <= 3 or n % 100 == 0:  # loud but bounded: a broken pool fails every call
+                log.error("sandbox verifier: infrastructure failure #%d (no reward): %s", n, e)
+            raise
         with self._lock:
             self.counts["verified"] += 1
             self._latency_s.append(time.perf_counter() - t0)
-        return reward, reason
-
-    def _infra_failure(self, why: str) -> tuple[float, str]:
-        with self._lock:
-            self.counts["infra_failures"] += 1
-            n = self.counts["infra_failures"]
-        if n <= 3 or n % 100 == 0:  # loud but bounded: a broken pool fails every call
-            log.error("sandbox verifier failure #%d (reward 0 recorded): %s", n, why)
-        return 0.0, f"verifier failure: {why[:200]}"
+        return float(verdict.reward), verdict.reason
 
     # ---- observation ---------------------------------------------------------------------------
 
     def stats(self) -> PoolStats | None:
         """The pool's stats (None before start)."""
-        pool, loop = self._pool, self._loop
-        if pool is None or loop is None:
-            return None
-        if loop.is_running() and not self._closed:
-
-            async def read() -> PoolStats:
-                return pool.stats()
-
-            return asyncio.run_coroutine_threadsafe(read(), loop).result(10.0)
-        return pool.stats()
+        return self.sandboxes.stats() if self.sandboxes is not None else None
 
     def summary(self) -> dict[str, Any]:
         """Counts and verify latency (wall time of `verify`, acquire included) p50/p99."""
@@ -314,19 +228,23 @@ class SandboxVerifier:
 def make_verifier(
     sandbox_cfg: SandboxConfig, taskset: TaskSet
 ) -> InProcessVerifier | SandboxVerifier:
-    """The verifier `sandbox.verify_in_sandbox` selects for this task set, started."""
-    if not wants_sandbox(sandbox_cfg.verify_in_sandbox, taskset):
-        return InProcessVerifier(taskset)
+    """The verifier for this task set, started: `sandbox.verify_in_sandbox` decides where
+    answers are verified; a task whose environment (`task.env`) gives episodes sandboxes gets a
+    started SandboxHost in `verifier.sandboxes` either way (the sandbox verifier's own)."""
     from slipstream.sandbox import PoolOptions, SandboxTemplate
 
-    verifier = SandboxVerifier(
-        taskset,
-        SandboxTemplate.from_config(sandbox_cfg),
-        PoolOptions.from_config(sandbox_cfg),
-        state_dir=sandbox_cfg.state_dir,
-        ready_timeout_s=sandbox_cfg.create_timeout_s,
-    )
-    return verifier.start()
+    if verifies_in_sandbox(sandbox_cfg.verify_in_sandbox, taskset):
+        verifier = SandboxVerifier(
+            taskset,
+            SandboxTemplate.from_config(sandbox_cfg),
+            PoolOptions.from_config(sandbox_cfg),
+            state_dir=sandbox_cfg.state_dir,
+            ready_timeout_s=sandbox_cfg.create_timeout_s,
+        )
+        return verifier.start()
+    if env_needs_sandbox(taskset.cfg.env):
+        return InProcessVerifier(taskset, SandboxHost.from_config(sandbox_cfg).start())
+    return InProcessVerifier(taskset)
 
 
 def lognormal_sigma(p99_over_p50: float) -> float:
@@ -346,6 +264,7 @@ class LatencyInjector:
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self.total_delay_s = 0.0
+        self.sandboxes = inner.sandboxes
 
     def draw_s(self) -> float:
         with self._lock:

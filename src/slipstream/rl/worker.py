@@ -1,4 +1,12 @@
-"""RolloutWorker: lease tasks -> generate G samples each with the Engine -> verify -> ack the group.
+"""RolloutWorker: lease tasks -> run G episodes each (Engine + Environment) -> ack the group.
+
+Every task, single-turn or multi-turn, runs through the one episode loop of
+`slipstream.envs.EpisodeRunner`: an environment per episode (keyed by `task.env`; the default
+`single_turn` is the task's prompt, one completion and the verifier's reward), the first turn of
+a group one engine request with n = G (shared prefill), each later turn the sequence so far as
+the prompt. A sample is an episode: its sampled ids exactly as the engine produced them (mask 1,
+with their behaviour logprobs and versions), the observations as the environment tokenized them
+(mask 0).
 
 Contract:
 - Holds at most `rollout.max_inflight_tasks` tasks (over several leases), so generation of new
@@ -16,6 +24,10 @@ Contract:
 - `request_stop()` (the SIGTERM handler calls it): stop leasing; in-flight work may finish within
   `drain_timeout_s`; then unfinished requests are aborted and their tasks nacked; every completed
   group is acked before `run()` returns 0.
+- Infrastructure failures are never rewards: an episode whose environment or verifier raised
+  `InfraError` is re-run from its start (at most `max_infra_retries` times); after that its task
+  is dropped (`Coordinator.drop`, counted) and nothing of it is trained. A group that failed in
+  the engine or was aborted is nacked (its task is redelivered).
 
 The coordinator may be the object itself or a transport proxy; only its methods are used:
 lease, ack, nack, extend, version, stopping, report.
@@ -26,17 +38,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from slipstream.config.rl import RolloutConfig
-from slipstream.engine.base import (
-    Completion,
-    Engine,
-    GenerateRequest,
-    PublishedWeights,
-    SamplingParams,
+from slipstream.engine.base import Engine, PublishedWeights
+from slipstream.envs import (
+    Episode,
+    EpisodeLimits,
+    EpisodeRunner,
+    GroupOutcome,
+    GroupRollout,
+    make_env_factory,
 )
 from slipstream.rl import routing
 from slipstream.rl.types import Group, Lease, Sample, TaskRef
@@ -50,19 +64,42 @@ log = logging.getLogger(__name__)
 class _TaskWork:
     ref: TaskRef
     lease_id: int
-    request_id: str = ""
-    completions: list[Completion] = field(default_factory=list)
-    rewards: list[float | None] = field(default_factory=list)
-    texts: list[str] = field(default_factory=list)
-    done: bool = False  # acked, nacked or abandoned
+    rollout: GroupRollout | None = None
+    done: bool = False  # acked, nacked, dropped or abandoned
 
 
-def _routing_fields(c: Completion) -> dict[str, Any]:
-    """The completion's recorded routing as Sample fields ({} when not recorded)."""
-    if c.routed_experts is None:
+def _routing_fields(ep: Episode) -> dict[str, Any]:
+    """The episode's recorded routing as Sample fields ({} when not recorded)."""
+    if ep.routed_experts is None:
         return {}
-    data, shape = routing.pack(c.routed_experts)
+    data, shape = routing.pack(ep.routed_experts)
     return {"routed_experts": data, "routing_shape": shape}
+
+
+def episode_sample(ep: Episode) -> Sample:
+    """The Sample of a finished episode (the mask is stored only when it has observations)."""
+    return Sample(
+        prompt_ids=ep.prompt_ids, completion_ids=ep.completion_ids,
+        behaviour_logprobs=ep.logprobs, versions=ep.versions, reward=float(ep.reward),
+        finish_reason=ep.finish_reason, text=ep.text,
+        loss_mask=ep.loss_mask if 0 in ep.loss_mask else [], num_turns=ep.num_turns,
+        tool_calls=ep.usage.tool_calls, env_s=ep.env_s,
+        sandbox_acquire_s=ep.usage.sandbox_acquire_s, infra_retries=ep.infra_retries,
+        **_routing_fields(ep),
+    )  # fmt: skip
+
+
+def episode_limits(cfg: RolloutConfig, max_turn_tokens: int) -> EpisodeLimits:
+    """The `[rollout]` bounds of every episode."""
+    return EpisodeLimits.from_config(cfg, max_turn_tokens)
+
+
+def _context_tokens(engine: Engine) -> int:
+    """The engine's context (prompt + completion) when it is the native engine; 0 = unknown
+    (the Engine protocol does not expose it; `rollout.max_episode_tokens` then bounds episodes)."""
+    from slipstream.engine.native import NativeEngine
+
+    return engine.max_seq_len if isinstance(engine, NativeEngine) else 0
 
 
 def sample_seed(run_seed: int, task_id: int) -> int:
@@ -100,11 +137,28 @@ class RolloutWorker:
         self._lock = threading.Condition()
         self._tasks: dict[int, _TaskWork] = {}  # task_id -> work
         self._leases: dict[int, set[int]] = {}  # lease_id -> task ids not yet done
+        self._live_rollouts = 0  # groups whose on_done has not run yet
         self._weights_lock = threading.Lock()
+        # environment steps (verification, tool runs) and episode starts run here
         self._pool = ThreadPoolExecutor(max(1, cfg.verify_threads), thread_name_prefix="verify")
+        self.sandboxes = verifier.sandboxes
+        make_env = make_env_factory(taskset, scorer=verifier.verify, sandboxes=self.sandboxes,
+                                    limits=episode_limits(cfg, self.max_new_tokens))  # fmt: skip
+        self.runner = EpisodeRunner(
+            engine, make_env, taskset.tokenizer, episode_limits(cfg, self.max_new_tokens),
+            self._pool, temperature=cfg.temperature, record_routing=cfg.record_routing,
+            context_tokens=_context_tokens(engine),
+        )  # fmt: skip
+        # `tokens` = sampled tokens; `verify_s` = time in environment steps (the verifier, tool
+        # runs); `generate_s` = summed engine request latency (slipstream plan calibrate reads
+        # these per group / per sample)
         self.stats: dict[str, float] = {
             "groups_acked": 0, "groups_rejected": 0, "tasks_nacked": 0, "samples": 0,
             "tokens": 0, "weight_updates": 0, "leases": 0, "verify_s": 0.0, "generate_s": 0.0,
+            "requests": 0, "turns": 0, "observation_tokens": 0, "tool_calls": 0,
+            "tool_s": 0.0, "sandbox_acquires": 0, "sandbox_acquire_s": 0.0,
+            "infra_failures": 0, "infra_retried_episodes": 0, "tasks_dropped": 0,
+            "prefill_tokens": 0, "reprefill_tokens": 0,
         }  # fmt: skip
 
     # ---- control -------------------------------------------------------------------------------
@@ -173,8 +227,8 @@ class RolloutWorker:
                 w.done = True
             self._lock.notify_all()
         for w in works:
-            if w.request_id:
-                self.engine.abort(w.request_id)
+            if w.rollout is not None:
+                w.rollout.abort()
         log.warning(
             "worker %s: lease %d died; abandoned %d tasks", self.worker_id, lease_id, len(works)
         )
@@ -187,7 +241,8 @@ class RolloutWorker:
                 rest.discard(w.ref.task_id)
                 if not rest:
                     del self._leases[w.lease_id]
-            self._tasks.pop(w.ref.task_id, None)
+            if self._tasks.get(w.ref.task_id) is w:  # a redelivery may have replaced it
+                del self._tasks[w.ref.task_id]
             self._lock.notify_all()
 
     # ---- per task ------------------------------------------------------------------------------
@@ -199,75 +254,75 @@ class RolloutWorker:
                 self._tasks[ref.task_id] = _TaskWork(ref, lease.lease_id)
         for ref in lease.tasks:
             task = self.taskset.train(ref.index)
-            params = SamplingParams(
-                temperature=self.cfg.temperature,
-                max_new_tokens=self.max_new_tokens,
-                n=self.cfg.group_size,
-                seed=sample_seed(self.run_seed, ref.task_id) if self.cfg.seeded else None,
-                return_routed_experts=self.cfg.record_routing,
-            )
-            req = GenerateRequest(self.taskset.prompt_ids(task), params)
             w = self._tasks[ref.task_id]
-            w.request_id = req.request_id
-            t0 = time.monotonic()
-            fut = self.engine.submit(req)
-            fut.add_done_callback(lambda f, w=w, task=task, t0=t0: self._generated(w, task, f, t0))
+            seed = sample_seed(self.run_seed, ref.task_id) if self.cfg.seeded else None
+            with self._lock:
+                self._live_rollouts += 1
+            w.rollout = self.runner.start(task, self.cfg.group_size,
+                                          lambda out, w=w: self._finished(w, out), seed)  # fmt: skip
 
-    def _generated(self, w: _TaskWork, task: Any, fut: Future, t0: float) -> None:
-        self.stats["generate_s"] += time.monotonic() - t0
-        if fut.exception() is not None:
-            log.error("worker %s: generation failed for task %d: %s", self.worker_id,
-                      w.ref.task_id, fut.exception())  # fmt: skip
-            self._nack(w)
-            return
-        comps: list[Completion] = fut.result()
-        if w.done:
-            return
-        if any(c.finish_reason == "abort" for c in comps):
-            self._nack(w)
-            return
-        w.completions = comps
-        w.rewards = [None] * len(comps)
-        w.texts = [""] * len(comps)
-        for i, c in enumerate(comps):
-            self._pool.submit(self._verify_one, w, task, i, c)
+    def _finished(self, w: _TaskWork, out: GroupOutcome) -> None:
+        """A group's episodes all ended (on an executor thread): ack, nack or drop its task."""
+        self._count(out)
+        try:
+            self._settle(w, out)
+        finally:
+            with self._lock:
+                self._live_rollouts -= 1
+                self._lock.notify_all()
 
-    def _verify_one(self, w: _TaskWork, task: Any, i: int, c: Completion) -> None:
-        t0 = time.monotonic()
-        text = c.text if c.text or not c.token_ids else self.taskset.tokenizer.decode(c.token_ids)
-        reward, _reason = self.verifier.verify(task, text)
-        self.stats["verify_s"] += time.monotonic() - t0
+    def _settle(self, w: _TaskWork, out: GroupOutcome) -> None:
+        if w.done:  # the lease died meanwhile: its task belongs to someone else now
+            self._finish(w)
+            return
+        if out.status == "done":
+            self._ack(w, out.episodes)
+        elif out.status == "dropped":
+            log.error("worker %s: task %d dropped after %d infrastructure failures: %s",
+                      self.worker_id, w.ref.task_id, out.infra_failures, out.error)  # fmt: skip
+            self.coord.drop(w.lease_id, [w.ref.task_id], out.infra_failures)
+            self.stats["tasks_dropped"] += 1
+            self._finish(w)
+        else:
+            if out.status == "failed":
+                log.error("worker %s: task %d failed: %s", self.worker_id, w.ref.task_id,
+                          out.error)  # fmt: skip
+            self._nack(w)
+
+    def _count(self, out: GroupOutcome) -> None:
+        st = self.stats
         with self._lock:
-            w.rewards[i] = reward
-            w.texts[i] = text
-            complete = all(r is not None for r in w.rewards) and not w.done
-        if complete:
-            self._ack(w)
+            st["requests"] += out.requests
+            st["generate_s"] += out.generate_s
+            st["infra_failures"] += out.infra_failures
+            for ep in out.episodes:
+                st["turns"] += ep.num_turns
+                st["observation_tokens"] += len(ep.completion_ids) - len(ep.versions)
+                st["tool_calls"] += ep.usage.tool_calls
+                st["tool_s"] += ep.usage.tool_s
+                st["verify_s"] += ep.env_s
+                st["prefill_tokens"] += ep.prefill_tokens
+                st["reprefill_tokens"] += ep.reprefill_tokens
+                st["infra_retried_episodes"] += ep.infra_retries > 0
+                if ep.usage.sandbox_acquire_s >= 0:
+                    st["sandbox_acquires"] += 1
+                    st["sandbox_acquire_s"] += ep.usage.sandbox_acquire_s
 
-    def _ack(self, w: _TaskWork) -> None:
-        samples = [
-            Sample(
-                prompt_ids=list(c.prompt_ids),
-                completion_ids=list(c.token_ids),
-                behaviour_logprobs=list(c.logprobs),
-                versions=list(c.versions),
-                reward=float(r),
-                finish_reason=c.finish_reason,
-                text=t,
-                **_routing_fields(c),
-            )  # fmt: skip
-            for c, r, t in zip(w.completions, w.rewards, w.texts, strict=True)
-        ]
+    def _ack(self, w: _TaskWork, episodes: list[Episode]) -> None:
+        samples = [episode_sample(ep) for ep in episodes]
         group = Group(task=w.ref, samples=samples, worker_id=self.worker_id)
         ok = self.coord.ack(w.lease_id, group)
-        self.stats["groups_acked" if ok else "groups_rejected"] += 1
-        self.stats["samples"] += len(samples)
-        self.stats["tokens"] += sum(len(s.completion_ids) for s in samples)
+        with self._lock:
+            self.stats["groups_acked" if ok else "groups_rejected"] += 1
+            self.stats["samples"] += len(samples)
+            self.stats["tokens"] += sum(s.num_sampled for s in samples)
         self._finish(w)
 
     def _nack(self, w: _TaskWork) -> None:
         if not w.done:
-            self.stats["tasks_nacked"] += self.coord.nack(w.lease_id, [w.ref.task_id])
+            n = self.coord.nack(w.lease_id, [w.ref.task_id])
+            with self._lock:
+                self.stats["tasks_nacked"] += n
         self._finish(w)
 
     # ---- main loop -----------------------------------------------------------------------------
@@ -317,10 +372,15 @@ class RolloutWorker:
                 self._lock.wait(0.05)
             leftovers = [w for w in self._tasks.values() if not w.done]
         for w in leftovers:
-            if w.request_id:
-                self.engine.abort(w.request_id)
+            if w.rollout is not None:
+                w.rollout.abort()
             self._nack(w)
         self._stop.set()
+        # aborted groups close their environments (sandboxes back to the pool) as they end
+        wait_until = time.monotonic() + max(10.0, self.cfg.drain_timeout_s)
+        with self._lock:
+            while self._live_rollouts and time.monotonic() < wait_until:
+                self._lock.wait(0.05)
         self._pool.shutdown(wait=True)  # acks of groups mid-verification go out before we return
         try:
             self.coord.report(self.worker_id, dict(self.stats))

@@ -1,0 +1,48 @@
+"""`tool_arithmetic`: the arithmetic task (same prompts, verifier and options) whose SFT teacher
+sometimes computes the answer with the `<py>` tool of the `python_tool` environment.
+
+    347*286=<py>print(347*286)</py><out>99242
+    </out>99242                                  # the teacher uses the tool (demo_tool_use)
+    347*286=99242                                # the teacher answers in its head
+
+Both demonstrations are correct; the imperfection is that the teacher uses the tool only on a
+keyed share `task.demo_tool_use` of the problems, so a student that imitates it answers most
+problems in its head. A tiny policy cannot multiply 3-4 digit numbers in its head, but it can
+copy the operands into a program and the program's output into its answer: reinforcement
+learning against the exact verifier then has to raise tool use to raise pass@1.
+
+The splits are keyed by this task's name, so its held-out problems differ from `arithmetic`'s.
+Not covered: a teacher whose programs are wrong (they are always `print(<prompt>)`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from slipstream.tasks.arithmetic import ArithmeticTaskSet
+from slipstream.tasks.base import Task, keyed_uniform
+
+if TYPE_CHECKING:
+    from slipstream.config.task import TaskConfig
+    from slipstream.model.tokenizer import Tokenizer
+
+
+class ToolArithmeticTaskSet(ArithmeticTaskSet):
+    name = "tool_arithmetic"
+
+    def uses_tool(self, task: Task) -> bool:
+        """Whether the teacher's demonstration of `task` uses the tool (a keyed share)."""
+        return keyed_uniform(self.cfg.seed, "tool-teacher", task.key) < self.cfg.demo_tool_use
+
+    def tool_demonstration(self, task: Task) -> tuple[str, str] | None:
+        """(program, its stdout) when the teacher uses the tool on `task`, else None. The stdout
+        is what Python prints for the program (the exact answer and a newline); it is known here
+        without running anything."""
+        if not self.uses_tool(task):
+            return None
+        expression = task.prompt.removesuffix("=")
+        return f"print({expression})", f"{task.meta['answer']}\n"
+
+
+def make_taskset(cfg: TaskConfig, tokenizer: Tokenizer) -> ToolArithmeticTaskSet:
+    return ToolArithmeticTaskSet(cfg, tokenizer)
