@@ -289,3 +289,119 @@ def test_moe_rayjob_places_every_trainer_rank_on_a_trainer_gpu() -> None:
     # the rollout side is rayjob.yaml's, unchanged
     assert groups["rollout"] == rayjob()["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
     assert cfg.rollout.num_workers == groups["rollout"]["replicas"]
+
+
+# ---- the sandbox host agent (deploy/eks/sandbox-agent.yaml) and its socket in the rollout pods --
+
+# vCPUs of the instance types a node group may launch (AWS's published figures)
+INSTANCE_VCPUS = {"p5.48xlarge": 192, "p5e.48xlarge": 192, "p5en.48xlarge": 192}
+
+
+def sandbox_agent() -> dict[str, Any]:
+    (ds,) = load("eks/sandbox-agent.yaml")
+    return ds
+
+
+def agent_serve_config() -> tuple[Any, Any]:
+    """The DaemonSet's command parsed by this CLI: (argparse namespace, loaded config)."""
+    (c,) = sandbox_agent()["spec"]["template"]["spec"]["containers"]
+    assert c["command"][:3] == ["slipstream", "sandbox", "serve"], c["command"]
+    rest, overrides = split_overrides(c["command"][1:])
+    args = build_parser().parse_args(rest)
+    return args, load_config(args.config, overrides)
+
+
+def host_path(pod: dict[str, Any], c: dict[str, Any], path: str) -> str:
+    """Where `path` inside container `c` lives on the node (through a hostPath volume)."""
+    mounts = [m for m in c["volumeMounts"]
+              if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")]  # fmt: skip
+    assert mounts, f"{c['name']} mounts nothing above {path}"
+    m = max(mounts, key=lambda m: len(m["mountPath"]))
+    (vol,) = [v for v in pod["spec"]["volumes"] if v["name"] == m["name"]]
+    assert "hostPath" in vol, f"{path} of {c['name']} is on {vol}, not on the node"
+    return vol["hostPath"]["path"].rstrip("/") + path[len(m["mountPath"].rstrip("/")) :]
+
+
+def test_sandbox_agent_is_a_valid_serve_on_every_node_running_rollout_pods() -> None:
+    ds = sandbox_agent()
+    assert ds["kind"] == "DaemonSet" and ds["apiVersion"] == "apps/v1"
+    pod = ds["spec"]["template"]
+    assert ds["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    args, cfg = agent_serve_config()
+    assert args.func.__name__ == "cmd_serve" and cfg.sandbox.backend == "bwrap"
+    (c,) = pod["spec"]["containers"]
+    assert c["securityContext"]["privileged"] is True  # namespaces, setuid, cgroups
+    # the rollout pods' node group carries the agent's label, and the agent tolerates its taints
+    groups = node_groups()
+    (rollout,) = rayjob()["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    selector = rollout["template"]["spec"]["nodeSelector"]
+    hosts = [g for g in groups.values() if selector.items() <= g["labels"].items()]
+    assert hosts and all(pod["spec"]["nodeSelector"].items() <= g["labels"].items() for g in hosts)
+    tolerated = {(t["key"], t["effect"]) for t in pod["spec"]["tolerations"]}
+    for g in hosts:
+        assert {(t["key"], t["effect"]) for t in g.get("taints", [])} <= tolerated
+    # one release: the agent protocol version of the rollout pods' image
+    assert c["image"] == container(rollout["template"], "ray-worker")["image"]
+    # the journal survives a restart (on the node), so the next agent reaps what this one left
+    assert host_path(pod, c, cfg.sandbox.state_dir).startswith("/var/lib/")
+    # probes are `slipstream sandbox status` of the socket it serves
+    for probe in ("readinessProbe", "livenessProbe"):
+        argv = c[probe]["exec"]["command"]
+        st = build_parser().parse_args(argv[1:])
+        assert st.func.__name__ == "cmd_status" and st.url == f"unix://{args.socket}"
+    # SIGTERM drains: connected actors are served for drain_timeout_s, within the grace period,
+    # and at least as long as a Spot-draining rollout actor may still need sandboxes
+    job_cfg, _ = job_config()
+    assert job_cfg.rollout.drain_timeout_s <= args.drain_timeout_s
+    assert args.drain_timeout_s + 5 <= pod["spec"]["terminationGracePeriodSeconds"]
+
+
+def test_rollout_pods_reach_the_agents_socket_through_the_same_node_directory() -> None:
+    from slipstream.sandbox.host_protocol import parse_agent_url
+
+    ds_pod = sandbox_agent()["spec"]["template"]
+    (agent_c,) = ds_pod["spec"]["containers"]
+    args, _ = agent_serve_config()
+    on_node = host_path(ds_pod, agent_c, args.socket)
+    for job in (rayjob(), moe_rayjob()):
+        argv = shlex.split(job["spec"]["entrypoint"])
+        rest, overrides = split_overrides(argv[1:])
+        cfg = load_config(build_parser().parse_args(rest).config, overrides)
+        groups = {g["groupName"]: g for g in job["spec"]["rayClusterSpec"]["workerGroupSpecs"]}
+        pod = groups["rollout"]["template"]
+        worker_c = container(pod, "ray-worker")
+        path = parse_agent_url(cfg.rollout.sandbox_agent)
+        assert host_path(pod, worker_c, path) == on_node
+        # the directory is mounted (a file mount would keep a restarted agent's old socket),
+        # read-only (no pod can unlink the socket or plant its own)
+        (mount,) = [m for m in worker_c["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+        assert mount["readOnly"] is True
+        (vol,) = [v for v in pod["spec"]["volumes"] if v["name"] == mount["name"]]
+        assert vol["hostPath"]["type"] in ("Directory", "DirectoryOrCreate")
+        assert not worker_c.get("securityContext", {}).get("runAsUser")  # root: socket 0660
+
+
+def test_the_agent_serves_the_jobs_sandbox_template_within_its_pod_resources() -> None:
+    from slipstream.sandbox.base import SandboxTemplate
+    from slipstream.sandbox.host_protocol import template_mismatch
+
+    args, cfg = agent_serve_config()
+    job_cfg, _ = job_config()
+    # the agent refuses a client whose template differs (hello): they must agree here
+    agent_t = SandboxTemplate.from_config(cfg.sandbox)
+    job_t = SandboxTemplate.from_config(job_cfg.sandbox)
+    assert template_mismatch(agent_t, job_t) == []
+    # admission capacity on the largest node it lands on fits what the pod reserves: CPUs
+    # requested (no CPU limit: a CFS quota would throttle every sandbox at once) and a memory
+    # limit covering every admitted sandbox's memory_mib (their cgroups nest under the pod's)
+    (c,) = sandbox_agent()["spec"]["template"]["spec"]["containers"]
+    hosts = [g for g in node_groups().values() if g["labels"].get("slipstream.io/sandbox-host")]
+    types = [t for g in hosts for t in g.get("instanceTypes", [g.get("instanceType")])]
+    vcpus = max(INSTANCE_VCPUS[t] for t in types)
+    capacity = int(vcpus * cfg.sandbox.max_density + 1e-9) // agent_t.vcpus
+    assert 0 < capacity * agent_t.vcpus <= float(c["resources"]["requests"]["cpu"])
+    assert "cpu" not in c["resources"].get("limits", {})
+    need_mib = capacity * agent_t.memory_mib + cfg.sandbox.memory_reserve_mib
+    limit = c["resources"]["limits"]["memory"]
+    assert limit.endswith("Gi") and int(limit[:-2]) * 1024 >= need_mib, (limit, need_mib)
+    assert cfg.sandbox.min_idle <= capacity  # the warm pool fits in the admission limit
