@@ -4,7 +4,9 @@ throughput figure can be stated as a fraction of it.
     limits = measure_limits(model_cfg, num_tokens=704, seq_len=11)   # importable API
     limits.train_tokens_per_s_limit, limits.decode_tokens_per_s_limit
 
-Measured in one run, on the torch thread count the job uses (`run.num_threads`, default 1):
+Measured in one run, on the torch thread count the job uses (`run.num_threads`, default 1), on
+this thread's CPU time when that is 1 thread on CPU (time the OS gives other processes of a
+shared host is not counted: the limit is that of a dedicated core), else on wall time:
 - matmul FLOP/s at the model's own GEMM shapes (bench/gemms.py): the fused q/k/v and o
   projections, the router, each expert's gate/up and down products at the token count a
   balanced router gives it, the attention products, the LM head; for training each linear in
@@ -93,6 +95,8 @@ class Limits:
     device: str
     dtype: str
     num_threads: int
+    clock: str
+    """"thread CPU time" (1 thread on CPU: immune to a loaded host's scheduling) or "wall"."""
     native_bf16: bool | None
     """Whether the CPU has bf16 matmul instructions (avx512_bf16 / amx_bf16); None on CUDA."""
     copy_bytes_per_s: float
@@ -133,17 +137,29 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def pick_clock(device: str) -> Any:
+    """The clock measurements read: this thread's CPU time when torch computes on the calling
+    thread alone (CPU, 1 intra-op thread), so time the OS gave other processes of a shared host
+    is not counted; wall time otherwise (several threads, CUDA)."""
+    import torch
+
+    if device == "cpu" and torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter
+
+
 def _best_of(fn: Any, calls: int, repeats: int, device: str) -> list[float]:
     """Seconds per call of `calls` back-to-back calls, `repeats` times (after one warm-up)."""
+    clock = pick_clock(device)
     fn()
     _sync(device)
     out = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(calls):
             fn()
         _sync(device)
-        out.append((time.perf_counter() - t0) / calls)
+        out.append((clock() - t0) / calls)
     return out
 
 
@@ -203,7 +219,7 @@ def _timed(gemms: list[Gemm], dtype: Any, device: str, repeats: int) -> list[Gem
         if g.name == "combine":
             rest.append(g)
             continue
-        times = time_gemm(g, dtype, device, repeats=repeats)
+        times = time_gemm(g, dtype, device, repeats=repeats, clock=pick_clock(device))
         best = min(times)
         out.append(GemmTiming(g.name, g.m, g.k, g.n, g.batch, g.count, best, times,
                               g.flops_per_call / best))  # fmt: skip
@@ -271,7 +287,8 @@ def measure_limits(
                                  model_flops.decode_flops_per_token(model_cfg, context_len),
                                  gemm_s, nbytes, memory_s, step_s, decode_batch / step_s,
                                  "compute" if gemm_s >= memory_s else "memory")  # fmt: skip
-        return Limits(device=device, dtype=dtype, num_threads=torch.get_num_threads(),
+        clock = "thread CPU time" if pick_clock(device) is time.thread_time else "wall"
+        return Limits(device=device, dtype=dtype, num_threads=torch.get_num_threads(), clock=clock,
                       native_bf16=None if device.startswith("cuda") else native_bf16_cpu(),
                       copy_bytes_per_s=bw["copy_bytes_per_s"],
                       triad_bytes_per_s=bw["triad_bytes_per_s"], op_overhead_s=overhead,
@@ -378,7 +395,7 @@ def _print(name: str, mcfg: Any, lim: Limits) -> None:
     bf16 = "" if lim.dtype != "bfloat16" or lim.native_bf16 is not False else " (emulated)"
     print(f"\n== {name} ({model_flops.num_params(mcfg) / 1e6:.2f}M params, "
           f"{model_flops.num_params(mcfg, active=True) / 1e6:.2f}M active), {lim.dtype}{bf16}, "
-          f"{lim.num_threads} thread(s), {lim.device}")  # fmt: skip
+          f"{lim.num_threads} thread(s), {lim.device}, {lim.clock}")  # fmt: skip
     print(f"{'GEMM':<22} {'batch x m x k x n':>22} {'calls/step':>10} {'GFLOP/s':>8} "
           f"{'range':>13} {'ms/step':>8}")  # fmt: skip
     for phase, timings in lim.gemms.items():

@@ -16,6 +16,7 @@ BENCHMARKS = [
     "moe_train",
     "r3",
     "limits",
+    "train",
 ]
 
 
