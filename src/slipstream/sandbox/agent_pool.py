@@ -276,6 +276,7 @@ class AgentPool:
                 await self._drop(conn, "hello refused")
                 raise
             conn.hello = reply
+            self._agent_stats = reply.get("stats", {})
             agent_t = template_from_dict(reply["template"])
             if not self._check_template:  # take the agent's; keep our own timeouts otherwise
                 self.template = agent_t

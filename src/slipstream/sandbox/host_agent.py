@@ -302,6 +302,7 @@ class HostAgent:
             "type": "ok", "id": rid, "version": PROTOCOL_VERSION, "agent_pid": os.getpid(),
             "template": template_to_dict(self.template), "lease_ttl_s": self.lease_ttl_s,
             "max_wait_s": self.max_wait_s, "vcpu_capacity": self.pool.vcpu_capacity,
+            "stats": self.stats(),
         })  # fmt: skip
         return True
 
