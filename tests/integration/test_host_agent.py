@@ -539,3 +539,25 @@ def test_sigterm_drains_connected_workers_then_leaves_nothing(agents):
     w.close()
     assert agent.proc.wait(DEADLINE_S) == 0
     assert_agent_left_nothing(agent)
+
+
+def test_pinning_and_the_cpus_the_agent_is_given(agents):
+    """`--cpus` restricts the agent: its admission limit and its pinning use only those CPUs;
+    a leased sandbox runs on the CPUs the agent pinned it to."""
+    cpu = sorted(os.sched_getaffinity(0))[-1]
+    agent = agents("a", "--cpus", str(cpu), "--sandbox.pinning=thread", min_idle=0).start()
+    pinned = TEMPLATE.with_(pinning="thread")
+
+    async def go() -> None:
+        async with AgentPool(agent.url, pinned) as pool:
+            sb = await pool.acquire(timeout_s=30)
+            assert sb.cpus == (cpu,)
+            r = await sb.exec(["grep", "Cpus_allowed_list", "/proc/self/status"])
+            assert r.stdout.split()[-1] == str(cpu)
+            with pytest.raises(NoCapacity, match="vcpus=1/1"):  # one CPU: one sandbox
+                await pool.acquire(timeout_s=0)
+            await pool.release(sb)
+
+    asyncio.run(go())
+    assert agent.stop() == 0
+    assert_agent_left_nothing(agent)
