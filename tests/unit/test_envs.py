@@ -170,7 +170,7 @@ def test_token_in_token_out_through_the_native_engine(setup) -> None:  # type: i
 
 def _flat(comps: list[Any]) -> list[int]:
     out: list[int] = []
-    for k, c in enumerate(comps):
+    for c in comps:
         out += c.token_ids + EchoEnv.OBS
     return out
 

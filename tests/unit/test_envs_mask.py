@@ -29,9 +29,17 @@ def tiny_model(seed: int = 0) -> MoEForCausalLM:
     torch.manual_seed(seed)
     return MoEForCausalLM(
         ModelConfig(
-            vocab_size=16, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=8, intermediate_size=32, moe_intermediate_size=16,
-            num_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+            vocab_size=16,
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            intermediate_size=32,
+            moe_intermediate_size=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=32,
             router_aux_loss_coef=0.0,
         )  # fmt: skip
     )

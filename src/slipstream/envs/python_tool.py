@@ -10,7 +10,8 @@ Syntax (the char tokenizer can express it; the engine's stop string `</py>` ends
   between the last `<py>` and the `</py>` is written to `cell<k>.py` in the sandbox's work dir
   and run with `python3 -I -S` (timeout `turn_timeout_s`); the observation is
   `<out>` + stdout + stderr + a status line (`[exit N]`, `[timed out]`, `[out of memory]`) +
-  `</out>`, capped at `max_observation_tokens` (head and tail kept, `...` between).
+  `</out>`, capped at `max_observation_tokens` (a third of the head, two thirds of the tail,
+  `...` between).
 - Any other turn (ended by EOS or the token cap), and any turn when no further turn may follow,
   is the **answer**: the scorer (the task's verifier) gets that turn's text.
 - The sandbox is acquired at `reset` and kept until `close`, so files written by one cell are
@@ -81,8 +82,9 @@ def observation_text(
     stdout: str, stderr: str = "", exit_code: int | None = 0, *, timed_out: bool = False,
     oom_killed: bool = False, max_chars: int = 64,
 ) -> str:  # fmt: skip
-    """`<out>` + output + status + `</out>` in at most max_chars characters (head and tail of the
-    output kept around `...` when it is longer)."""
+    """`<out>` + output + status + `</out>` in at most max_chars characters: when the output is
+    longer, its first third and last two thirds of the room around `...` (the end of a
+    traceback names the error)."""
     if timed_out:
         status = "[timed out]\n"
     elif oom_killed:
@@ -95,7 +97,7 @@ def observation_text(
     room = max(0, max_chars - len(OUT_OPEN) - len(OUT_CLOSE) - len(status))
     if len(body) > room:
         keep = max(0, room - len(ELLIPSIS))
-        head = keep // 2
+        head = keep // 3
         body = body[:head] + ELLIPSIS + (body[len(body) - (keep - head) :] if keep > head else "")
         body = body[:room]
     return OUT_OPEN + body + status + OUT_CLOSE

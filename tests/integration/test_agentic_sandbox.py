@@ -1,0 +1,261 @@
+"""Agentic episodes with real bwrap sandboxes: tool calls run in the episode's sandbox, whose
+files persist across the episode's turns and never reach another episode (single use and
+reuse); a sandbox killed mid-episode is an infrastructure failure that re-runs the episode (its
+real reward is kept, never a 0 for the failure); a policy whose programs kill their sandbox
+every time gets its task dropped and counted by the rollout worker and the coordinator, not
+trained; after everything no sandbox, cgroup or journal entry is left.
+
+The policy here is scripted (ScriptedEngine returns fixed token ids for each turn, with the
+Engine protocol's futures), so that the tool calls are certain; the sandboxes, the environment,
+the episode loop, the worker and the coordinator are the real ones.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from slipstream.config.rl import RolloutConfig
+from slipstream.config.task import TaskConfig
+from slipstream.engine.base import Completion, GenerateRequest
+from slipstream.envs import EpisodeLimits, EpisodeRunner, make_env_factory, run_episodes
+from slipstream.envs.python_tool import PythonToolEnv
+from slipstream.envs.sandboxes import SandboxHost
+from slipstream.rl.buffer import ExperienceBuffer
+from slipstream.rl.coordinator import Coordinator
+from slipstream.rl.queue import TaskQueue
+from slipstream.rl.verifier import InProcessVerifier
+from slipstream.rl.worker import RolloutWorker
+from slipstream.sandbox import PoolOptions, SandboxTemplate
+from slipstream.sandbox.cgroups import CgroupManager
+from slipstream.sandbox.journal import Journal
+from slipstream.tasks import Task, get_taskset
+
+
+def _bwrap_unusable() -> str | None:
+    if os.geteuid() != 0:
+        return "the bwrap backend needs root (per-sandbox cgroups, setuid to nobody)"
+    if not os.access("/usr/bin/bwrap", os.X_OK):
+        return "/usr/bin/bwrap is not installed (scripts/setup.sh installs bubblewrap)"
+    try:
+        CgroupManager.detect("/sys/fs/cgroup")
+    except OSError as e:
+        return f"cgroups are not writable here: {e}"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_bwrap_unusable() is not None, reason=str(_bwrap_unusable()))
+TEMPLATE = SandboxTemplate(backend="bwrap", memory_mib=256, workdir_mib=16)
+TS = get_taskset(TaskConfig(name="tool_arithmetic", env="python_tool", ops=["*"]))
+TOK = TS.tokenizer
+
+
+def task(a: int, b: int) -> Task:
+    return Task(f"t/{a}*{b}", f"{a}*{b}=", f"{a}*{b}=", {"a": a, "b": b, "op": "*",
+                                                      "answer": a * b})  # fmt: skip
+
+
+def turn(text: str, eos: bool = False) -> list[int]:
+    return TOK.encode(text) + ([TOK.eos_id] if eos else [])
+
+
+def host(tmp_path: Path, **opts: Any) -> SandboxHost:
+    options = PoolOptions(**{"min_idle": 1, "max_idle": 2, "max_density": 4.0, **opts})
+    return SandboxHost(TEMPLATE, options, state_dir=tmp_path / "state").start()
+
+
+def assert_nothing_left(tmp_path: Path) -> None:
+    assert Journal(tmp_path / "state").entries() == []
+    mine = f"sb-{os.getpid()}-"
+    assert [d for d in CgroupManager.detect("/sys/fs/cgroup").leftover_dirs() if mine in d] == []
+
+
+def obs_text(result_ids: list[int]) -> str:
+    return TOK.decode(result_ids)
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_files_persist_across_turns_and_never_leak_between_episodes(tmp_path: Path,
+                                                                    reuse: bool) -> None:  # fmt: skip
+    h = host(tmp_path, reuse=reuse, max_idle=1)
+    limits = EpisodeLimits(max_observation_tokens=200)
+    make = make_env_factory(TS, sandboxes=h, limits=limits)
+    try:
+        a = make()
+        a.reset(task(6, 7))
+        first_id = a._held.sandbox.sandbox_id  # type: ignore[attr-defined]
+        r1 = a.step(turn("<py>open('notes.txt','w').write('secret-A');"
+                         "open('/tmp/t','w').write('x');open('/dev/shm/s','w').write('y');"
+                         "import subprocess;subprocess.Popen(['sleep','300'],start_new_session=True)"
+                         ";print(6*7)</py>"), last=False)  # fmt: skip
+        assert not r1.done and obs_text(r1.observation_ids) == "<out>42\n</out>"
+        r2 = a.step(turn("<py>print(open('notes.txt').read())</py>"), last=False)
+        assert obs_text(r2.observation_ids) == "<out>secret-A\n</out>"  # state persists
+        r3 = a.step(turn("42", eos=True), last=False)
+        assert r3.done and r3.reward == 1.0 and a.usage.tool_calls == 2
+        a.close()
+        b = make()
+        b.reset(task(2, 3))
+        if reuse:  # the same sandbox, reset and scrubbed: the point of this case
+            assert b._held.sandbox.sandbox_id == first_id  # type: ignore[attr-defined]
+        r = b.step(turn("<py>import os,glob;print(os.listdir('.'),os.path.exists('/tmp/t'),"
+                        "os.listdir('/dev/shm'),os.system('pgrep sleep >/dev/null'))</py>"),
+                   last=False)  # fmt: skip
+        # nothing of A: only B's own program file, no /tmp or /dev/shm file, no process of A's
+        assert obs_text(r.observation_ids) == "<out>['cell0.py'] False [] 256\n</out>"
+        b.close()
+    finally:
+        h.close()
+    assert_nothing_left(tmp_path)
+
+
+def test_tool_output_is_capped_and_errors_are_observations(tmp_path: Path) -> None:
+    h = host(tmp_path)
+    limits = EpisodeLimits(max_observation_tokens=64, turn_timeout_s=2.0)
+    env = PythonToolEnv(TS, sandboxes=h, limits=limits)
+    try:
+        env.reset(task(6, 7))
+        big = env.step(turn("<py>print('a'*100000)</py>"), last=False)
+        text = obs_text(big.observation_ids)
+        assert len(big.observation_ids) <= 64 and text.startswith("<out>a") and "..." in text
+        err = obs_text(env.step(turn("<py>1/0</py>"), last=False).observation_ids)
+        assert "Error: division by zero" in err and err.endswith("[exit 1]\n</out>")
+        slow = obs_text(env.step(turn("<py>while True: pass</py>"), last=False).observation_ids)
+        assert slow == "<out>[timed out]\n</out>"
+        last = env.step(turn("<py>print(42)</py>"), last=True)  # no turn may follow: scored
+        assert last.done and last.reward == 0.0 and env.usage.tool_calls == 3
+    finally:
+        env.close()
+        h.close()
+    assert_nothing_left(tmp_path)
+
+
+class ScriptedEngine:
+    """The Engine protocol's submit/abort with a scripted policy: `script(prompt ids, sample
+    index, turn)` -> the sampled ids; logprob -1 and version 0 per token."""
+
+    def __init__(self, script: Callable[[list[int], int, int], list[int]]) -> None:
+        self.script = script
+        self.version = 0
+        self.submitted: list[GenerateRequest] = []
+        self.before_reply: Callable[[GenerateRequest], None] = lambda r: None
+
+    def submit(self, request: GenerateRequest) -> Future:
+        self.submitted.append(request)
+        self.before_reply(request)
+        fut: Future = Future()
+        turn_no = TOK.decode(request.prompt_ids).count("<out>")
+        comps = []
+        for i in range(request.params.n):
+            ids = self.script(request.prompt_ids, i, turn_no)
+            comps.append(Completion(request.request_id, i, list(request.prompt_ids), ids,
+                                    TOK.decode(ids), [-1.0] * len(ids), "stop",
+                                    [0] * len(ids)))  # fmt: skip
+        fut.set_result(comps)
+        return fut
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+    def load_version(self, version: int, weights: Any) -> None:
+        self.version = version
+
+
+def tool_then_answer(prompt: list[int], i: int, turn_no: int) -> list[int]:
+    expr = TOK.decode(prompt).split("=")[0]
+    if turn_no == 0:
+        return turn(f"<py>print({expr})</py>")
+    return turn(str(eval(expr)), eos=True)  # the test's own arithmetic  # noqa: S307
+
+
+def test_sandbox_killed_mid_episode_reruns_the_episode(tmp_path: Path) -> None:
+    h = host(tmp_path, max_idle=4)
+    limits = EpisodeLimits(max_turns=4, max_observation_tokens=32)
+    envs: list[PythonToolEnv] = []
+    base = make_env_factory(TS, sandboxes=h, limits=limits)
+
+    def make() -> PythonToolEnv:
+        envs.append(base())  # type: ignore[arg-type]
+        return envs[-1]
+
+    engine = ScriptedEngine(tool_then_answer)
+    killed: list[int] = []
+
+    def kill_first_sandbox(req: GenerateRequest) -> None:
+        # after episode 0's reset, before its first turn comes back: kill its sandbox from
+        # outside (as an OOM killer or a dying host would)
+        if not killed and envs and envs[0]._held is not None:
+            pid = envs[0]._held.sandbox.record().pid
+            assert pid
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    engine.before_reply = kill_first_sandbox
+    with ThreadPoolExecutor(4) as pool:
+        runner = EpisodeRunner(engine, make, TOK, limits, pool)  # type: ignore[arg-type]
+        try:
+            (out,) = run_episodes(runner, [task(123, 456)], n=3, timeout_s=120)
+        finally:
+            h.close()
+    assert killed, "the test did not kill a sandbox"
+    assert out.status == "done" and out.infra_failures == 1
+    assert sorted(e.infra_retries for e in out.episodes) == [0, 0, 1]
+    assert [e.reward for e in out.episodes] == [1.0, 1.0, 1.0]  # real rewards, no 0 for it
+    for e in out.episodes:
+        assert TOK.decode(e.completion_ids) == "<py>print(123*456)</py><out>56088\n</out>56088"
+        assert e.num_turns == 2 and e.usage.tool_calls == 1
+    assert len(envs) == 4  # three episodes and one re-run
+    assert_nothing_left(tmp_path)
+
+
+def test_worker_drops_a_task_whose_sandbox_keeps_dying(tmp_path: Path) -> None:
+    h = host(tmp_path, max_idle=4)
+
+    def killer(prompt: list[int], i: int, turn_no: int) -> list[int]:
+        # the first sample of a first turn (episode 0 of the group, and each of its re-runs):
+        # a program that kills its sandbox's guest agent, every time
+        if i == 0 and turn_no == 0:
+            return turn("<py>import os,signal;os.kill(os.getppid(),signal.SIGKILL)</py>")
+        return tool_then_answer(prompt, i, turn_no)
+
+    cfg = RolloutConfig(group_size=2, tasks_per_lease=1, max_inflight_tasks=1, lease_ttl_s=60,
+                        max_infra_retries=1, verify_threads=4, drain_timeout_s=5,
+                        max_new_tokens=64)  # fmt: skip
+    buffer = ExperienceBuffer(1, 4)
+    coord = Coordinator(TaskQueue(TS.num_train, max_tasks=2), buffer)
+    engine = ScriptedEngine(killer)
+    worker = RolloutWorker(
+        "w0",
+        coord,
+        engine,
+        TS,
+        InProcessVerifier(TS, h),
+        cfg,  # type: ignore[arg-type]
+        weights=None,
+        max_new_tokens=64,
+    )  # type: ignore[arg-type]
+    t = threading.Thread(target=worker.run)
+    t.start()
+    try:
+        deadline = time.monotonic() + 120
+        while coord.queue.stats().num_done < 2:
+            assert time.monotonic() < deadline and t.is_alive(), coord.status()
+            time.sleep(0.05)
+    finally:
+        worker.request_stop()
+        t.join(60)
+        worker.verifier.close()
+    status, m = coord.status(), buffer.metrics()
+    assert status["dropped_tasks"] == 2 and status["queue_pending"] == 0  # not redelivered
+    assert m["dropped_infra"] == 2 and m["infra_failures"] == 2 * (cfg.max_infra_retries + 1)
+    assert len(buffer) == 0 and m["episodes"] == 0  # nothing of them reached the trainer
+    assert worker.stats["tasks_dropped"] == 2 and worker.stats["groups_acked"] == 0
+    assert_nothing_left(tmp_path)
