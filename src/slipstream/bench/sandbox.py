@@ -65,12 +65,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--concurrency", type=int, default=0,
                    help="tasks per worker (default 0 = the admission limit: each alone fills the host)")  # fmt: skip
     g.add_argument("--iterations", type=int, default=25, help="leases per task")
-    g.add_argument("--hold-ms", type=float, default=100.0, help="how long each lease is held after its exec")
+    g.add_argument(
+        "--hold-ms", type=float, default=100.0, help="how long each lease is held after its exec"
+    )
     g.add_argument("--max-density", type=float, default=1.0, help="admission: sandboxes per vCPU")
     g.add_argument("--agent-backend", default="bwrap", choices=("process", "bwrap"))
     g.add_argument("--reuse", action="store_true",
                    help="reset and reuse released sandboxes (takes creation off the acquire path)")  # fmt: skip
-    g.add_argument("--probe-runs", type=int, default=100, help="paired execs of the proxy-cost probe")
+    g.add_argument(
+        "--probe-runs", type=int, default=100, help="paired execs of the proxy-cost probe"
+    )
     p.set_defaults(func=run)
 
 
