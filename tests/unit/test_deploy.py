@@ -405,3 +405,156 @@ def test_the_agent_serves_the_jobs_sandbox_template_within_its_pod_resources() -
     limit = c["resources"]["limits"]["memory"]
     assert limit.endswith("Gi") and int(limit[:-2]) * 1024 >= need_mib, (limit, need_mib)
     assert cfg.sandbox.min_idle <= capacity  # the warm pool fits in the admission limit
+
+
+# ---- KEDA autoscaling of the Spot rollout capacity (deploy/keda/) -----------------------------
+
+
+def keda(rel: str) -> dict[str, Any]:
+    (doc,) = load(f"keda/{rel}")
+    return doc
+
+
+def _json_patch(doc: dict[str, Any], ops: list[dict[str, Any]]) -> dict[str, Any]:
+    """The RFC 6902 add / replace ops kustomize applies (replace needs the path to exist)."""
+    import copy
+
+    doc = copy.deepcopy(doc)
+    for op in ops:
+        *parents, last = op["path"].strip("/").split("/")
+        node: Any = doc
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        key: Any = int(last) if isinstance(node, list) else last
+        assert op["op"] in ("add", "replace"), op
+        if op["op"] == "replace":
+            assert (key < len(node)) if isinstance(node, list) else (key in node), op["path"]
+        node[key] = op["value"]
+    return doc
+
+
+def keda_rayjob() -> dict[str, Any]:
+    """The base RayJob with the overlay's patches applied, as `kustomize build` makes it."""
+    (patch,) = keda("kustomization.yaml")["patches"]
+    target, base = patch["target"], rayjob()
+    assert base["apiVersion"] == f"{target['group']}/{target['version']}"
+    assert (base["kind"], base["metadata"]["name"]) == (target["kind"], target["name"])
+    return _json_patch(base, yaml.safe_load(patch["patch"]))
+
+
+def keda_job_config() -> SlipstreamConfig:
+    argv = shlex.split(keda_rayjob()["spec"]["entrypoint"])
+    assert argv[:2] == ["slipstream", "run"], argv
+    rest, overrides = split_overrides(argv[1:])
+    return load_config(build_parser().parse_args(rest).config, overrides)
+
+
+def _ray_start_slots(command: list[str], head: dict[str, Any]) -> int:
+    """Ray CPU slots of a `ray start` that joins the Service `head` at its GCS port."""
+    assert command[:2] == ["ray", "start"] and "--block" in command, command
+    address = _flag(command, "--address")
+    gcs = next(p for p in head["spec"]["ports"] if p["name"] == "gcs")
+    assert address == f"{head['metadata']['name']}:{gcs['port']}"
+    return int(_flag(command, "--num-cpus"))
+
+
+def test_keda_overlay_lists_parseable_resources() -> None:
+    kust = keda("kustomization.yaml")
+    for rel in kust["resources"]:
+        assert (DEPLOY / "keda" / rel).is_file(), rel
+    assert keda("scaledobject.yaml")["apiVersion"] == "keda.sh/v1alpha1"
+    assert [keda(f)["kind"] for f in ("trainer-service.yaml", "rollout-spot.yaml",
+                                       "scaledobject.yaml")] == ["Service", "Deployment",
+                                                                  "ScaledObject"]  # fmt: skip
+
+
+def test_keda_job_is_the_base_job_with_metrics_and_every_slot_it_may_get() -> None:
+    base, _ = job_config()
+    cfg = keda_job_config()
+    changed = {("run", "metrics_port"), ("run", "metrics_host"), ("rollout", "num_workers")}
+
+    def rest(c: SlipstreamConfig) -> dict[str, Any]:
+        d = c.model_dump(mode="json")
+        for section, key in changed:
+            del d[section][key]
+        return d
+
+    assert rest(cfg) == rest(base)  # the overlay drifts from nothing else of the base job
+    svc = keda("trainer-service.yaml")
+    metrics = next(p for p in svc["spec"]["ports"] if p["name"] == "metrics")
+    assert cfg.run.metrics_host == "0.0.0.0"  # the pod IP, which the Service targets
+    assert cfg.run.metrics_port == metrics["targetPort"]
+    assert svc["metadata"]["annotations"]["prometheus.io/port"] == str(cfg.run.metrics_port)
+    # every slot: the RayJob's fixed rollout pods + the most pods KEDA may add
+    (fixed,) = keda_rayjob()["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    assert fixed["minReplicas"] == fixed["maxReplicas"] == fixed["replicas"]
+    scaled = keda("scaledobject.yaml")
+    pod = keda("rollout-spot.yaml")["spec"]["template"]
+    slots = _ray_start_slots(container(pod, "ray-worker")["command"], svc)
+    assert cfg.rollout.num_workers == (
+        fixed["replicas"] * int(fixed["rayStartParams"]["num-cpus"])
+        + scaled["spec"]["maxReplicaCount"] * slots
+    )
+
+
+def test_keda_scales_the_spot_deployment_on_series_the_job_exports() -> None:
+    pytest.importorskip("prometheus_client")
+    import httpx
+
+    from s3util import free_port
+    from slipstream.observe.prometheus import JobMetrics
+    from slipstream.rl.buffer import ExperienceBuffer
+    from slipstream.rl.coordinator import Coordinator
+    from slipstream.rl.queue import TaskQueue
+
+    cfg = keda_job_config()
+    scaled, deployment = keda("scaledobject.yaml"), keda("rollout-spot.yaml")
+    ref = scaled["spec"]["scaleTargetRef"]
+    assert (ref["apiVersion"], ref["kind"]) == ("apps/v1", "Deployment")
+    assert ref["name"] == deployment["metadata"]["name"]
+    assert 0 <= scaled["spec"]["minReplicaCount"] < scaled["spec"]["maxReplicaCount"]
+    # the names the exporter serves for a job (a live JobMetrics over a real coordinator)
+    coord = Coordinator(TaskQueue(10), ExperienceBuffer(cfg.trainer.groups_per_step, 1))
+    exporter = JobMetrics(free_port())
+    try:
+        exporter.watch(coord)
+        text = httpx.get(exporter.url, timeout=10).text
+    finally:
+        exporter.close()
+    served = set(re.findall(r"^(slipstream_\w+)", text, re.M))
+    triggers = scaled["spec"]["triggers"]
+    for t in triggers:
+        assert t["type"] == "prometheus"
+        names = set(re.findall(r"slipstream_\w+", t["metadata"]["query"]))
+        assert names and names <= served, (names, sorted(served))
+    demand = next(t for t in triggers if "rollout_demand_tasks" in t["metadata"]["query"])
+    # one pod per what it holds: max_inflight_tasks per Ray slot
+    svc = keda("trainer-service.yaml")
+    slots = _ray_start_slots(container(deployment["spec"]["template"], "ray-worker")["command"],
+                             svc)  # fmt: skip
+    assert float(demand["metadata"]["threshold"]) == cfg.rollout.max_inflight_tasks * slots
+    assert demand.get("metricType", "AverageValue") == "AverageValue"
+
+
+def test_keda_rollout_pods_join_the_head_and_equal_the_rayjob_rollout_pod() -> None:
+    svc = keda("trainer-service.yaml")
+    job = keda_rayjob()["spec"]["rayClusterSpec"]
+    head_labels = job["headGroupSpec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= head_labels.items()
+    deployment = keda("rollout-spot.yaml")["spec"]
+    assert deployment["selector"]["matchLabels"].items() <= deployment["template"]["metadata"][
+        "labels"].items()  # fmt: skip
+    assert not (deployment["template"]["metadata"]["labels"].items() & head_labels.items())
+    pod = deployment["template"]
+    (fixed,) = job["workerGroupSpecs"]
+    slots = _ray_start_slots(container(pod, "ray-worker")["command"], svc)
+    assert slots == int(fixed["rayStartParams"]["num-cpus"])
+
+    def without_ray_command(spec: dict[str, Any]) -> dict[str, Any]:
+        spec = yaml.safe_load(yaml.safe_dump(spec))
+        container({"spec": spec}, "ray-worker").pop("command", None)
+        return spec
+
+    # the same pod as the RayJob's rollout group (node group, Spot drain, SGLang, volumes, the
+    # sandbox agent's socket), but for the `ray start` KubeRay writes for its own pods
+    assert without_ray_command(pod["spec"]) == without_ray_command(fixed["template"]["spec"])

@@ -29,6 +29,13 @@ class RunConfig(Section):
     (the driver) reserves, as one bundle of a placement group that packs them onto as few nodes
     as possible (e.g. {"GPU": 1, "slipstream_trainer": 1} on a cluster whose trainer nodes
     advertise that custom resource; deploy/kuberay/rayjob-moe.yaml)."""
+    metrics_port: int = Field(default=0, ge=0, le=65535)
+    """Serve Prometheus `/metrics` of the RL job on this port (observe/prometheus.py: samples/s,
+    trainer idle, staleness, queue depth and backlog age, lease expiries, per-worker reports);
+    0 = off. Needs prometheus-client (the `serve` extra)."""
+    metrics_host: str = "127.0.0.1"
+    """Address `/metrics` binds (unauthenticated: `0.0.0.0` only on a private network, e.g. a
+    pod scraped by Prometheus)."""
 
     @field_validator("ray_trainer_resources")
     @classmethod

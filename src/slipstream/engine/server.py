@@ -2,7 +2,8 @@
 completions and models endpoints (`openai_api.py`).
 
 SGLang endpoints: POST /generate (streaming too), POST /update_weights_from_disk, POST|GET
-/flush_cache, POST /abort_request, GET /get_model_info, GET /health, GET /health_generate.
+/flush_cache, POST /abort_request, GET /get_model_info, GET /health, GET /health_generate; and
+GET /metrics (Prometheus: requests, latency, engine health and counters; observe/prometheus.py).
 Concurrent requests share the engine's running batch (continuous batching).
 
 Every failure stays with its request: a request that cannot run (bad or out-of-range field,
@@ -31,6 +32,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from slipstream.engine.base import Completion, GenerateRequest, SamplingParams
 from slipstream.engine.guard import (
+    ADMIN_PATHS,
+    PUBLIC_PATHS,
     GuardMiddleware,
     ServeOptions,
     check_weight_source,
@@ -48,6 +51,7 @@ from slipstream.engine.protocol import (
 )
 from slipstream.engine.routing import encode_routed_experts
 from slipstream.engine.streaming import ClientGone, Runner, TextStream, sse
+from slipstream.observe.prometheus import RequestMetrics, ServeMetrics
 
 
 def _as_list(value: Any, n: int, name: str) -> list[Any]:
@@ -115,6 +119,11 @@ class ServerState:
         return data, layout
 
 
+# Paths /metrics counts by name (besides the guard's admin and public ones); others: "other".
+METRICS_ENDPOINTS = frozenset({"/generate", "/get_model_info", "/metrics", "/v1/completions",
+                               "/v1/chat/completions", "/v1/models"})  # fmt: skip
+
+
 def create_app(
     engine: NativeEngine,
     tokenizer: Any = None,
@@ -129,6 +138,8 @@ def create_app(
         options = ServeOptions(served_model_name=Path(model_path).name or "slipstream")
     app = FastAPI(title="slipstream engine server")
     app.add_middleware(GuardMiddleware, options=options)
+    metrics = ServeMetrics(engine, endpoints=ADMIN_PATHS | PUBLIC_PATHS | METRICS_ENDPOINTS)
+    app.add_middleware(RequestMetrics, metrics=metrics)  # outermost: counts refused ones too
     state = ServerState(engine, tokenizer, model_path, options)
     app.state.slipstream = state
 
@@ -175,6 +186,11 @@ def create_app(
         except (RuntimeError, TimeoutError) as e:
             return error_response(503, f"engine could not generate: {e}")
         return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        status, body = metrics.render()
+        return Response(body, status_code=status, media_type=metrics.content_type)
 
     @app.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:

@@ -51,6 +51,7 @@ def run_job(cfg: SlipstreamConfig, console: Any = None, *, display: bool = True)
     from rich.console import Console
 
     from slipstream.observe.progress import RLProgress
+    from slipstream.observe.prometheus import JobMetrics
     from slipstream.rl.controller import Controller
     from slipstream.runtime import set_threads
 
@@ -58,9 +59,16 @@ def run_job(cfg: SlipstreamConfig, console: Any = None, *, display: bool = True)
     set_threads(cfg.run)
     init = setup_start_checkpoint(cfg, console)
     progress = RLProgress(console, plain=None if display else True)
+    metrics = None  # run.metrics_port > 0: Prometheus /metrics (observe/prometheus.py)
+    if cfg.run.metrics_port:
+        metrics = JobMetrics(cfg.run.metrics_port, cfg.run.metrics_host)
+    on_record = progress.update if metrics is None else metrics.chain(progress.update)
     dp = setup_trainer_ranks(cfg, init)
     try:
-        controller = Controller(cfg, init, on_record=progress.update, dp=dp)
+        controller = Controller(cfg, init, on_record=on_record, dp=dp)
+        if metrics is not None:  # Prometheus reads the coordinator at scrape time
+            metrics.watch(controller.coord)
+            console.print(f"[bold]metrics[/] {metrics.url}")
         launcher = make_launcher(cfg, controller.coord)
     except BaseException:
         if dp is not None:
@@ -91,6 +99,8 @@ def run_job(cfg: SlipstreamConfig, console: Any = None, *, display: bool = True)
         raise
     finally:
         codes = launcher.stop()
+        if metrics is not None:
+            metrics.close()
         signal.signal(signal.SIGTERM, previous)
         if dp is not None:  # after a failure the ranks are blocked in a broadcast: kill them
             dp_codes = dp.close(timeout_s=30 if controller.dp_done else 0)

@@ -125,6 +125,18 @@ class Coordinator:
             with self._arrived:
                 self._arrived.wait(min(0.05, max(0.0, deadline - time.monotonic())))
 
+    def rollout_backlog(self) -> dict[str, int | None]:
+        """Read-only, for autoscaling (observe/prometheus.py): `admission_slots` = tasks
+        admission control lets workers lease now, `pending` = redelivered tasks waiting,
+        `in_flight` = leased tasks not acked, `unissued` = fresh tasks left (None: endless)."""
+        with self._lock:  # the same snapshot lease() decides on
+            q = self.queue.stats()
+            slots = self.buffer.admission_slots(self._version, q.num_leased)
+        issued = q.num_pending + q.num_leased + q.num_done
+        max_tasks = self.queue.max_tasks
+        return {"admission_slots": slots, "pending": q.num_pending, "in_flight": q.num_leased,
+                "unissued": None if max_tasks is None else max(0, max_tasks - issued)}  # fmt: skip
+
     def status(self) -> dict[str, Any]:
         q = self.queue.stats()
         return {
