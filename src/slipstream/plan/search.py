@@ -211,8 +211,26 @@ def run_sweep(plan: PlanConfig, out_dir: Path) -> SweepResult:
     return result
 
 
+def _light_provenance() -> dict[str, Any]:
+    """Where and from which code a sweep ran (no torch facts: this package must not import it)."""
+    import datetime
+    import platform
+    import socket
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[3]
+    git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
+                         check=False)  # fmt: skip
+    return {
+        "hostname": socket.gethostname(), "python": platform.python_version(),
+        "git_commit": git.stdout.strip() or None,
+        "timestamp_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }  # fmt: skip
+
+
 def sweep_record(plan: PlanConfig, res: SweepResult) -> dict[str, Any]:
     return {
+        "provenance": _light_provenance(),
         "name": plan.name, "total_nodes": total_nodes(plan),
         "objective": {"budget_per_hour": plan.sweep.budget_per_hour,
                       "target_samples_per_s": plan.sweep.target_samples_per_s},
