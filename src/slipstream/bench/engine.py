@@ -8,7 +8,10 @@ same random weights:
   AutoModelForCausalLM.from_pretrained), do_sample, num_return_sequences=G, run in chunks of
   max_batch_size // G prompts (the engine's concurrency),
 - limit (c): slipstream's model decoding a full batch of max_batch_size rows in the engine's
-  SlotKVCache with no scheduling or sampling (forward passes only), over the same context range.
+  SlotKVCache with no scheduling or sampling (forward passes only), over the same context range;
+- roofline (d): `bench limits`' decode limit for max_batch_size rows at the mean context of (c)
+  (this machine's GEMM speed at the decode shapes and its bandwidth, bench/limits.py; on thread
+  CPU time with 1 thread), printed per model with a/d and c/d.
 Metric: output tokens per second (tokens up to and including EOS; HF's post-EOS padding is not
 counted). Temperature 1.0, no top-k/top-p, up to --max-new-tokens.
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -222,9 +226,11 @@ def _best(samples: list[dict[str, Any]]) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from slipstream.bench.limits import measure_limits
     from slipstream.observe.provenance import collect_provenance
 
     torch.set_num_threads(args.threads)
+    load_start = os.getloadavg()
     workloads = [tuple(int(x) for x in w.lower().split("x")) for w in args.workloads.split(",")]
     slot_len = 24 + args.max_new_tokens
     rows: list[dict[str, Any]] = []
@@ -233,9 +239,14 @@ def run(args: argparse.Namespace) -> int:
         f"{'a/c':>6}  {'occ':>5} {'c@occ':>7} {'a/c@occ':>7}  mean/max len"
     )
     print(f"output tokens/s (best of {args.repeats} interleaved repeats)\n" + header)
+    roofs: dict[str, Any] = {}
     for name in args.models.split(","):
         model = _build_model(name, args.vocab, slot_len, args.device, args.seed)
         hf_model = None if args.skip_hf else _load_hf(model, args.device)
+        context = 16 + args.max_new_tokens // 2  # mean prompt 16, then (c)'s decode steps
+        roofs[name] = measure_limits(model.config, parts=("decode",), decode_batch=args.max_batch_size,
+                                     context_len=context, device=args.device,
+                                     num_threads=args.threads)  # fmt: skip
         for num_prompts, group in workloads:
             prompts = _prompts(num_prompts, args.vocab, args.seed + 1)
             batch = min(args.max_batch_size, num_prompts * group)
@@ -269,6 +280,9 @@ def run(args: argparse.Namespace) -> int:
                 if hf is None
                 else native["tokens_per_s"] / hf["tokens_per_s"],
                 "native_over_limit": native["tokens_per_s"] / limit["tokens_per_s"],
+                "roofline_decode_tokens_per_s": roofs[name].decode_tokens_per_s_limit,
+                "native_over_roofline": native["tokens_per_s"]
+                / roofs[name].decode_tokens_per_s_limit,
             }
             rows.append(row)
             hf_s = "-" if hf is None else f"{hf['tokens_per_s']:.0f}"
@@ -281,13 +295,25 @@ def run(args: argparse.Namespace) -> int:
                 f"{native['mean_len']:.1f}/{native['max_len']}",
                 flush=True,
             )
+    for name, roof in roofs.items():
+        d = roof.decode
+        mine = [r for r in rows if r["model"] == name]
+        print(f"{name}: roofline (d) {d.tokens_per_s:,.0f} tok/s ({d.batch} rows, context "
+              f"{d.context_len}, {d.bound}-bound, {roof.clock}); a/d "
+              + ", ".join(f"{r['num_prompts']}x{r['group_size']} {r['native_over_roofline']:.2f}"
+                          for r in mine)
+              + "; c/d " + ", ".join(f"{r['limit_raw_decode']['tokens_per_s'] / d.tokens_per_s:.2f}"
+                                     for r in mine))  # fmt: skip
     result = {
         "benchmark": "engine",
         "metric": "output tokens per second",
         "goals": {"native_over_hf": 3.0, "native_over_limit": 0.7},
         "settings": {k: v for k, v in vars(args).items() if k != "func"},
         "results": rows,
-        "provenance": collect_provenance(),
+        "roofline": {name: roof.to_dict() for name, roof in roofs.items()},
+        "provenance": collect_provenance(
+            {"loadavg_start": load_start, "loadavg_end": os.getloadavg()}
+        ),
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

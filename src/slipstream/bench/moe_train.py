@@ -16,7 +16,10 @@ Figures, per layout:
   not indicative of NVLink/EFA),
 - inter-node bytes per step of the EP all-to-alls (byte meter, forward; backward sends the same
   bytes again), hierarchical vs exact, against the cost model's ratio for uniform routing (the
-  trained router is not uniform, so the cost model is a reference, not a bound).
+  trained router is not uniform, so the cost model is a reference, not a bound);
+- a step-time limit: the whole batch's GEMMs and one AdamW step at this machine's measured
+  1-thread speed (`bench limits`, bench/limits.py), spread perfectly over min(world, cores)
+  cores; each layout's median step time is printed as a fraction of it.
 JSON with provenance goes to benchmarks/results/moe_train.json (or --out).
 
 Not covered: a real inter-node link (no emulated bandwidth cap), GPUs.
@@ -131,6 +134,21 @@ def _batches(num: int, num_groups: int, group_size: int, vocab: int) -> list[Any
     return out
 
 
+def _step_limit(model_cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """The whole batch's GEMMs + one AdamW step at 1-thread speed, over min(world, cores)."""
+    import os
+
+    from slipstream.bench.limits import measure_limits
+
+    (batch,) = _batches(1, args.groups, args.group_size, model_cfg.vocab_size)
+    tokens = sum(len(s.prompt_ids) + len(s.completion_ids) - 1 for s in batch.samples)
+    lim = measure_limits(model_cfg, num_tokens=tokens, seq_len=tokens / len(batch.samples),
+                         parts=("train",), num_threads=1)  # fmt: skip
+    cores = min(WORLD, os.cpu_count() or 1)
+    return {"tokens": tokens, "cores": cores, "step_s": lim.train.step_s / cores,
+            "clock": lim.clock, "limits": lim.to_dict()}  # fmt: skip
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
 
@@ -204,6 +222,10 @@ def run(args: argparse.Namespace) -> int:
           f"uniform routing, payload only: {model_ratio:.3f})")  # fmt: skip
     print("(step times: gloo over loopback on a shared 2-core CPU; the bytes are the figure; "
           f"wall {time.perf_counter() - t_start:.0f} s)")  # fmt: skip
+    step_limit = _step_limit(cfg.model, args)
+    print(f"step-time limit {1e3 * step_limit['step_s']:.1f} ms ({step_limit['tokens']} tokens, "
+          f"{step_limit['cores']} cores, {step_limit['clock']}): " + ", ".join(
+              f"{n} {step_limit['step_s'] / r['step_s_median']:.1%}" for n, r in results.items()))  # fmt: skip
     fsdp_ep = results["fsdp+ep exact"]["expert_fraction_of_limit"]
     record = {
         "benchmark": "moe_train",
@@ -216,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
         "totals_bytes": {"expert_params": total_expert, "dense_params": total_dense},
         "inter_ratio_hierarchical_vs_exact": hier / exact,
         "cost_model_inter_ratio_uniform": model_ratio,
+        "step_time_limit": step_limit,
         "setting": {"world": WORLD, "ranks_per_node": RANKS_PER_NODE, "experts": args.experts,
                     "top_k": args.top_k, "hidden": args.hidden, "layers": args.layers,
                     "groups": args.groups, "group_size": args.group_size, "steps": args.steps},

@@ -9,8 +9,11 @@ rollout worker processes, WeightStore on local disk) for --steps steps and repor
 - trainer idle fraction: time the trainer waited for a batch / wall time;
 - final reward: mean batch reward of the last third of the steps, and held-out pass@1 after.
 
-figure = async samples/s, baseline = sync samples/s, limit = the goal ratio (1.5x). Writes JSON
-with provenance to benchmarks/results/pipeline.json (or --out).
+figure = async samples/s, baseline = sync samples/s, limit = the goal ratio (1.5x). Also printed:
+each mode's samples/s as a fraction of the trainer's limit in samples/s (`bench limits`: this
+machine's GEMM + AdamW speed for the run's positions per sample, bench/limits.py), the most a
+trainer-bound pipeline could reach. Writes JSON with provenance (load average included) to
+benchmarks/results/pipeline.json (or --out).
 
 Not covered: multi-host runs, GPU engines, equal-reward runs of different lengths (both modes run
 the same number of steps; rewards are reported side by side).
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -100,11 +104,33 @@ def run_mode(cfg: Any, init: str) -> dict[str, Any]:
     }
 
 
+def _trainer_limit(cfg: Any, init: str, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The trainer's limit in samples/s for the runs' mean positions per sample (prompt +
+    completion - 1) and batch size, at the job's thread count (bench limits)."""
+    from slipstream.bench.limits import measure_limits
+    from slipstream.model import load_pretrained
+    from slipstream.tasks import get_taskset
+
+    ts = get_taskset(cfg.task)
+    tasks = ts.train_batch(0, min(256, ts.num_train))
+    prompt = sum(len(ts.prompt_ids(t)) for t in tasks) / len(tasks)
+    completion = sum(r["completion_len_mean"] for r in results) / len(results)
+    positions = prompt + completion - 1
+    samples = cfg.trainer.groups_per_step * cfg.rollout.group_size
+    lim = measure_limits(load_pretrained(init).config, num_tokens=max(1, round(samples * positions)),
+                         seq_len=positions, parts=("train",),
+                         num_threads=cfg.run.num_threads or None)  # fmt: skip
+    return {"positions_per_sample": positions, "tokens_per_s": lim.train_tokens_per_s_limit,
+            "samples_per_s": lim.train_tokens_per_s_limit / positions, "clock": lim.clock,
+            "limits": lim.to_dict()}  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> int:
     from slipstream.config import load_config
     from slipstream.observe.provenance import collect_provenance
 
     logging.basicConfig(level=logging.WARNING)
+    load_start = os.getloadavg()
     modes = args.modes.split(",")
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp_s:
@@ -123,10 +149,13 @@ def run(args: argparse.Namespace) -> int:
             cfg = load_config(args.config, overrides)
             t0 = time.monotonic()
             mode_result = run_mode(cfg, init)
+            lens = [r["completion_len_mean"] for r in mode_result["records"]]
+            mode_result["completion_len_mean"] = sum(lens) / max(1, len(lens))
             del mode_result["records"]  # per-step records: r3's business, not this JSON's
             results.append(mode_result)
             print(f"{mode}: {results[-1]['samples_per_s']:.2f} samples/s, idle "
                   f"{results[-1]['trainer_idle_frac']:.0%} ({time.monotonic() - t0:.0f} s)")  # fmt: skip
+        trainer_limit = _trainer_limit(base, init, results)  # while `init` (maybe in tmp) exists
     base_r, fig_r = results[0], results[-1]
     ratio = fig_r["samples_per_s"] / base_r["samples_per_s"]
     record = {
@@ -143,9 +172,11 @@ def run(args: argparse.Namespace) -> int:
             "p99_over_p50": args.verify_p99_over_p50,
         },  # fmt: skip
         "start_checkpoint": {"path": init, "kind": init_kind},
+        "trainer_limit": trainer_limit,
         "config": base.model_dump(mode="json"),
-        "provenance": collect_provenance(),
-    }
+        "provenance": collect_provenance({"loadavg_start": load_start,
+                                          "loadavg_end": os.getloadavg()}),
+    }  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))
@@ -154,6 +185,11 @@ def run(args: argparse.Namespace) -> int:
         p1 = r["pass_at_1_after"]
         print(f"{r['mode']:<8} {r['samples_per_s']:>10.2f} {r['trainer_idle_frac']:>6.0%} "
               f"{r['final_reward']:>13.3f} {'-' if p1 is None else f'{p1:.3f}':>13}")  # fmt: skip
+    lim_sps = trainer_limit["samples_per_s"]
+    print(f"trainer limit {lim_sps:,.0f} samples/s ({trainer_limit['positions_per_sample']:.1f} "
+          f"positions/sample at {trainer_limit['tokens_per_s']:,.0f} tokens/s, "
+          f"{trainer_limit['clock']}): " + ", ".join(
+              f"{r['mode']} {r['samples_per_s'] / lim_sps:.1%}" for r in results))  # fmt: skip
     print(f"\nfigure {fig_r['mode']} {fig_r['samples_per_s']:.2f} samples/s | baseline "
           f"{base_r['mode']} {base_r['samples_per_s']:.2f} | ratio {ratio:.2f}x | goal >= "
           f"{GOAL_RATIO}x: {'met' if ratio >= GOAL_RATIO else 'NOT met'}\nwrote {out}")  # fmt: skip
