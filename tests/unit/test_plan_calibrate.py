@@ -143,12 +143,10 @@ def test_discrete_lengths_keep_mean_and_spread() -> None:
 
 
 def test_engine_weight_probe_failure_falls_back_to_numpy(tmp_path: Path, caplog) -> None:
-    from slipstream.plan.calibrate import probe_engine_weight_load, run_probes
+    from slipstream.plan.calibrate import run_probes
 
     run = make_run(tmp_path)  # its store holds no loadable model: the engine probe must fail
-    with pytest.raises(RuntimeError, match="probe"):
-        probe_engine_weight_load(run / "store", 1, repeats=1)
     with caplog.at_level("WARNING"):
         probes = run_probes(run, 1, rpc_calls=10)
     assert probes["weight_probe"] == "numpy" and probes["weight_fetch_s"] > 0
-    assert "numpy imitation" in caplog.text
+    assert "numpy imitation" in caplog.text and "probe" in caplog.text
