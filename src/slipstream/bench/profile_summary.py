@@ -12,6 +12,7 @@
 - the step's wall time in the trace and the part of it no op covers (Python between ops),
 - the top ops by self time.
 The profiler itself slows ops down (more for small ones): shares are the figure, not times.
+`combine` takes the median of each number over several profiled steps.
 """
 
 from __future__ import annotations
@@ -111,6 +112,31 @@ def summarize(prof: Any, op_overhead_s: float, top: int = 15) -> dict[str, Any]:
             k: v / 1e6 for k, v in sorted(per_op.items(), key=lambda kv: -kv[1])[:top]
         },  # fmt: skip
     }
+
+
+def combine(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median of every number over several steps' summaries (a series missing in a step
+    counts 0 there), so one step in which the OS preempted an op does not set the picture; the
+    top ops are re-ranked by their medians."""
+    import statistics
+
+    if not summaries:
+        raise ValueError("no profiled step to combine")
+
+    def merge(parts: list[Any]) -> Any:
+        if isinstance(parts[0], dict):
+            keys = dict.fromkeys(k for p in parts for k in p)
+            return {k: merge([p.get(k, 0.0) for p in parts]) for k in keys}
+        return statistics.median(parts)
+
+    out = merge(summaries)
+    out["top_ops_self_s"] = dict(sorted(out["top_ops_self_s"].items(), key=lambda kv: -kv[1]))
+    for phase_cats in out["self_s_by_phase_and_category"].values():
+        ranked = sorted(phase_cats.items(), key=lambda kv: -kv[1])
+        phase_cats.clear()
+        phase_cats.update(ranked)
+    out["num_steps"] = len(summaries)
+    return out
 
 
 def format_summary(s: dict[str, Any]) -> str:

@@ -18,9 +18,11 @@ Repeats: --repeats windows of --steps steps after --warmup; printed as median an
 wall time and per CPU second of the process (on a loaded shared host the CPU figure is the
 contention-free one; the limit is measured on thread CPU time when the job runs 1 thread).
 Limit: `measure_limits` for the mean tokens per step and positions per sequence of the run
-(a trainer with no padding and no per-op overhead; bench/limits.py). The profile of one step
-(after the timed ones) is written next to the JSON as `<out stem>-profile-<model>-<kind>.txt`
-(torch's table by self CPU time) and summarised in the JSON (bench/profile_summary.py).
+(a trainer with no padding and no per-op overhead; bench/limits.py). --profile-steps steps after
+the timed ones are profiled one by one and summarised in the JSON (bench/profile_summary.py: the
+median of each series over them, so an op the OS preempted in one step does not dominate);
+`<out stem>-profile-<model>-<kind>.txt` next to the JSON holds that summary and torch's table
+(by self CPU time) of the step of median wall time.
 
 Not covered: PPO, KL reference, minibatches > 1 (the config's trainer settings are used as they
 are), data-parallel or sharded layouts (bench moe-train), CUDA (never run here).
@@ -53,6 +55,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2, help="untimed RL steps first")
     p.add_argument("--threads", type=int, default=0, help="0: run.num_threads")
+    p.add_argument("--profile-steps", type=int, default=3,
+                   help="steps profiled after the timed ones (summaries: the median per series)")  # fmt: skip
     p.add_argument("--out", default="benchmarks/results/train.json", help="JSON output path")
     p.set_defaults(func=run)
 
@@ -104,7 +108,7 @@ def measure_rl(cfg: Any, init_dir: str, taskset: Any, args: argparse.Namespace) 
     trainer = build_trainer(cfg, init_dir, torch.device("cpu"), taskset.tokenizer.pad_id)
     tc = cfg.trainer
     per_window = args.steps
-    batches = _rl_batches(taskset, args.warmup + args.repeats * per_window + 1,
+    batches = _rl_batches(taskset, args.warmup + args.repeats * per_window + args.profile_steps,
                           tc.groups_per_step, cfg.rollout.group_size, cfg.run.seed)  # fmt: skip
     for b in batches[: args.warmup]:
         trainer.step(b)
@@ -122,9 +126,9 @@ def measure_rl(cfg: Any, init_dir: str, taskset: Any, args: argparse.Namespace) 
                         "padded_tokens_per_s": padded / wall,
                         "tokens_per_step": real / len(chunk),
                         "padding_frac": 1 - real / padded})  # fmt: skip
-    prof = _profile(lambda: trainer.step(batches[-1]))
+    profs = [_profile(lambda b=b: trainer.step(b)) for b in batches[-args.profile_steps :]]
     samples_per_step = tc.groups_per_step * cfg.rollout.group_size
-    return {"windows": windows, "profile": prof, "samples_per_step": samples_per_step}
+    return {"windows": windows, "profiles": profs, "samples_per_step": samples_per_step}
 
 
 def measure_sft(cfg: Any, out_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -139,31 +143,34 @@ def measure_sft(cfg: Any, out_dir: Path, args: argparse.Namespace) -> dict[str, 
     k = args.steps
     timed = (1 + args.repeats) * k  # the first window is warm-up
     cfg = cfg.model_copy(deep=True)
-    cfg.sft.steps, cfg.sft.log_every = timed + 2, k
+    n = args.profile_steps
+    cfg.sft.steps, cfg.sft.log_every = timed + n + 1, k
     cfg.run.output_dir = str(out_dir)
-    prof = profile(activities=[ProfilerActivity.CPU])
+    profs = [profile(activities=[ProfilerActivity.CPU]) for _ in range(n)]
     forwards = 0
 
     def on_forward(module: Any, inputs: Any) -> None:
         # Steps of the real loop are delimited by the policy's forward calls (outside every
-        # record_function range), so the profile holds exactly step timed + 1, optimizer included.
+        # record_function range), so profile j holds exactly step timed + 1 + j, optimizer
+        # included.
         nonlocal forwards
         if not isinstance(module, MoEForCausalLM):
             return
         forwards += 1
-        if forwards == timed + 1:
-            prof.start()
-        elif forwards == timed + 2:
-            prof.stop()
+        j = forwards - timed - 1
+        if 0 < j <= n:
+            profs[j - 1].stop()
+        if 0 <= j < n:
+            profs[j].start()
 
     handle = register_module_forward_pre_hook(on_forward)
     try:
         run_sft(cfg, Console(file=io.StringIO()))
     finally:
         handle.remove()
-    if forwards != timed + 2:
+    if forwards != timed + n + 1:
         raise RuntimeError(f"bench train: the SFT loop ran {forwards} policy forwards for "
-                           f"{timed + 2} steps; cannot delimit its steps")  # fmt: skip
+                           f"{timed + n + 1} steps; cannot delimit its steps")  # fmt: skip
     recs = [r for r in read_metrics(out_dir / "sft" / "metrics.jsonl") if "tokens_per_s" in r]
     windows = []
     prev, prev_cpu = recs[0]["elapsed_s"], recs[0]["cpu_s"]
@@ -174,7 +181,7 @@ def measure_sft(cfg: Any, out_dir: Path, args: argparse.Namespace) -> dict[str, 
         windows.append({"wall_s": wall, "cpu_s": cpu, "steps": k,
                         "tokens_per_s": r["tokens_per_s"], "cpu_tokens_per_s": tokens / cpu,
                         "tokens_per_step": tokens / k})  # fmt: skip
-    return {"windows": windows, "profile": prof, "samples_per_step": cfg.sft.batch_size}
+    return {"windows": windows, "profiles": profs, "samples_per_step": cfg.sft.batch_size}
 
 
 def _save_init(cfg: Any, taskset: Any, directory: Path) -> str:
@@ -196,8 +203,6 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from slipstream.bench.engine import MODELS
-    from slipstream.bench.limits import measure_limits
-    from slipstream.bench.profile_summary import format_summary, summarize
     from slipstream.config import load_config
     from slipstream.observe.provenance import collect_provenance
     from slipstream.tasks import get_taskset
@@ -225,8 +230,7 @@ def run(args: argparse.Namespace) -> int:
                     m = measure_sft(cfg, tmp / name / "sft", args)
                 else:
                     raise ValueError(f"--kinds: {kind!r} unknown; expected rl or sft")
-                rows.append(_report(name, kind, model_cfg, m, threads, out,
-                                    measure_limits, summarize, format_summary))  # fmt: skip
+                rows.append(_report(name, kind, model_cfg, m, threads, out))
     record = {
         "benchmark": "train",
         "metric": "trainer tokens/s (non-pad positions through forward + backward + optimizer)",
@@ -254,8 +258,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report(name: str, kind: str, model_cfg: Any, m: dict[str, Any], threads: int, out: Path,
-            measure_limits: Any, summarize: Any, format_summary: Any) -> dict[str, Any]:  # fmt: skip
+def _report(name: str, kind: str, model_cfg: Any, m: dict[str, Any], threads: int,
+            out: Path) -> dict[str, Any]:  # fmt: skip
+    """The figure, its limit and the profile summary of one model x kind; prints them."""
+    from slipstream.bench.limits import measure_limits
+    from slipstream.bench.profile_summary import combine, format_summary, summarize
+
     windows = m["windows"]
     tokens_per_step = statistics.mean(w["tokens_per_step"] for w in windows)
     seq_len = tokens_per_step / m["samples_per_step"]
@@ -263,12 +271,15 @@ def _report(name: str, kind: str, model_cfg: Any, m: dict[str, Any], threads: in
                          parts=("train",), num_threads=threads)  # fmt: skip
     fig = _spread(windows, "tokens_per_s")
     cpu_fig = _spread(windows, "cpu_tokens_per_s")
-    prof = m["profile"]
-    summary = summarize(prof, lim.op_overhead_s["add_s"])
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+    summaries = [summarize(p, lim.op_overhead_s["add_s"]) for p in m["profiles"]]
+    summary = combine(summaries)
+    walls = [x["wall_s"] for x in summaries]
+    median_step = m["profiles"][walls.index(sorted(walls)[len(walls) // 2])]
+    table = median_step.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
     prof_path = out.with_name(f"{out.stem}-profile-{name}-{kind}.txt")
-    prof_path.write_text(f"bench train: {name} {kind} step, {threads} thread(s)\n"
-                         f"{format_summary(summary)}\n\n{table}\n")  # fmt: skip
+    prof_path.write_text(f"bench train: {name} {kind} step, {threads} thread(s); median of "
+                         f"{len(summaries)} profiled steps:\n{format_summary(summary)}\n\n"
+                         f"the step of median wall time, by self CPU time:\n{table}\n")  # fmt: skip
     row = {
         "model": name, "kind": kind, "model_config": model_cfg.model_dump(),
         "threads": threads, "windows": windows, "tokens_per_s": fig,
