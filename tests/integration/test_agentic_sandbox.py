@@ -97,8 +97,8 @@ def test_files_persist_across_turns_and_never_leak_between_episodes(tmp_path: Pa
                          "import subprocess;subprocess.Popen(['sleep','300'],start_new_session=True)"
                          ";print(6*7)</py>"), last=False)  # fmt: skip
         assert not r1.done and obs_text(r1.observation_ids) == "<out>42\n</out>"
-        r2 = a.step(turn("<py>print(open('notes.txt').read())</py>"), last=False)
-        assert obs_text(r2.observation_ids) == "<out>secret-A\n</out>"  # state persists
+        r2 = a.step(turn("<py>open('notes.txt').read()</py>"), last=False)  # a cell's value
+        assert obs_text(r2.observation_ids) == "<out>'secret-A'\n</out>"  # state persists
         r3 = a.step(turn("42", eos=True), last=False)
         assert r3.done and r3.reward == 1.0 and a.usage.tool_calls == 2
         a.close()
@@ -112,6 +112,29 @@ def test_files_persist_across_turns_and_never_leak_between_episodes(tmp_path: Pa
         # nothing of A: only B's own program file, no /tmp or /dev/shm file, no process of A's
         assert obs_text(r.observation_ids) == "<out>['cell0.py'] False [] 256\n</out>"
         b.close()
+    finally:
+        h.close()
+    assert_nothing_left(tmp_path)
+
+
+def test_teacher_observations_are_what_the_sandbox_prints(tmp_path: Path) -> None:
+    ts = get_taskset(TaskConfig(name="tool_arithmetic", env="python_tool", ops=["*"],
+                                min_digits=3, max_digits=4, demo_tool_use=1.0))  # fmt: skip
+    h = host(tmp_path)
+    make = make_env_factory(ts, sandboxes=h, limits=EpisodeLimits(max_observation_tokens=24))
+    try:
+        for i in range(6):
+            t = ts.train(i)
+            demo = make().demonstration(t)
+            call_end = demo.loss_mask.index(0)
+            obs_end = call_end + demo.loss_mask[call_end:].index(1)
+            env = make()
+            assert env.reset(t) == demo.prompt_ids
+            r = env.step(demo.completion_ids[:call_end], last=False)
+            env.close()
+            assert (
+                r.observation_ids == demo.completion_ids[call_end:obs_end]
+            )  # SFT saw exactly this
     finally:
         h.close()
     assert_nothing_left(tmp_path)
@@ -172,7 +195,7 @@ class ScriptedEngine:
 def tool_then_answer(prompt: list[int], i: int, turn_no: int) -> list[int]:
     expr = TOK.decode(prompt).split("=")[0]
     if turn_no == 0:
-        return turn(f"<py>print({expr})</py>")
+        return turn(f"<py>{expr}</py>")
     return turn(str(eval(expr)), eos=True)  # the test's own arithmetic  # noqa: S307
 
 
@@ -210,7 +233,7 @@ def test_sandbox_killed_mid_episode_reruns_the_episode(tmp_path: Path) -> None:
     assert sorted(e.infra_retries for e in out.episodes) == [0, 0, 1]
     assert [e.reward for e in out.episodes] == [1.0, 1.0, 1.0]  # real rewards, no 0 for it
     for e in out.episodes:
-        assert TOK.decode(e.completion_ids) == "<py>print(123*456)</py><out>56088\n</out>56088"
+        assert TOK.decode(e.completion_ids) == "<py>123*456</py><out>56088\n</out>56088"
         assert e.num_turns == 2 and e.usage.tool_calls == 1
     assert len(envs) == 4  # three episodes and one re-run
     assert_nothing_left(tmp_path)
@@ -258,4 +281,41 @@ def test_worker_drops_a_task_whose_sandbox_keeps_dying(tmp_path: Path) -> None:
     assert m["dropped_infra"] == 2 and m["infra_failures"] == 2 * (cfg.max_infra_retries + 1)
     assert len(buffer) == 0 and m["episodes"] == 0  # nothing of them reached the trainer
     assert worker.stats["tasks_dropped"] == 2 and worker.stats["groups_acked"] == 0
+    assert_nothing_left(tmp_path)
+
+
+def test_code_tests_env_revises_against_visible_tests(tmp_path: Path) -> None:
+    code = get_taskset(TaskConfig(name="code", env="code_tests"))
+    tok = code.tokenizer
+    h = host(tmp_path)
+    limits = EpisodeLimits(max_turns=3, max_observation_tokens=120)
+    make = make_env_factory(code, sandboxes=h, limits=limits)
+    add = Task("code/test/add", "", "add", {"problem": "add"})
+    try:
+        env = make()
+        prompt = tok.decode(env.reset(add))
+        assert "Visible tests:\n  add(1, 2) == 3\n  add(-5, 5) == 0\n" in prompt
+        wrong = tok.encode("```python\ndef add(a, b):\n    return a - b\n```") + [tok.eos_id]
+        r1 = env.step(wrong, last=False)
+        obs = tok.decode(r1.observation_ids)
+        assert not r1.done and obs.startswith("<out>visible tests: 0/2 passed")
+        assert "add(1, 2): expected 3, got -1" in obs
+        broken = tok.encode("```python\ndef add(a, b) return\n```") + [tok.eos_id]
+        r2 = env.step(broken, last=False)
+        assert "does not load: SyntaxError" in tok.decode(r2.observation_ids)
+        right = tok.encode("```python\ndef add(a, b):\n    return a + b\n```") + [tok.eos_id]
+        r3 = env.step(right, last=False)  # passes the visible tests: scored on all of them
+        assert r3.done and r3.reward == 1.0 and "passed 4/4" in r3.reason
+        assert env.usage.tool_calls == 3
+        env.close()
+        last = make()
+        last.reset(add)
+        r = last.step(wrong, last=True)  # no turn may follow: scored on the hidden tests
+        assert r.done and r.reward == 0.25  # add(0, 0) == 0 passes with a - b
+        last.close()
+        demo = make().demonstration(add)
+        assert demo.loss_mask == [1] * len(demo.completion_ids)
+        assert tok.decode(demo.completion_ids).startswith("```python\ndef add")
+    finally:
+        h.close()
     assert_nothing_left(tmp_path)

@@ -301,9 +301,9 @@ def test_tool_arithmetic_demonstrations_mask_the_observation() -> None:
         if ts.uses_tool(task):
             used += 1
             expr = task.prompt[:-1]
-            assert text == f"<py>print({expr})</py><out>{answer}\n</out>{answer}"
+            assert text == f"<py>{expr}</py><out>{answer}\n</out>{answer}"
             obs = tok.encode(f"<out>{answer}\n</out>")
-            start = len(tok.encode(f"<py>print({expr})</py>"))
+            start = len(tok.encode(f"<py>{expr}</py>"))
             assert demo.loss_mask[start : start + len(obs)] == [0] * len(obs)
             assert sum(demo.loss_mask) == len(demo.completion_ids) - len(obs)
         else:

@@ -3,12 +3,14 @@ episode's sandbox before it answers.
 
 Syntax (the char tokenizer can express it; the engine's stop string `</py>` ends the turn):
 
-    347*286=<py>print(347*286)</py><out>99242
+    347*286=<py>347*286</py><out>99242
     </out>99242<eos>
 
 - A turn whose text ends with `</py>` and holds a `<py>` before it is a **tool call**: the code
   between the last `<py>` and the `</py>` is written to `cell<k>.py` in the sandbox's work dir
-  and run with `python3 -I -S` (timeout `turn_timeout_s`); the observation is
+  and run with `python3 -I -S` (timeout `turn_timeout_s`) as a notebook cell: when its last
+  statement is an expression, the expression's value is printed (`<py>347*286</py>` prints
+  99242, as `<py>print(347*286)</py>` does); the observation is
   `<out>` + stdout + stderr + a status line (`[exit N]`, `[timed out]`, `[out of memory]`) +
   `</out>`, capped at `max_observation_tokens` (a third of the head, two thirds of the tail,
   `...` between).
@@ -53,6 +55,17 @@ if TYPE_CHECKING:
     from slipstream.sandbox import ExecResult
 
 CALL_OPEN, CALL_CLOSE = "<py>", "</py>"
+# Runs cell<k>.py as a notebook cell: the value of a final expression statement is printed.
+CELL_RUNNER = (
+    "import ast,sys\n"
+    "p=sys.argv[1];t=ast.parse(open(p).read(),p)\n"
+    "e=t.body.pop() if t.body and isinstance(t.body[-1],ast.Expr) else None\n"
+    "g={'__name__':'__main__'}\n"
+    "exec(compile(t,p,'exec'),g)\n"
+    "if e is not None:\n"
+    " v=eval(compile(ast.Expression(e.value),p,'eval'),g)\n"
+    " if v is not None:print(repr(v))\n"
+)
 OUT_OPEN, OUT_CLOSE = "<out>", "</out>"
 ELLIPSIS = "..."
 
@@ -144,7 +157,8 @@ class PythonToolEnv:
             return StepResult([], float(reward), True, reason)
         name = f"cell{self._cells}.py"
         self._cells += 1
-        result = self._held.exec(["python3", "-I", "-S", name], files={name: program},
+        result = self._held.exec(["python3", "-I", "-S", "-c", CELL_RUNNER, name],
+                                 files={name: program},
                                  timeout_s=self.limits.turn_timeout_s)  # fmt: skip
         self.usage.tool_calls += 1
         self.usage.tool_s += result.wall_s

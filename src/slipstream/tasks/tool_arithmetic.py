@@ -1,7 +1,7 @@
 """`tool_arithmetic`: the arithmetic task (same prompts, verifier and options) whose SFT teacher
 sometimes computes the answer with the `<py>` tool of the `python_tool` environment.
 
-    347*286=<py>print(347*286)</py><out>99242
+    347*286=<py>347*286</py><out>99242
     </out>99242                                  # the teacher uses the tool (demo_tool_use)
     347*286=99242                                # the teacher answers in its head
 
@@ -12,7 +12,7 @@ copy the operands into a program and the program's output into its answer: reinf
 learning against the exact verifier then has to raise tool use to raise pass@1.
 
 The splits are keyed by this task's name, so its held-out problems differ from `arithmetic`'s.
-Not covered: a teacher whose programs are wrong (they are always `print(<prompt>)`).
+Not covered: a teacher whose programs are wrong (they are always the prompt's expression).
 """
 
 from __future__ import annotations
@@ -35,13 +35,14 @@ class ToolArithmeticTaskSet(ArithmeticTaskSet):
         return keyed_uniform(self.cfg.seed, "tool-teacher", task.key) < self.cfg.demo_tool_use
 
     def tool_demonstration(self, task: Task) -> tuple[str, str] | None:
-        """(program, its stdout) when the teacher uses the tool on `task`, else None. The stdout
-        is what Python prints for the program (the exact answer and a newline); it is known here
-        without running anything."""
+        """(program, its stdout) when the teacher uses the tool on `task`, else None: the
+        program is the prompt's expression (`347*286`, a notebook cell whose value the tool
+        prints), the stdout the exact answer and a newline, known here without running
+        anything."""
         if not self.uses_tool(task):
             return None
         expression = task.prompt.removesuffix("=")
-        return f"print({expression})", f"{task.meta['answer']}\n"
+        return expression, f"{task.meta['answer']}\n"
 
 
 def make_taskset(cfg: TaskConfig, tokenizer: Tokenizer) -> ToolArithmeticTaskSet:
