@@ -137,7 +137,7 @@ def _build_engine(cfg: SlipstreamConfig, weights: Any, version: int, tokenizer: 
     import torch
 
     from slipstream.engine import NativeEngine, build_engine
-    from slipstream.model import load_pretrained
+    from slipstream.model import load_pretrained, model_config_from_hf
 
     if cfg.engine.type == "http":
         logging.getLogger("httpx").setLevel(logging.WARNING)  # else a log line per request
@@ -145,7 +145,11 @@ def _build_engine(cfg: SlipstreamConfig, weights: Any, version: int, tokenizer: 
         # One folder per worker slot ("w3" of "w3.1"): workers sharing a server and a stage dir
         # never rewrite or delete a copy the server is reading for another worker.
         slot_dir = str(Path(stage) / worker_id.rsplit(".", 1)[0]) if stage else None
-        engine = build_engine(cfg.engine, version=-1, stage_dir=slot_dir)
+        # the served model's architecture (MoE layers, top-k): decodes routing an SGLang server
+        # returns (rollout.record_routing)
+        hf_config = weights.fetch_config(version)
+        model_cfg = model_config_from_hf(hf_config) if hf_config is not None else None
+        engine = build_engine(cfg.engine, version=-1, stage_dir=slot_dir, model_config=model_cfg)
         try:
             engine.wait_ready(cfg.engine.server_wait_s)
         except BaseException:

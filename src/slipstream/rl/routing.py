@@ -71,25 +71,33 @@ def staleness_bucket_BT(staleness_BT: torch.Tensor) -> torch.Tensor:
 
 
 class MismatchStats:
-    """Sums over a step's minibatches (added over ranks by the trainer), then per-bucket means."""
+    """Sums over a step's minibatches (added over ranks by the trainer), then per-bucket means.
+    Each `add_*` is a handful of tensor ops whatever the number of buckets (bincount), and one
+    host sync."""
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = {}
 
-    def _add(self, key: str, value: float) -> None:
-        self.sums[key] = self.sums.get(key, 0.0) + value
+    def _add_by_bucket(self, names: Sequence[str], bucket_M: torch.Tensor,
+                       values: Sequence[torch.Tensor | None]) -> None:  # fmt: skip
+        """sums[name_sB] += per-bucket sum of each value over the selected M items (None: the
+        count)."""
+        rows = [torch.bincount(bucket_M, weights=None if v is None else v.double(),
+                               minlength=len(BUCKETS)).double() for v in values]  # fmt: skip
+        table = torch.stack(rows).tolist()
+        for name, per_bucket in zip(names, table, strict=True):
+            for b, x in zip(BUCKETS, per_bucket, strict=True):
+                key = f"{name}_s{b}"
+                self.sums[key] = self.sums.get(key, 0.0) + x
 
     @torch.no_grad()
     def add_logprobs(self, logp_BT: torch.Tensor, behaviour_BT: torch.Tensor,
                      mask_BT: torch.Tensor, staleness_BT: torch.Tensor) -> None:  # fmt: skip
-        d_BT = (logp_BT - behaviour_BT).float()
-        k3_BT = torch.exp(d_BT) - d_BT - 1.0  # KL(behaviour || trainer), sampled by behaviour
-        bucket_BT = staleness_bucket_BT(staleness_BT)
-        for i, name in enumerate(BUCKETS):
-            m = mask_BT & (bucket_BT == i)
-            self._add(f"mismatch_tokens_s{name}", float(m.sum()))
-            self._add(f"logp_abs_diff_sum_s{name}", float(d_BT.abs()[m].sum()))
-            self._add(f"k3_sum_s{name}", float(k3_BT[m].sum()))
+        d_M = (logp_BT - behaviour_BT).float()[mask_BT]
+        k3_M = torch.exp(d_M) - d_M - 1.0  # KL(behaviour || trainer), sampled by behaviour
+        bucket_M = staleness_bucket_BT(staleness_BT)[mask_BT]
+        self._add_by_bucket(("mismatch_tokens", "logp_abs_diff_sum", "k3_sum"), bucket_M,
+                            (None, d_M.abs(), k3_M))  # fmt: skip
 
     @torch.no_grad()
     def add_routing(self, router_logits: Sequence[torch.Tensor], recorded_LNk: torch.Tensor,
@@ -97,18 +105,15 @@ class MismatchStats:
         """`router_logits`: per MoE layer (N, E) of the trainer's forward; `valid_N`: real
         (non-padding) positions."""
         k = recorded_LNk.shape[-1]
+        logits_LNE = torch.stack([g.float() for g in router_logits])
+        live_LNk = torch.topk(logits_LNE, k, dim=-1).indices.sort(-1).values
+        rec_LNk = recorded_LNk.to(live_LNk.device).sort(-1).values
+        same_LN = (live_LNk == rec_LNk).all(-1)
         bucket_N = staleness_bucket_BT(staleness_N)
-        for layer, logits_NE in enumerate(router_logits):
-            live_Nk = torch.topk(logits_NE.float(), k, dim=-1).indices.sort(-1).values
-            rec_Nk = recorded_LNk[layer].to(live_Nk.device).sort(-1).values
-            same_N = (live_Nk == rec_Nk).all(-1)
-            for i, name in enumerate(BUCKETS):
-                m = valid_N & (bucket_N == i)
-                self._add(f"routed_positions_s{name}", float(m.sum()))
-                self._add(f"router_agree_sum_s{name}", float(same_N[m].sum()))
-
-    def sums_for_reduction(self) -> dict[str, float]:
-        return dict(self.sums)
+        bucket_M = bucket_N[valid_N].repeat(len(router_logits))
+        same_M = same_LN[:, valid_N].reshape(-1)
+        self._add_by_bucket(("routed_positions", "router_agree_sum"), bucket_M,
+                            (None, same_M))  # fmt: skip
 
 
 def mismatch_metrics(sums: dict[str, float]) -> dict[str, float]:
