@@ -94,6 +94,12 @@ def decode(
     if any(not p for p in prompts):
         raise ValueError("every prompt needs at least one token (BOS)")
     max_pos = model.config.max_position_embeddings
+    longest = max(len(p) for p in prompts)
+    if longest >= max_pos:
+        raise ValueError(
+            f"a prompt of {longest} tokens leaves no room to generate in the model's context of "
+            f"{max_pos} positions (model.max_position_embeddings); raise it or use shorter prompts"
+        )
     slot_len = min(max_pos, max(len(p) for p in prompts) + max_new_tokens)
     num_slots = max(num_samples, min(max_batch_size, len(prompts) * num_samples))
     engine_cfg = EngineConfig(
@@ -169,8 +175,11 @@ def episode_eval(
                                         limits=limits)  # fmt: skip
             runner = EpisodeRunner(engine, make_env, taskset.tokenizer, limits, pool,
                                    temperature=temperature, context_tokens=engine.max_seq_len)  # fmt: skip
-            outcomes = run_episodes(runner, tasks, num_samples,
-                                    seed=None if temperature == 0 else seed)  # fmt: skip
+            try:
+                outcomes = run_episodes(runner, tasks, num_samples,
+                                        seed=None if temperature == 0 else seed)  # fmt: skip
+            finally:
+                runner.close()
     finally:
         engine.close()
         model.train(was_training)

@@ -38,8 +38,11 @@ class TaskConfig(Section):
     imperfect teacher; the verifier, rewards and evaluation stay exact. 0 = perfect demonstrations."""
     demo_tool_use: float = Field(default=0.0, ge=0, le=1)
     """tool_arithmetic: share of problems (a keyed hash of the problem) whose SFT demonstration
-    runs the answer through the `<py>` tool (`<py>print(a*b)</py>`, its output, the answer); the
-    rest answer without it. The imperfect teacher of configs/agentic.toml."""
+    runs the answer through the `<py>` tool (`<py>a*b</py>`, its output, the answer); the rest
+    answer without it (see demo_tool_min_lead). The imperfect teacher of configs/agentic.toml."""
+    demo_tool_min_lead: int = Field(default=10, ge=1, le=10)
+    """tool_arithmetic: the teacher always uses the tool when the first operand's leading digit
+    is at least this (10 = never by this rule; only demo_tool_use's share)."""
     countdown_numbers: int = Field(default=4, ge=2, le=5)
     """Countdown: how many numbers are given (the demonstration solver is exhaustive, hence <= 5)."""
     countdown_max_number: int = Field(default=20, ge=2, le=1000)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -172,9 +173,11 @@ class CodeTestsEnv:
                               "no code")  # fmt: skip
         report = ""
         if not last:
+            t0 = time.monotonic()
             report = held.run(lambda sb: run_visible(problem, source, sb, timeout_s),
                               timeout_s + 40.0, "visible tests")  # fmt: skip
             self.usage.tool_calls += 1
+            self.usage.tool_s += time.monotonic() - t0
         if last or report.startswith(f"visible tests: {visible_count(problem)}/"):
 
             async def hidden(sb: AgentSandbox) -> tuple[float, str]:

@@ -181,10 +181,17 @@ class EpisodeRunner:
         temperature: float = 1.0,
         record_routing: bool = False,
         context_tokens: int = 0,
+        reset_threads: int = 8,
     ) -> None:
-        """`context_tokens`: the engine's context (prompt + completion) when known (the native
+        """`executor` runs the environments' steps; resets (which may wait for a sandbox) run
+        on the runner's own `reset_threads` threads, so episodes waiting for a sandbox never
+        hold the threads that the episodes holding one need to finish and give it back.
+        `context_tokens`: the engine's context (prompt + completion) when known (the native
         engine's slot length); 0 = unknown (then `limits.max_episode_tokens` must bound the
-        episode or the engine's own limit will end it)."""
+        episode or the engine's own limit will end it). Call `close()` when done."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.reset_executor = ThreadPoolExecutor(reset_threads, thread_name_prefix="episode-reset")
         self.engine = engine
         self.make_env = make_env
         self.tokenizer = tokenizer
@@ -199,8 +206,13 @@ class EpisodeRunner:
     def start(self, task: Task, n: int, on_done: Callable[[GroupOutcome], None],
               seed: int | None = None) -> GroupRollout:  # fmt: skip
         rollout = GroupRollout(self, task, n, seed, on_done)
-        rollout.schedule(rollout.eps, rollout.begin)
+        rollout.schedule(rollout.eps, rollout.begin, on=self.reset_executor)
         return rollout
+
+    def close(self) -> None:
+        """Stop the reset threads (after the last group ended; resets still queued run inline
+        in whichever thread schedules them)."""
+        self.reset_executor.shutdown(wait=True)
 
     def budget(self, prompt_len: int) -> int:
         """Most completion tokens (sampled + observations) of an episode with this prompt."""
@@ -258,11 +270,12 @@ class GroupRollout:
     def aborted(self) -> bool:
         return self._aborted
 
-    def schedule(self, owners: list[_Ep], fn: Callable[..., None], *args: Any) -> None:
-        """Run fn(*args) for the episodes `owners` on the executor; inline when the executor no
-        longer takes work (the worker is shutting down)."""
+    def schedule(self, owners: list[_Ep], fn: Callable[..., None], *args: Any,
+                 on: Executor | None = None) -> None:  # fmt: skip
+        """Run fn(*args) for the episodes `owners` on the step executor (or `on`); inline when
+        it no longer takes work (the worker is shutting down)."""
         try:
-            self.runner.executor.submit(self._guard, owners, fn, *args)
+            (on or self.runner.executor).submit(self._guard, owners, fn, *args)
         except RuntimeError:
             self._guard(owners, fn, *args)
 
@@ -308,6 +321,11 @@ class GroupRollout:
             ep.data = Episode(prompt_ids=list(ids), infra_retries=ep.failures)
             ep.data.env_s = time.monotonic() - ep.t_start
             return True
+
+    def _restart(self, ep: _Ep) -> None:
+        """Re-run an episode from its reset (after an infrastructure failure)."""
+        if self._reset(ep):
+            self._submit([ep], ep.sequence(), 1, turn=0)
 
     def _submit(self, eps: list[_Ep], prompt: list[int], n: int, *, turn: int) -> None:
         first = eps[0]
@@ -395,8 +413,8 @@ class GroupRollout:
         try:
             res = env.step(c.token_ids, last=last)
         except InfraError as e:
-            if self._infra(ep, e, "step") and self._reset(ep):
-                self._submit([ep], ep.sequence(), 1, turn=0)
+            if self._infra(ep, e, "step"):
+                self.schedule([ep], self._restart, ep, on=runner.reset_executor)
             return
         finally:
             d.env_s += time.monotonic() - t0

@@ -35,6 +35,7 @@ Not covered: several tool calls in one turn (the last one runs), stdin for the p
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -157,11 +158,12 @@ class PythonToolEnv:
             return StepResult([], float(reward), True, reason)
         name = f"cell{self._cells}.py"
         self._cells += 1
+        t0 = time.monotonic()
         result = self._held.exec(["python3", "-I", "-S", "-c", CELL_RUNNER, name],
                                  files={name: program},
                                  timeout_s=self.limits.turn_timeout_s)  # fmt: skip
         self.usage.tool_calls += 1
-        self.usage.tool_s += result.wall_s
+        self.usage.tool_s += time.monotonic() - t0
         cap = self.limits.max_observation_tokens
         ids = encode_observation(self.taskset.tokenizer, result_observation(result, cap), cap)
         return StepResult(ids, 0.0, False, "tool call")

@@ -210,6 +210,15 @@ class SandboxHost:
         sb = self.call(take, wait_s + CALL_GRACE_S, "sandbox acquire")
         return HeldSandbox(self, sb, time.perf_counter() - t0)
 
+    def capacity(self) -> int | None:
+        """How many sandboxes the pool admits at once (its vCPU capacity over the template's
+        vCPUs, and max_live), None before start."""
+        st = self.stats()
+        if st is None:
+            return None
+        n = int(st.vcpu_capacity // self.template.vcpus)
+        return n if self.options.max_live is None else min(n, self.options.max_live)
+
     def stats(self) -> PoolStats | None:
         """The pool's stats (None before start)."""
         pool, loop = self._pool, self._loop

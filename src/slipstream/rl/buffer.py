@@ -16,7 +16,7 @@ Contract:
   dropped at `put`.
 - Episode accounting (what the run's report shows about rollouts): every group `put` adds its
   samples' turns, tool calls, environment time, sandbox acquire waits and infrastructure
-  retries; `count_dropped_infra` adds the tasks given up after repeated infrastructure failures
+  retries, and the time in tool runs; `count_dropped_infra` adds the tasks given up after repeated infrastructure failures
   (never trained). `metrics()` reports per-episode means, acquire p50/p99 (over the last
   ACQUIRE_WINDOW episodes that held a sandbox), infra failures, retried episodes and drops.
 
@@ -35,7 +35,7 @@ from typing import Any
 from slipstream.rl.types import Batch, Group, Sample, TaskRef
 
 ACQUIRE_WINDOW = 4096  # recent sandbox acquire waits kept for the percentiles (and checkpoints)
-_EPISODE_COUNTERS = ("episodes", "turns", "tool_calls", "env_s", "observation_tokens",
+_EPISODE_COUNTERS = ("episodes", "turns", "tool_calls", "env_s", "tool_s", "observation_tokens",
                      "infra_failures", "infra_retried_episodes", "dropped_infra")  # fmt: skip
 
 
@@ -104,6 +104,7 @@ class ExperienceBuffer:
             c["turns"] += s.num_turns
             c["tool_calls"] += s.tool_calls
             c["env_s"] += s.env_s
+            c["tool_s"] += s.tool_s
             c["observation_tokens"] += len(s.completion_ids) - s.num_sampled
             c["infra_failures"] += s.infra_retries
             c["infra_retried_episodes"] += s.infra_retries > 0
@@ -189,6 +190,7 @@ class ExperienceBuffer:
                 "turns_per_episode": round(c["turns"] / n, 4),
                 "tool_calls_per_episode": round(c["tool_calls"] / n, 4),
                 "env_s_per_episode": round(c["env_s"] / n, 6),
+                "tool_s_per_episode": round(c["tool_s"] / n, 6),
                 "observation_tokens_per_episode": round(c["observation_tokens"] / n, 3),
                 "sandbox_acquire_p50_s": _percentile(waits, 0.5),
                 "sandbox_acquire_p99_s": _percentile(waits, 0.99),

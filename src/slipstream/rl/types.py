@@ -81,6 +81,8 @@ class Sample:
     """Tool calls the environment ran for this episode (e.g. `<py>` programs in its sandbox)."""
     env_s: float = 0.0
     """Wall time inside the environment (reset + steps: sandbox acquire, tool runs, verifier)."""
+    tool_s: float = 0.0
+    """Of that, the wall time of the tool runs in the episode's sandbox (round trips included)."""
     sandbox_acquire_s: float = -1.0
     """How long acquiring this episode's sandbox waited; -1 when it used no sandbox."""
     infra_retries: int = 0

@@ -52,6 +52,7 @@ from slipstream.envs import (
     GroupRollout,
     make_env_factory,
 )
+from slipstream.envs.sandboxes import SandboxHost
 from slipstream.rl import routing
 from slipstream.rl.types import Group, Lease, Sample, TaskRef
 from slipstream.rl.verifier import Verifier
@@ -83,7 +84,7 @@ def episode_sample(ep: Episode) -> Sample:
         behaviour_logprobs=ep.logprobs, versions=ep.versions, reward=float(ep.reward),
         finish_reason=ep.finish_reason, text=ep.text,
         loss_mask=ep.loss_mask if 0 in ep.loss_mask else [], num_turns=ep.num_turns,
-        tool_calls=ep.usage.tool_calls, env_s=ep.env_s,
+        tool_calls=ep.usage.tool_calls, env_s=ep.env_s, tool_s=ep.usage.tool_s,
         sandbox_acquire_s=ep.usage.sandbox_acquire_s, infra_retries=ep.infra_retries,
         **_routing_fields(ep),
     )  # fmt: skip
@@ -92,6 +93,20 @@ def episode_sample(ep: Episode) -> Sample:
 def episode_limits(cfg: RolloutConfig, max_turn_tokens: int) -> EpisodeLimits:
     """The `[rollout]` bounds of every episode."""
     return EpisodeLimits.from_config(cfg, max_turn_tokens)
+
+
+def _check_sandbox_capacity(sandboxes: SandboxHost, cfg: RolloutConfig) -> None:
+    """Every episode in flight holds a sandbox from its reset on, and a group's first turn waits
+    for all of its G resets: a pool that cannot hold max_inflight_tasks x group_size sandboxes
+    at once would leave groups half-reset, waiting for each other's sandboxes."""
+    capacity = sandboxes.capacity()
+    need = cfg.max_inflight_tasks * cfg.group_size
+    if capacity is not None and capacity < need:
+        raise ValueError(
+            f"the sandbox pool admits {capacity} sandboxes, but rollout.max_inflight_tasks x "
+            f"rollout.group_size = {need} episodes hold one each; raise sandbox.max_density "
+            f"(or lower those)"
+        )
 
 
 def _context_tokens(engine: Engine) -> int:
@@ -142,6 +157,8 @@ class RolloutWorker:
         # environment steps (verification, tool runs) and episode starts run here
         self._pool = ThreadPoolExecutor(max(1, cfg.verify_threads), thread_name_prefix="verify")
         self.sandboxes = verifier.sandboxes
+        if self.sandboxes is not None:
+            _check_sandbox_capacity(self.sandboxes, cfg)
         make_env = make_env_factory(taskset, scorer=verifier.verify, sandboxes=self.sandboxes,
                                     limits=episode_limits(cfg, self.max_new_tokens))  # fmt: skip
         self.runner = EpisodeRunner(
@@ -382,6 +399,7 @@ class RolloutWorker:
             while self._live_rollouts and time.monotonic() < wait_until:
                 self._lock.wait(0.05)
         self._pool.shutdown(wait=True)  # acks of groups mid-verification go out before we return
+        self.runner.close()
         try:
             self.coord.report(self.worker_id, dict(self.stats))
         except (ConnectionError, EOFError, OSError):

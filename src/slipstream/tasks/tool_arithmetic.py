@@ -5,9 +5,11 @@ sometimes computes the answer with the `<py>` tool of the `python_tool` environm
     </out>99242                                  # the teacher uses the tool (demo_tool_use)
     347*286=99242                                # the teacher answers in its head
 
-Both demonstrations are correct; the imperfection is that the teacher uses the tool only on a
-keyed share `task.demo_tool_use` of the problems, so a student that imitates it answers most
-problems in its head. A tiny policy cannot multiply 3-4 digit numbers in its head, but it can
+Both demonstrations are correct; the imperfection is that the teacher reaches for the tool only
+when the numbers look big: always when the first operand's leading digit is at least
+`task.demo_tool_min_lead`, otherwise on a keyed share `task.demo_tool_use` of the problems. A
+student that imitates it answers most problems in its head (and explores the tool on them at
+about that share). A tiny policy cannot multiply 3-4 digit numbers in its head, but it can
 copy the operands into a program and the program's output into its answer: reinforcement
 learning against the exact verifier then has to raise tool use to raise pass@1.
 
@@ -31,7 +33,11 @@ class ToolArithmeticTaskSet(ArithmeticTaskSet):
     name = "tool_arithmetic"
 
     def uses_tool(self, task: Task) -> bool:
-        """Whether the teacher's demonstration of `task` uses the tool (a keyed share)."""
+        """Whether the teacher's demonstration of `task` uses the tool: the first operand's
+        leading digit is >= demo_tool_min_lead, or the problem is in the keyed share
+        demo_tool_use of the others."""
+        if int(str(task.meta["a"])[0]) >= self.cfg.demo_tool_min_lead:
+            return True
         return keyed_uniform(self.cfg.seed, "tool-teacher", task.key) < self.cfg.demo_tool_use
 
     def tool_demonstration(self, task: Task) -> tuple[str, str] | None:
