@@ -140,7 +140,8 @@ def episode_eval(
     """(reward, reason, text) of `num_samples` episodes per task in the task's environment
     (greedy when temperature is 0), each turn at most eval.max_new_tokens tokens, the other
     episode bounds from [rollout]. Sandboxes (when the environment needs them) come from a pool
-    that lives for this call. Raises RuntimeError naming the task when a group did not finish
+    that lives for this call (or leased from the node's host agent, `rollout.sandbox_agent`).
+    Raises RuntimeError naming the task when a group did not finish
     (e.g. infrastructure failures beyond rollout.max_infra_retries)."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -165,7 +166,9 @@ def episode_eval(
                               max_seq_len=slot_len, max_new_tokens=cfg.eval.max_new_tokens,
                               device=str(next(model.parameters()).device))  # fmt: skip
     host = (
-        SandboxHost.from_config(cfg.sandbox).start() if env_needs_sandbox(taskset.cfg.env) else None
+        SandboxHost.from_config(cfg.sandbox, cfg.rollout.sandbox_agent).start()
+        if env_needs_sandbox(taskset.cfg.env)
+        else None
     )
     was_training = model.training
     engine = NativeEngine(model, engine_cfg, tokenizer=taskset.tokenizer)

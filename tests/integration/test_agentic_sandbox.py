@@ -319,3 +319,59 @@ def test_code_tests_env_revises_against_visible_tests(tmp_path: Path) -> None:
     finally:
         h.close()
     assert_nothing_left(tmp_path)
+
+
+def test_episodes_lease_sandboxes_from_the_node_host_agent(tmp_path: Path) -> None:
+    """The same environment through a client of `slipstream sandbox serve` (SandboxHost's
+    pool_factory: rollout.sandbox_agent) instead of a private pool."""
+    import socket
+    import subprocess
+    import sys
+
+    from slipstream.config.sandbox import SandboxConfig
+
+    sock, state = tmp_path / "agent.sock", tmp_path / "agent-state"
+    agent = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from slipstream.cli import main; sys.exit(main())",
+         "sandbox", "serve", "--socket", str(sock), f"--sandbox.state_dir={state}",
+         "--sandbox.backend=bwrap", "--sandbox.memory_mib=128", "--sandbox.workdir_mib=16",
+         "--sandbox.min_idle=1", "--sandbox.max_idle=2", "--sandbox.max_density=4.0"],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert agent.poll() is None, agent.stderr.read()  # type: ignore[union-attr]
+            probe = socket.socket(socket.AF_UNIX)
+            try:
+                probe.connect(str(sock))
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                assert time.monotonic() < deadline, "the host agent did not start serving"
+                time.sleep(0.05)
+            finally:
+                probe.close()
+        cfg = SandboxConfig(backend="bwrap", memory_mib=128, workdir_mib=16, min_idle=1,
+                            max_idle=2, max_density=4.0, state_dir=str(tmp_path / "client"))  # fmt: skip
+        h = SandboxHost.from_config(cfg, f"unix://{sock}").start()
+        make = make_env_factory(TS, sandboxes=h, limits=EpisodeLimits(max_observation_tokens=64))
+        try:
+            a = make()
+            a.reset(task(6, 7))
+            a.step(turn("<py>open('f','w').write('kept')</py>"), last=False)
+            r = a.step(turn("<py>open('f').read()</py>"), last=False)
+            assert obs_text(r.observation_ids) == "<out>'kept'\n</out>"
+            a.close()
+            b = make()
+            b.reset(task(6, 7))
+            r = b.step(turn("<py>import os;os.listdir('.')</py>"), last=False)
+            assert obs_text(r.observation_ids) == "<out>['cell0.py']\n</out>"
+            assert b.step(turn("42", eos=True), last=False).reward == 1.0
+            b.close()
+        finally:
+            h.close()
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(60) == 0
+        agent.stderr.close()  # type: ignore[union-attr]
+    assert Journal(state).entries() == []

@@ -87,12 +87,15 @@ class SandboxHost:
         self._closed = False
 
     @classmethod
-    def from_config(cls, cfg: SandboxConfig) -> SandboxHost:
-        """A host for the `[sandbox]` section (not started)."""
-        from slipstream.sandbox import PoolOptions, SandboxTemplate
+    def from_config(cls, cfg: SandboxConfig, agent_url: str = "") -> SandboxHost:
+        """A host for the `[sandbox]` section (not started): a private SandboxPool, or, with
+        `agent_url` (`rollout.sandbox_agent`, `unix:///path`), a client of the node's host
+        agent (sandbox/agent_pool.py), which shares one pool and admission limit per node."""
+        from slipstream.sandbox import PoolOptions, SandboxTemplate, make_pool
 
         return cls(SandboxTemplate.from_config(cfg), PoolOptions.from_config(cfg),
-                   state_dir=cfg.state_dir, ready_timeout_s=cfg.create_timeout_s)  # fmt: skip
+                   state_dir=cfg.state_dir, ready_timeout_s=cfg.create_timeout_s,
+                   pool_factory=lambda: make_pool(cfg, agent_url))  # fmt: skip
 
     # ---- lifecycle -----------------------------------------------------------------------------
 

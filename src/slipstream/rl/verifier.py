@@ -138,24 +138,29 @@ class SandboxVerifier:
     def __init__(
         self,
         taskset: TaskSet,
-        template: SandboxTemplate,
+        template: SandboxTemplate | None = None,
         options: PoolOptions | None = None,
         *,
         state_dir: str | Path | None = None,
         ready_timeout_s: float = 60.0,
         verify_timeout_s: float | None = None,
+        host: SandboxHost | None = None,
     ) -> None:
+        """A private pool of `template` sandboxes, or the given (not started) `host`."""
         if not has_sandboxed_verifier(taskset):
             raise ValueError(f"task {taskset.name!r} has no sandboxed verifier (averify)")
+        if host is None:
+            if template is None:
+                raise ValueError("SandboxVerifier needs a template or a host")
+            host = SandboxHost(template, options, state_dir=state_dir,
+                               ready_timeout_s=ready_timeout_s)  # fmt: skip
         self.taskset = taskset
-        self.template = template
-        self.sandboxes: SandboxHost | None = SandboxHost(
-            template, options, state_dir=state_dir, ready_timeout_s=ready_timeout_s
-        )
-        self.options = self.sandboxes.options
+        self.template = host.template
+        self.sandboxes: SandboxHost | None = host
+        self.options = host.options
         # the code verifier's exec has its own timeout (10 s) plus the host's 5 s grace for a
         # hung agent; the rest is margin for a loaded host
-        self.verify_timeout_s = verify_timeout_s or (template.exec_timeout_s + 30.0)
+        self.verify_timeout_s = verify_timeout_s or (self.template.exec_timeout_s + 30.0)
         self.counts = {"verified": 0, "infra_failures": 0}
         self._latency_s: deque[float] = deque(maxlen=100_000)
         self._lock = threading.Lock()
@@ -226,24 +231,19 @@ class SandboxVerifier:
 
 
 def make_verifier(
-    sandbox_cfg: SandboxConfig, taskset: TaskSet
+    sandbox_cfg: SandboxConfig, taskset: TaskSet, agent_url: str = ""
 ) -> InProcessVerifier | SandboxVerifier:
     """The verifier for this task set, started: `sandbox.verify_in_sandbox` decides where
     answers are verified; a task whose environment (`task.env`) gives episodes sandboxes gets a
-    started SandboxHost in `verifier.sandboxes` either way (the sandbox verifier's own)."""
-    from slipstream.sandbox import PoolOptions, SandboxTemplate
-
+    started SandboxHost in `verifier.sandboxes` either way (the sandbox verifier's own).
+    `agent_url` (`rollout.sandbox_agent`): lease the sandboxes from the node's host agent
+    instead of a private pool."""
     if verifies_in_sandbox(sandbox_cfg.verify_in_sandbox, taskset):
-        verifier = SandboxVerifier(
-            taskset,
-            SandboxTemplate.from_config(sandbox_cfg),
-            PoolOptions.from_config(sandbox_cfg),
-            state_dir=sandbox_cfg.state_dir,
-            ready_timeout_s=sandbox_cfg.create_timeout_s,
-        )
-        return verifier.start()
+        return SandboxVerifier(
+            taskset, host=SandboxHost.from_config(sandbox_cfg, agent_url)
+        ).start()
     if env_needs_sandbox(taskset.cfg.env):
-        return InProcessVerifier(taskset, SandboxHost.from_config(sandbox_cfg).start())
+        return InProcessVerifier(taskset, SandboxHost.from_config(sandbox_cfg, agent_url).start())
     return InProcessVerifier(taskset)
 
 
