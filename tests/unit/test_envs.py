@@ -314,3 +314,34 @@ def test_tool_arithmetic_demonstrations_mask_the_observation() -> None:
     d = demonstration(plain, plain.train(0))
     assert d.prompt_ids == plain.prompt_ids(plain.train(0))
     assert d.completion_ids == plain.completion_ids(plain.demonstration(plain.train(0)))
+
+
+def test_versions_follow_weight_updates_across_turns(setup) -> None:  # type: ignore[no-untyped-def]
+    ts, _, pool = setup
+    cfg = load_config(None, TINY)
+    torch.manual_seed(1)
+    model = MoEForCausalLM(cfg.model)
+    engine = NativeEngine(model, cfg.engine.model_copy(update={"max_batch_size": 4,
+                          "kv_cache_tokens": 4 * 96}), tokenizer=ts.tokenizer)  # fmt: skip
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    class UpdatingEnv(EchoEnv):
+        def step(self, action_ids: Sequence[int], *, last: bool) -> StepResult:
+            if self.n == 0:  # between turn 1 and turn 2 the trainer publishes version 1
+                engine.update_weights(1, state)
+            return super().step(action_ids, last=last)
+
+    limits = EpisodeLimits(max_turns=3, max_turn_tokens=4, max_observation_tokens=8)
+    runner = EpisodeRunner(engine, lambda: UpdatingEnv(ts, turns=2), ts.tokenizer, limits, pool,
+                           context_tokens=engine.max_seq_len)  # fmt: skip
+    try:
+        (out,) = run_episodes(runner, [ts.train(0)], n=1, seed=3)
+    finally:
+        engine.close()
+        runner.close()
+    (ep,) = out.episodes
+    first = ep.loss_mask.index(0)  # the first turn's tokens, then the observation
+    assert ep.num_turns == 2 and set(ep.versions[:first]) == {0}
+    assert set(ep.versions[first:]) == {1}  # the second turn was sampled by version 1
+    s = episode_sample(ep)
+    assert s.oldest_version == 0 and len(s.versions) == s.num_sampled
