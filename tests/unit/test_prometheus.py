@@ -1,7 +1,7 @@
 """observe/prometheus.py: the job's /metrics over real HTTP on loopback against a real
 Coordinator (queue + buffer), and the server's request middleware and engine collector on a
 small ASGI app with a stand-in engine. The running job and `slipstream serve` are scraped in
-tests/integration/test_prometheus.py."""
+tests/integration/test_prometheus_job.py."""
 
 from __future__ import annotations
 
