@@ -89,3 +89,27 @@ def test_decode_attend_equals_sdpa(heads, kv_heads):
     )  # fmt: skip
     with pytest.raises(ValueError, match="not divisible"):
         decode_attend(torch.randn(1, 3, 1, D), torch.randn(1, 2, S, D), torch.randn(1, 2, S, D))
+
+
+def test_fused_cache_does_not_survive_a_fused_adamw_step():
+    """The RL job evaluates the trainer's own module between steps: fused AdamW updates the
+    weights in place without moving their version counters, so the cache must not outlive the
+    train/eval switch (it served the pre-training q/k/v weights to every later evaluation)."""
+    model, ids = _model(5), _ids()
+    with torch.no_grad():
+        model(ids)  # eval mode: builds the fused cache
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    model(ids).logits_BTV.square().mean().backward()
+    q_weight = model.model.layers[0].self_attn.q_proj.weight
+    version, before = q_weight._version, q_weight.detach().clone()
+    opt.step()
+    assert q_weight._version == version and not torch.equal(q_weight, before)  # the trap itself
+    model.eval()
+    fresh = _model(6)
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits_BTV, fresh(ids).logits_BTV,
+                                   atol=1e-6, rtol=1e-6)  # fmt: skip
+        with_grad_off_in_train = model.train()(ids).logits_BTV  # train mode: unfused path
+    torch.testing.assert_close(with_grad_off_in_train, fresh(ids).logits_BTV, atol=1e-5, rtol=1e-5)

@@ -61,13 +61,17 @@ def apply_rope(x_BNTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tenso
 class Attention(nn.Module):
     """Grouped-query attention, Qwen3 flavour: RMSNorm on each q/k head before RoPE, no biases.
 
-    Without autograd (`torch.no_grad` / `inference_mode`) the forward takes a fused path with
-    fewer ops per layer (decode is per-op overhead bound on CPU): one matmul against a cached
-    concatenation of q/k/v_proj, one RMSNorm and one RoPE over the q and k heads together. The
-    cache (one extra copy of the q/k/v weights) is rebuilt whenever one of those parameters
-    changes (in-place update, e.g. the engine's weight hot-swap, or a new storage after `.to`),
-    detected by the parameters' version counters and storage pointers. With autograd the three
-    projections and two norms run separately, as transformers does."""
+    In eval mode without autograd (`model.eval()` + `torch.no_grad` / `inference_mode`: the
+    engine's decode) the forward takes a fused path with fewer ops per layer (decode is per-op
+    overhead bound on CPU): one matmul against a cached concatenation of q/k/v_proj, one RMSNorm
+    and one RoPE over the q and k heads together. The cache (one extra copy of the q/k/v
+    weights) lives only while the module stays in eval mode: `train()`/`eval()` drop it, because
+    an optimizer may update the weights in place without moving their version counters
+    (`AdamW(fused=True)` does not), so a cache kept across training steps would serve stale
+    q/k/v weights. Within eval mode it is rebuilt whenever one of those parameters changes
+    (in-place `copy_`, e.g. the engine's weight hot-swap, or a new storage after `.to`),
+    detected by the parameters' version counters and storage pointers. With autograd, or in
+    train mode, the three projections and two norms run separately, as transformers does."""
 
     def __init__(
         self,
@@ -96,6 +100,10 @@ class Attention(nn.Module):
         """Use the fused q/k/v weights cached by (version, pointer) in no-grad forwards. Off for
         FSDP-sharded models, whose unsharded weights are rewritten in place by collectives
         that do not move the version counter."""
+
+    def train(self, mode: bool = True) -> Attention:
+        self._fused = None  # see the class docstring: weights may change between modes
+        return super().train(mode)
 
     def _fused_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(qkv weight ((H + 2K) * Dh, D), q/k norm weight (H + K, Dh)), rebuilt on change."""
@@ -137,6 +145,7 @@ class Attention(nn.Module):
         B, T, _ = x_BTD.shape
         if (
             torch.is_grad_enabled()
+            or self.training
             or not self.fused_inference
             or self.q_norm.eps != self.k_norm.eps
         ):
