@@ -92,7 +92,9 @@ class TrainerRanks:
     def lost(self) -> TrainerRankLost | None:
         """An error naming the follower ranks that have exited (killed ones first: the others
         usually failed at the collective with them), or None while all run."""
-        dead = [(r, p.returncode) for r, p in enumerate(self.procs, start=1) if p.poll() is not None]
+        dead = [
+            (r, p.returncode) for r, p in enumerate(self.procs, start=1) if p.poll() is not None
+        ]
         if not dead:
             return None
         dead.sort(key=lambda rc: (rc[1] >= 0, rc[0]))  # signals (negative codes) first
