@@ -248,3 +248,43 @@ def test_worker_process_sigterm_stops_its_pool(tmp_path: Path) -> None:
     assert [d for d in cgroups.leftover_dirs() if f"sb-{proc.pid}-" in d] == []
     assert [e["sandbox_id"] for e in live if process_alive(e["pid"], e["pid_start_ticks"])] == []
     assert coord.queue.stats().num_leased == 0
+
+
+@pytest.mark.parametrize(("task", "fits"), [
+    (["task.name=code"], True),  # one sandbox per verification, borrowed and queued
+    (["task.name=tool_arithmetic", "task.env=python_tool", "task.ops=[\"*\"]",
+      "model.max_position_embeddings=320"], False),  # every episode holds one from reset
+])  # fmt: skip
+def test_sandbox_capacity_check_applies_to_episodes_that_hold_one(
+    tmp_path: Path, task: list[str], fits: bool
+) -> None:
+    """A pool smaller than max_inflight_tasks x group_size is refused only for environments
+    whose episodes hold a sandbox for their whole length (`bench pipeline --task code --sandbox
+    bwrap` crash-looped its workers on this check)."""
+    inflight = 2 * len(os.sched_getaffinity(0))  # need 4 x cores > 1 x cores of capacity
+    cfg = load_config(None, [
+        f"run.output_dir={tmp_path}/run", *TINY, *task, "rollout.group_size=2",
+        f"rollout.max_inflight_tasks={inflight}", "sandbox.memory_mib=256",
+        "sandbox.workdir_mib=32", "sandbox.min_idle=0", "sandbox.max_idle=1",
+        "sandbox.max_density=1.0", f"sandbox.state_dir={tmp_path}/state",
+    ])  # fmt: skip
+    ts = get_taskset(cfg.task)
+    torch.manual_seed(0)
+    init = tmp_path / "init"
+    save_pretrained(
+        MoEForCausalLM(cfg.model.model_copy(update={"vocab_size": ts.tokenizer.vocab_size})), init
+    )
+    WeightStore(cfg.store.url).publish(0, *hf_weights(load_pretrained(init)))
+    coord = Coordinator(TaskQueue(cfg.task.num_train), ExperienceBuffer(8, 4))
+    spec = WorkerSpec(("127.0.0.1", 0), b"\0", cfg.model_dump(mode="json"))
+    if fits:
+        worker = build_worker(spec, "w0.0", coord=coord)
+        try:
+            capacity = worker.sandboxes.capacity()
+            assert capacity is not None and capacity < inflight * 2
+        finally:
+            close_worker(worker)
+    else:
+        with pytest.raises(ValueError, match="max_inflight_tasks x rollout.group_size"):
+            build_worker(spec, "w0.0", coord=coord)
+    assert Journal(tmp_path / "state").entries() == []

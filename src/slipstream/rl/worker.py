@@ -50,6 +50,7 @@ from slipstream.envs import (
     EpisodeRunner,
     GroupOutcome,
     GroupRollout,
+    env_needs_sandbox,
     make_env_factory,
 )
 from slipstream.envs.sandboxes import SandboxHost
@@ -157,7 +158,9 @@ class RolloutWorker:
         # environment steps (verification, tool runs) and episode starts run here
         self._pool = ThreadPoolExecutor(max(1, cfg.verify_threads), thread_name_prefix="verify")
         self.sandboxes = verifier.sandboxes
-        if self.sandboxes is not None:
+        # only episodes that hold a sandbox from reset need the pool to fit them all; a
+        # sandbox-verified single-turn task (code) borrows one per verification and queues
+        if self.sandboxes is not None and env_needs_sandbox(taskset.cfg.env):
             _check_sandbox_capacity(self.sandboxes, cfg)
         make_env = make_env_factory(taskset, scorer=verifier.verify, sandboxes=self.sandboxes,
                                     limits=episode_limits(cfg, self.max_new_tokens))  # fmt: skip
