@@ -370,8 +370,53 @@ def test_episodes_lease_sandboxes_from_the_node_host_agent(tmp_path: Path) -> No
             b.close()
         finally:
             h.close()
+        _worker_leases_from_the_agent(tmp_path, f"unix://{sock}")
     finally:
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(60) == 0
         agent.stderr.close()  # type: ignore[union-attr]
     assert Journal(state).entries() == []
+
+
+def _worker_leases_from_the_agent(tmp_path: Path, agent_url: str) -> None:
+    """`slipstream run`'s worker assembly (launch/worker.py) with rollout.sandbox_agent: the
+    worker's sandboxes are the agent's (its admission limit, max_density 4), not a private pool
+    (this worker's [sandbox] says max_density 1), and the backend check defers to the agent."""
+    import torch
+
+    from slipstream.config import load_config
+    from slipstream.launch.worker import (
+        WorkerSpec,
+        build_worker,
+        check_sandbox_backend,
+        close_worker,
+    )
+    from slipstream.model import MoEForCausalLM, hf_weights, load_pretrained, save_pretrained
+    from slipstream.sandbox.agent_pool import AgentPool
+    from slipstream.storage import WeightStore
+
+    cfg = load_config(None, [
+        f"run.output_dir={tmp_path}/run", "model.hidden_size=32", "model.num_hidden_layers=1",
+        "model.num_attention_heads=2", "model.num_key_value_heads=1", "model.head_dim=8",
+        "model.moe_intermediate_size=16", "model.num_experts=4", "run.num_threads=1",
+        "model.max_position_embeddings=128", "task.name=tool_arithmetic", "task.env=python_tool",
+        'task.ops=["*"]', "rollout.group_size=2", "rollout.max_inflight_tasks=2",
+        "sandbox.backend=bwrap", "sandbox.memory_mib=128", "sandbox.workdir_mib=16",
+        "sandbox.min_idle=1", "sandbox.max_idle=2", "sandbox.max_density=1.0",
+        f"sandbox.state_dir={tmp_path}/worker-state", f"rollout.sandbox_agent={agent_url}",
+    ])  # fmt: skip
+    check_sandbox_backend(cfg)
+    torch.manual_seed(0)
+    model = MoEForCausalLM(cfg.model.model_copy(update={"vocab_size": TOK.vocab_size}))
+    save_pretrained(model, tmp_path / "init")
+    WeightStore(cfg.store.url).publish(0, *hf_weights(load_pretrained(tmp_path / "init")))
+    coord = Coordinator(TaskQueue(cfg.task.num_train), ExperienceBuffer(8, 4))
+    worker = build_worker(WorkerSpec(("127.0.0.1", 0), b"\0", cfg.model_dump(mode="json")),
+                          "w0.0", coord=coord)  # fmt: skip
+    try:
+        assert isinstance(worker.sandboxes._pool, AgentPool)
+        capacity = worker.sandboxes.capacity()
+        assert capacity is not None and capacity >= 4 * len(os.sched_getaffinity(0)) - 4
+    finally:
+        close_worker(worker)
+    assert Journal(tmp_path / "worker-state").entries() == []

@@ -75,13 +75,16 @@ def serve_coordinator(coord: Any, cfg: SlipstreamConfig, host: str = "127.0.0.1"
 
 def check_sandbox_backend(cfg: SlipstreamConfig) -> None:
     """Fail before any worker starts (and crash-loops) when the workers will verify in a sandbox
-    and `sandbox.backend` cannot run here (BackendUnavailable names the reason)."""
+    and `sandbox.backend` cannot run here (BackendUnavailable names the reason). Not checked
+    when the sandboxes come from the node's host agent (`rollout.sandbox_agent`)."""
     from slipstream.rl.verifier import wants_sandbox
     from slipstream.sandbox import make_backend
     from slipstream.tasks import get_taskset
 
     if not wants_sandbox(cfg.sandbox.verify_in_sandbox, get_taskset(cfg.task)):
         return
+    if cfg.rollout.sandbox_agent:
+        return  # the host agent runs the backend; a client that cannot reach it says so
     backend = make_backend(cfg.sandbox.backend, state_dir=cfg.sandbox.state_dir)
     asyncio.run(backend.close())
 
@@ -110,7 +113,9 @@ def build_worker(spec: WorkerSpec, worker_id: str, coord: Any = None) -> Any:
     taskset = get_taskset(cfg.task)
     engine = _build_engine(cfg, weights, version, taskset.tokenizer, worker_id)
     try:
-        verifier: Any = make_verifier(cfg.sandbox, taskset)  # owns a SandboxPool for `code`
+        # the sandboxes: leased from the node's host agent (rollout.sandbox_agent), else a
+        # private SandboxPool the verifier owns
+        verifier: Any = make_verifier(cfg.sandbox, taskset, cfg.rollout.sandbox_agent)
     except BaseException:
         engine.close()
         raise
