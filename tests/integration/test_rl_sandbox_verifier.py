@@ -190,6 +190,9 @@ def test_rollout_worker_on_code_task_verifies_in_sandbox_pool(tmp_path: Path) ->
         while coord.queue.stats().num_done < 2:
             assert runner.is_alive() and time.monotonic() < deadline, "worker produced nothing"
             time.sleep(0.05)
+        report = worker.report()  # what /metrics exports per worker
+        assert report["weight_version"] == 0.0 and report["sandbox_pool_vcpu_capacity"] > 0
+        assert report["sandbox_pool_acquires"] >= 1 and report["samples"] >= 2
         worker.request_stop()  # what the worker process's SIGTERM handler does
         runner.join(timeout=30)
         assert not runner.is_alive()

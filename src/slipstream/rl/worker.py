@@ -235,8 +235,21 @@ class RolloutWorker:
                 if not self.coord.extend(lid, self.cfg.lease_ttl_s):
                     self._abandon(lid)
             if time.monotonic() - last_report > 1.0:
-                self.coord.report(self.worker_id, dict(self.stats))
+                self.coord.report(self.worker_id, self.report())
                 last_report = time.monotonic()
+
+    def report(self) -> dict[str, float]:
+        """What the worker reports to the coordinator every second: its counters, the weight
+        version its engine serves (`weight_version`), and its sandbox pool's numbers
+        (`sandbox_pool_<field>`, when it has one): the job's /metrics exports them per worker."""
+        out = dict(self.stats)
+        out["weight_version"] = float(self.engine.version)
+        pool = self.sandboxes.stats() if self.sandboxes is not None else None
+        if pool is not None:
+            for key, value in vars(pool).items():
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    out[f"sandbox_pool_{key}"] = float(value)
+        return out
 
     def _abandon(self, lease_id: int) -> None:
         """The lease is dead: its tasks belong to someone else now."""
@@ -404,6 +417,6 @@ class RolloutWorker:
         self._pool.shutdown(wait=True)  # acks of groups mid-verification go out before we return
         self.runner.close()
         try:
-            self.coord.report(self.worker_id, dict(self.stats))
+            self.coord.report(self.worker_id, self.report())
         except (ConnectionError, EOFError, OSError):
             pass  # the trainer may already be gone at shutdown
