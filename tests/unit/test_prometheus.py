@@ -102,7 +102,7 @@ def test_a_busy_port_is_named() -> None:
 
 
 class FakeEngine:
-    healthy, version, num_slots = True, 3, 8
+    healthy, version, num_slots, num_waiting = True, 3, 8, 5
     stats = {"decode_rows": 40.0, "prefill_tokens": 12.0, "decode_steps": 10.0,
              "forward_s": 0.5, "step_s": 0.6}  # fmt: skip
     batch = [0, 1]  # two running rows
@@ -138,5 +138,6 @@ def test_serve_metrics_count_requests_and_read_the_engine() -> None:
     assert value(s, "serve_requests_in_flight", endpoint="/metrics") == 1  # this scrape
     assert value(s, "engine_healthy") == 1 and value(s, "engine_weight_version") == 3
     assert value(s, "engine_running_rows") == 2 and value(s, "engine_slots") == 8
+    assert value(s, "engine_waiting_requests") == 5
     assert value(s, "engine_decode_tokens_total") == 40
     assert value(s, "engine_prefill_tokens_total") == 12

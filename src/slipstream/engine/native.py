@@ -137,6 +137,11 @@ class NativeEngine:
         return self.batch.cache.num_slots
 
     @property
+    def num_waiting(self) -> int:
+        """Requests (groups) submitted and not yet admitted to KV cache slots."""
+        return len(self._waiting)
+
+    @property
     def max_seq_len(self) -> int:
         return self.batch.cache.slot_len
 

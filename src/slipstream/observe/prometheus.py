@@ -32,12 +32,12 @@ non-empty. Series (all prefixed `slipstream_`):
 
 `slipstream serve`: `ServeMetrics(engine)` plus its ASGI middleware count requests by endpoint
 and status, requests in flight and their latency, and read the engine at scrape time (healthy,
-weight version, running rows, slots, decode/prefill token and time counters).
+weight version, running rows, slots, requests waiting for slots, decode/prefill token and
+time counters).
 
 Not covered: authentication of the job's endpoint (bind 127.0.0.1, the default, or a pod IP
 on a private network), multiprocess collection (data-parallel ranks > 0 export nothing),
-per-worker weight version lag and sandbox pool series until the workers report those keys,
-the engine's waiting queue (not exposed by the engine).
+series of engines other than the native one (an HTTP-engine worker's server exports its own).
 """
 
 from __future__ import annotations
@@ -301,6 +301,9 @@ class EngineView(Protocol):
     @property
     def num_slots(self) -> int: ...
 
+    @property
+    def num_waiting(self) -> int: ...
+
 
 class ServeMetrics:
     """Request and engine series of one server. Without prometheus-client installed it logs a
@@ -359,6 +362,9 @@ class _EngineCollector:
                                      value=float(len(e.batch)))  # fmt: skip
         yield core.GaugeMetricFamily(PREFIX + "engine_slots", "KV cache slots",
                                      value=float(e.num_slots))  # fmt: skip
+        yield core.GaugeMetricFamily(PREFIX + "engine_waiting_requests",
+                                     "requests waiting for KV cache slots",
+                                     value=float(e.num_waiting))  # fmt: skip
         for key, name, doc in (
             ("decode_rows", "engine_decode_tokens", "tokens made by decode steps (each sample's "
              "first token comes from its prefill and is not counted)"),
