@@ -198,7 +198,13 @@ def episode_eval(
 
 def heldout_pass_at_1(model: MoEForCausalLM, taskset: TaskSet, cfg: SlipstreamConfig) -> float:
     """Greedy pass@1 on the first eval.num_prompts held-out tasks (what the RL job reports)."""
-    tasks = taskset.heldout()[: cfg.eval.num_prompts]
+    return pass_at_1_greedy(model, taskset, taskset.heldout()[: cfg.eval.num_prompts], cfg)
+
+
+def pass_at_1_greedy(
+    model: MoEForCausalLM, taskset: TaskSet, tasks: list[Task], cfg: SlipstreamConfig
+) -> float:
+    """Greedy pass@1 on `tasks` (episodes for multi-turn environments)."""
     if taskset.cfg.env != "single_turn":
         results = episode_eval(model, taskset, cfg, tasks)
         return sum(r[0][0] for r in results) / len(tasks)

@@ -8,7 +8,13 @@ Each sequence is `<bos> prompt demonstration <eos>`; the loss is next-token cros
 completion tokens only (demonstration and EOS), averaged over those tokens in the batch, plus the
 model's (already weighted) router auxiliary loss. AdamW, linear warm-up then cosine decay to
 `lr * min_lr_ratio`, global-norm gradient clipping. Step s trains on train tasks
-[s*B, (s+1)*B), so a run is reproducible from (run.seed, task.seed).
+[s*B, (s+1)*B), so a run is reproducible from (run.seed, task.seed) on one CPU (float rounding
+differs between CPUs' kernels, and so does where SFT ends).
+
+`sft.min_pass_at_1` (off by default) gives RL a starting point less tied to that: after `steps`,
+greedy pass@1 on validation prompts (held-out tasks past the first eval.num_prompts, which the
+RL job reports, so the reported figure is never tuned on) is checked, and while it is below the
+target SFT trains `extend_steps` more at the schedule's final lr, up to `max_extend_rounds`.
 
 Writes: <run.output_dir>/sft/metrics.jsonl (JSON lines), <run.output_dir>/sft/checkpoint/
 (config.json + safetensors + tokenizer.json + tokenizer_config.json + sft_summary.json).
@@ -19,9 +25,10 @@ Not covered: gradient accumulation, multi-device training, resuming a half-finis
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,6 +38,7 @@ from rich.console import Console
 
 from slipstream.config import SlipstreamConfig
 from slipstream.config.sft import SFTConfig
+from slipstream.evaluate import pass_at_1_greedy
 from slipstream.model.tokenizer import Tokenizer
 from slipstream.observe.metrics import MetricsWriter, fmt_rate, make_progress
 from slipstream.runtime import setup_torch
@@ -40,6 +48,7 @@ if TYPE_CHECKING:
     from slipstream.model import MoEForCausalLM
 
 SUMMARY_FILE = "sft_summary.json"
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,6 +62,8 @@ class SFTResult:
     """Process CPU time (all threads): on a shared machine, a contention-free estimate of cost."""
     tokens_per_s: float
     """Non-pad tokens through forward+backward per second (whole run)."""
+    validation: list[dict[str, float]] = field(default_factory=list)
+    """(step, val_pass_at_1) at each sft.min_pass_at_1 check, in order (empty when off)."""
 
 
 def sft_dir(cfg: SlipstreamConfig) -> Path:
@@ -157,58 +168,92 @@ def run_sft(cfg: SlipstreamConfig, console: Console | None = None) -> SFTResult:
     )
     start, cpu_start = time.perf_counter(), time.process_time()
     total_tokens = 0
-    window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, start
+    window = {"loss": 0.0, "steps": 0, "tokens": 0, "start": start}
     final_loss = float("nan")
+    validation: list[dict[str, float]] = []
     with MetricsWriter(out_dir / "metrics.jsonl") as metrics, make_progress(console) as progress:
         bar = progress.add_task("sft", total=sc.steps, stats="")
-        for step in range(sc.steps):
-            lr = lr_at(step, sc)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            tasks = taskset.train_batch(step * sc.batch_size, sc.batch_size)
-            inputs_BT, targets_BT, mask_BT = collate(
-                taskset, tasks, device, cfg.rollout.max_observation_tokens
-            )
-            out = model(inputs_BT, token_mask_BT=inputs_BT != taskset.tokenizer.pad_id)
-            ce_BT = F.cross_entropy(
-                out.logits_BTV.flatten(0, 1), targets_BT.flatten(), reduction="none"
-            ).view_as(targets_BT)
-            loss = (ce_BT * mask_BT).sum() / mask_BT.sum()
-            optimizer.zero_grad(set_to_none=True)
-            (loss + out.aux_loss).backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), sc.grad_clip)
-            optimizer.step()
 
-            num_tokens = int((inputs_BT != taskset.tokenizer.pad_id).sum())
-            total_tokens += num_tokens
-            window_loss += loss.item()
-            window_steps += 1
-            window_tokens += num_tokens
-            if (step + 1) % sc.log_every == 0 or step + 1 == sc.steps:
-                now = time.perf_counter()
-                final_loss = window_loss / window_steps
-                tok_s = window_tokens / max(now - window_start, 1e-9)
-                metrics.log(
-                    step=step + 1,
-                    loss=final_loss,
-                    aux_loss=float(out.aux_loss.item()),
-                    lr=lr,
-                    grad_norm=float(grad_norm.item()),
-                    tokens_per_s=tok_s,
-                    elapsed_s=now - start,
-                    cpu_s=time.process_time() - cpu_start,
+        def train(first: int, last: int) -> None:
+            """Optimizer steps [first, last); the lr schedule's floor after sc.steps."""
+            nonlocal total_tokens, final_loss
+            for step in range(first, last):
+                lr = lr_at(step, sc)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                tasks = taskset.train_batch(step * sc.batch_size, sc.batch_size)
+                inputs_BT, targets_BT, mask_BT = collate(
+                    taskset, tasks, device, cfg.rollout.max_observation_tokens
                 )
-                progress.update(bar, stats=f"loss {final_loss:.3f}  {fmt_rate(tok_s)} tok/s")
-                window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, now
-            progress.advance(bar)
+                out = model(inputs_BT, token_mask_BT=inputs_BT != taskset.tokenizer.pad_id)
+                ce_BT = F.cross_entropy(
+                    out.logits_BTV.flatten(0, 1), targets_BT.flatten(), reduction="none"
+                ).view_as(targets_BT)
+                loss = (ce_BT * mask_BT).sum() / mask_BT.sum()
+                optimizer.zero_grad(set_to_none=True)
+                (loss + out.aux_loss).backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), sc.grad_clip)
+                optimizer.step()
+
+                num_tokens = int((inputs_BT != taskset.tokenizer.pad_id).sum())
+                total_tokens += num_tokens
+                window["loss"] += loss.item()
+                window["steps"] += 1
+                window["tokens"] += num_tokens
+                if (step + 1) % sc.log_every == 0 or step + 1 == last:
+                    now = time.perf_counter()
+                    final_loss = window["loss"] / window["steps"]
+                    tok_s = window["tokens"] / max(now - window["start"], 1e-9)
+                    metrics.log(
+                        step=step + 1,
+                        loss=final_loss,
+                        aux_loss=float(out.aux_loss.item()),
+                        lr=lr,
+                        grad_norm=float(grad_norm.item()),
+                        tokens_per_s=tok_s,
+                        elapsed_s=now - start,
+                        cpu_s=time.process_time() - cpu_start,
+                    )
+                    progress.update(bar, stats=f"loss {final_loss:.3f}  {fmt_rate(tok_s)} tok/s")
+                    window.update(loss=0.0, steps=0, tokens=0, start=now)
+                progress.advance(bar)
+
+        train(0, sc.steps)
+        num_steps = sc.steps
+        if sc.min_pass_at_1 > 0:
+            val_tasks = taskset.heldout()[cfg.eval.num_prompts :][: sc.val_prompts]
+            for round_ in range(sc.max_extend_rounds + 1):
+                val = pass_at_1_greedy(model, taskset, val_tasks, cfg)
+                model.train()
+                validation.append({"step": num_steps, "val_pass_at_1": val})
+                metrics.log(
+                    step=num_steps, val_pass_at_1=val, elapsed_s=time.perf_counter() - start
+                )
+                if val >= sc.min_pass_at_1 or round_ == sc.max_extend_rounds:
+                    break
+                progress.update(bar, total=num_steps + sc.extend_steps,
+                                stats=f"val pass@1 {val:.3f} < {sc.min_pass_at_1:g}: +{sc.extend_steps}")  # fmt: skip
+                train(num_steps, num_steps + sc.extend_steps)
+                num_steps += sc.extend_steps
+            if validation[-1]["val_pass_at_1"] < sc.min_pass_at_1:
+                log.warning(
+                    "sft: validation pass@1 %.3f is still below sft.min_pass_at_1 = %g after "
+                    "%d extra steps (sft.max_extend_rounds = %d); RL starts from there",
+                    validation[-1]["val_pass_at_1"], sc.min_pass_at_1, num_steps - sc.steps,
+                    sc.max_extend_rounds,
+                )  # fmt: skip
     wall_s = time.perf_counter() - start
     cpu_s = time.process_time() - cpu_start
     tokens_per_s = total_tokens / max(wall_s, 1e-9)
-    result = SFTResult(str(ckpt_dir), sc.steps, final_loss, wall_s, cpu_s, tokens_per_s)
+    result = SFTResult(str(ckpt_dir), num_steps, final_loss, wall_s, cpu_s, tokens_per_s,
+                       validation)  # fmt: skip
     save_checkpoint(model, taskset.tokenizer, ckpt_dir, result, cfg)
+    checks = "".join(
+        f", val pass@1 {v['val_pass_at_1']:.3f} at step {v['step']:.0f}" for v in validation
+    )
     console.print(
-        f"[bold]sft done[/] loss {final_loss:.4f} in {wall_s:.1f}s (cpu {cpu_s:.1f}s, "
-        f"{fmt_rate(result.tokens_per_s)} tok/s) -> {ckpt_dir}"
+        f"[bold]sft done[/] {num_steps} steps, loss {final_loss:.4f} in {wall_s:.1f}s (cpu "
+        f"{cpu_s:.1f}s, {fmt_rate(result.tokens_per_s)} tok/s){checks} -> {ckpt_dir}"
     )
     return result
 

@@ -82,6 +82,38 @@ def test_sft_learns_a_single_answer(tmp_path) -> None:
     assert losses[-1] < 0.75 * losses[0], losses
 
 
+def test_sft_extends_until_the_validation_band(tmp_path) -> None:
+    """sft.min_pass_at_1: checks on held-out tasks past the reported ones after `steps`, then
+    every extend_steps; stops at the target, or after max_extend_rounds and says so."""
+    out = tmp_path / "run"
+    base = [f"--run.output_dir={out}", *TINY, "--task.num_heldout=32", "--sft.steps=4",
+            "--sft.extend_steps=2", "--sft.val_prompts=16"]  # fmt: skip
+    # unreachable: every round runs, the summary records each check
+    assert main(["sft", *base, "--sft.min_pass_at_1=1.0", "--sft.max_extend_rounds=2"]) == 0
+    summary = json.loads((out / "sft" / "checkpoint" / "sft_summary.json").read_text())["result"]
+    assert summary["steps"] == 8
+    assert [v["step"] for v in summary["validation"]] == [4, 6, 8]
+    assert all(0.0 <= v["val_pass_at_1"] < 1.0 for v in summary["validation"])
+    checks = [r for r in read_metrics(out / "sft" / "metrics.jsonl") if "val_pass_at_1" in r]
+    assert [r["step"] for r in checks] == [4, 6, 8]
+    # max_extend_rounds = 0: one check and no extra step, whatever it reads
+    out2 = tmp_path / "run2"
+    args2 = [
+        a if not a.startswith("--run.output_dir") else f"--run.output_dir={out2}" for a in base
+    ]
+    assert main(["sft", *args2, "--sft.min_pass_at_1=1.0", "--sft.max_extend_rounds=0"]) == 0
+    summary2 = json.loads((out2 / "sft" / "checkpoint" / "sft_summary.json").read_text())["result"]
+    assert summary2["steps"] == 4 and len(summary2["validation"]) == 1
+
+
+def test_validation_band_needs_held_out_tasks_past_the_reported_ones(tmp_path, capsys) -> None:
+    out = tmp_path / "run"
+    assert main(["sft", f"--run.output_dir={out}", *TINY, "--sft.min_pass_at_1=0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "task.num_heldout" in err and "sft.val_prompts" in err
+    assert not out.exists()
+
+
 def test_bad_config_fails_before_work(tmp_path, capsys) -> None:
     out = tmp_path / "run"
     assert main(["sft", f"--run.output_dir={out}", "--sft.steps=-1"]) == 2

@@ -71,6 +71,14 @@ class SlipstreamConfig(Section):
             self.rollout.record_routing = True
         if not self.store.url:
             self.store.url = str(Path(self.run.output_dir).resolve() / "store")
+        if self.sft.min_pass_at_1 > 0:
+            need = self.eval.num_prompts + self.sft.val_prompts
+            if self.task.num_heldout < need:
+                raise ValueError(
+                    f"sft.min_pass_at_1 validates on held-out tasks past the reported ones: "
+                    f"task.num_heldout = {self.task.num_heldout} must be >= eval.num_prompts + "
+                    f"sft.val_prompts = {need}"
+                )
         # The layout against the model it splits (a start checkpoint's own architecture is
         # checked again when it loads, launch/dp.py).
         self.trainer.parallel.check(self.trainer.num_processes, self.model.num_experts)

@@ -22,3 +22,15 @@ class SFTConfig(Section):
     """Max global gradient norm."""
     log_every: int = Field(default=10, ge=1)
     """Write a metrics line (and refresh the progress bar's loss) every this many steps."""
+    min_pass_at_1: float = Field(default=0.0, ge=0, le=1)
+    """A starting point for RL that does not hang on CPU rounding: after `steps`, while greedy
+    pass@1 on the validation prompts is below this, train `extend_steps` more at the final lr
+    (at most `max_extend_rounds` times). 0 = off (exactly `steps` steps). The validation prompts
+    are held-out tasks the job never reports: task.heldout() after the first eval.num_prompts."""
+    extend_steps: int = Field(default=200, ge=1)
+    """Steps per extension round (see min_pass_at_1)."""
+    max_extend_rounds: int = Field(default=8, ge=0)
+    """Most extension rounds; SFT then ends below min_pass_at_1 and says so."""
+    val_prompts: int = Field(default=500, ge=1)
+    """Validation prompts for min_pass_at_1 (task.num_heldout must cover eval.num_prompts +
+    val_prompts)."""
