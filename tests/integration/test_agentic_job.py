@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from slipstream.observe.metrics import read_metrics
 from slipstream.sandbox.journal import Journal
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,3 +50,5 @@ def test_agentic_job_runs_and_reports_episode_figures(tmp_path: Path) -> None:
     assert buffer["episodes"] >= 3 * 8 * 8 and buffer["sandbox_acquire_p50_s"] is not None
     assert buffer["infra_failures"] == 0 and buffer["dropped_infra"] == 0
     assert Journal(state).entries() == []  # the worker's and the evaluations' pools are gone
+    steps = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "reward_mean" in r]
+    assert len(steps) == 3 and all(r["tool_calls_per_sample"] >= 0 for r in steps)

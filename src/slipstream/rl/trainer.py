@@ -460,6 +460,7 @@ class Trainer:
             reward_mean=float(np.mean([s.reward for s in batch.samples])),
             num_samples=float(len(batch.samples)),
             routing_bytes_per_sample=float(np.mean([len(s.routed_experts) for s in batch.samples])),
+            tool_calls_per_sample=float(np.mean([s.tool_calls for s in batch.samples])),
         )
         return totals
 
