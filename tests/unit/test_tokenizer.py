@@ -149,7 +149,7 @@ def test_transformers_tokenizer_from_the_export_gives_the_task_ids(tmp_path) -> 
     tok.save(tmp_path)
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     tasks, ts = _heldout_prompts(tok)
-    assert len(tasks) == 1000  # the quickstart: 500 reported + 500 SFT validation prompts
+    assert len(tasks) == 500
     for task in tasks:
         ids = ts.prompt_ids(task)
         assert hf(task.prompt)["input_ids"] == ids == tok.encode_prompt(task.prompt)

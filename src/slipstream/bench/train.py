@@ -145,6 +145,7 @@ def measure_sft(cfg: Any, out_dir: Path, args: argparse.Namespace) -> dict[str, 
     cfg = cfg.model_copy(deep=True)
     n = args.profile_steps
     cfg.sft.steps, cfg.sft.log_every = timed + n + 1, k
+    cfg.sft.min_pass_at_1 = 0.0  # only the fixed-step loop is timed (no validation decode)
     cfg.run.output_dir = str(out_dir)
     profs = [profile(activities=[ProfilerActivity.CPU]) for _ in range(n)]
     forwards = 0
