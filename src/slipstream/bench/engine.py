@@ -33,13 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-MODELS = {
-    "quickstart": dict(hidden_size=128, num_hidden_layers=4, num_experts=8, num_experts_per_tok=2),
-    "larger": dict(
-        hidden_size=256, num_hidden_layers=8, num_experts=16, num_experts_per_tok=2,
-        num_attention_heads=8, num_key_value_heads=4, moe_intermediate_size=256,
-    ),
-}  # fmt: skip
+from slipstream.bench.models import MODELS
+
 EOS = 2
 
 

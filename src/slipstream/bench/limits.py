@@ -338,7 +338,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def model_configs(cfg: Any, names: str) -> dict[str, Any]:
     """name -> ModelConfig (vocab resolved): "config" is cfg.model, "larger" bench engine's."""
-    from slipstream.bench.engine import MODELS
+    from slipstream.bench.models import MODELS
 
     out = {}
     base = resolve_vocab(cfg.model, cfg.task)

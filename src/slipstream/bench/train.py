@@ -203,7 +203,7 @@ def _spread(windows: list[dict[str, Any]], key: str) -> dict[str, float]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from slipstream.bench.engine import MODELS
+    from slipstream.bench.models import MODELS
     from slipstream.config import load_config
     from slipstream.observe.provenance import collect_provenance
     from slipstream.tasks import get_taskset

@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 from slipstream.cli import add_config_args
+from slipstream.cli.sandbox_args import sandbox_failure, sandbox_template
 
 BACKENDS = ("process", "bwrap", "qemu", "firecracker")  # slipstream.sandbox.base.BACKEND_NAMES
 
@@ -97,24 +98,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     register_actions(ssub, _seconds, _count)  # serve, status: the node's host agent
 
 
-def _template(args: argparse.Namespace, **over: Any):  # type: ignore[no-untyped-def]
-    from slipstream.config import ConfigError, load_config
-    from slipstream.sandbox.base import SandboxTemplate
-
-    cfg = load_config(args.config, args.overrides).sandbox
-    try:
-        tmpl = SandboxTemplate.from_config(cfg, **{k: v for k, v in over.items() if v is not None})
-    except ValueError as e:  # the template's own checks name the field and the value
-        raise ConfigError(f"invalid sandbox settings: {e}") from None
-    return cfg, tmpl
-
-
-def _sandbox_failure(e: Exception) -> int:
-    """One line for a backend that cannot run here or a sandbox that broke; exit 1."""
-    print(f"slipstream sandbox: {e}", file=sys.stderr)
-    return 1
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     from slipstream.sandbox.base import make_backend
 
@@ -122,7 +105,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not argv:
         print("slipstream sandbox run: give the command after --", file=sys.stderr)
         return 2
-    cfg, tmpl = _template(args, backend=args.backend, memory_mib=args.memory_mib)
+    cfg, tmpl = sandbox_template(args, backend=args.backend, memory_mib=args.memory_mib)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     stdin = sys.stdin.buffer.read() if args.stdin else None
 
@@ -142,7 +125,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         res, create_s = asyncio.run(go())
     except SandboxError as e:
-        return _sandbox_failure(e)
+        return sandbox_failure(e)
     if args.json:
         print(json.dumps({**res.to_dict(), "create_s": create_s}, indent=2))
     else:
@@ -195,7 +178,7 @@ def cmd_pool(args: argparse.Namespace) -> int:
 
     from slipstream.sandbox.pool import PoolOptions, SandboxPool
 
-    cfg, tmpl = _template(args)
+    cfg, tmpl = sandbox_template(args)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     opts = PoolOptions.from_config(cfg)
     state = {"done": 0, "failures": 0}
@@ -229,7 +212,7 @@ def cmd_pool(args: argparse.Namespace) -> int:
     try:
         asyncio.run(go())
     except SandboxError as e:
-        return _sandbox_failure(e)
+        return sandbox_failure(e)
     return 0 if state["failures"] == 0 else 1
 
 
@@ -326,7 +309,7 @@ def cmd_build_image(args: argparse.Namespace) -> int:
     try:
         paths = build_image(args.cache_dir, force=args.force)
     except RuntimeError as e:  # a missing input (kernel, busybox, guest python) or SandboxError
-        return _sandbox_failure(e)
+        return sandbox_failure(e)
     print(paths)
     return 0
 

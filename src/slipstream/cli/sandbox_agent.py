@@ -95,13 +95,13 @@ def register_actions(ssub: argparse._SubParsersAction, seconds: Any, count: Any)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from slipstream.cli.sandbox import _sandbox_failure, _template
+    from slipstream.cli.sandbox_args import sandbox_failure, sandbox_template
     from slipstream.sandbox.errors import SandboxError
     from slipstream.sandbox.host_agent import HostAgent
     from slipstream.sandbox.journal import default_state_dir
     from slipstream.sandbox.pool import PoolOptions
 
-    cfg, tmpl = _template(args)
+    cfg, tmpl = sandbox_template(args)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -113,7 +113,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         try:
             os.sched_setaffinity(0, args.cpus)
         except OSError as e:
-            return _sandbox_failure(OSError(f"--cpus {args.cpus}: {e}"))
+            return sandbox_failure(OSError(f"--cpus {args.cpus}: {e}"))
     agent = HostAgent(
         args.socket, tmpl, PoolOptions.from_config(cfg),
         state_dir=cfg.state_dir or default_state_dir(), lease_ttl_s=args.lease_ttl_s,
@@ -139,12 +139,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         asyncio.run(serve())
     except (SandboxError, OSError) as e:
-        return _sandbox_failure(e)
+        return sandbox_failure(e)
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from slipstream.cli.sandbox import _sandbox_failure
+    from slipstream.cli.sandbox_args import sandbox_failure
     from slipstream.sandbox.agent_pool import AgentPool
     from slipstream.sandbox.errors import SandboxError
 
@@ -159,7 +159,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     try:
         stats = asyncio.run(ask())
     except (SandboxError, ValueError) as e:
-        return _sandbox_failure(e)
+        return sandbox_failure(e)
     if args.json:
         print(json.dumps(stats, indent=2))
         return 0

@@ -41,7 +41,7 @@ from slipstream.engine.protocol import finite
 from slipstream.engine.streaming import TextStream, sse
 
 if TYPE_CHECKING:
-    from slipstream.engine.server import ServerState
+    from slipstream.engine.server_state import ServerState
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

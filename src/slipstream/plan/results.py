@@ -12,12 +12,9 @@ are defined by the same code.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from slipstream.plan.sim import Simulator
 
 
 def window_figures(
@@ -94,49 +91,6 @@ class SimResult:
     num_events: int
     wall_s: float
     extra: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def from_sim(cls, sim: Simulator, wall_s: float) -> SimResult:
-        lp = sim.plan.loop
-        spp = [float(lp.groups_per_step * lp.group_size)] * len(sim.step_end_s)
-        sps, idle, window = window_figures(sim.step_end_s, sim.idle_s, spp, lp.warmup_steps)
-        loop = sim.loop
-        t = sim.now
-        num_inst = max(1, len(sim.instances))
-        durations = sim.in_flight_durations_s
-        return cls(
-            steps=len(sim.step_end_s),
-            warmup_steps=lp.warmup_steps,
-            samples_per_s=sps,
-            trainer_idle_frac=idle,
-            window_s=window,
-            sim_time_s=t,
-            staleness_hist=dict(sorted(loop.staleness_hist.items())),
-            staleness_bound=lp.staleness_bound,
-            staleness_violations=sim.staleness_violations,
-            wasted_samples=sim.wasted_samples,
-            wasted_tokens=sim.wasted_tokens,
-            dropped_stale_groups=loop.num_dropped_stale,
-            rejected_acks=loop.num_rejected_acks,
-            nacked_tasks=sim.num_nacked_tasks,
-            abandoned_tasks=sim.num_abandoned_tasks,
-            expired_leases=loop.num_expired_leases,
-            interruptions=sim.num_interruptions,
-            mean_request_latency_s=float(np.mean(sim.request_latency_s))
-            if sim.request_latency_s
-            else float("nan"),
-            num_requests=len(sim.request_latency_s),
-            mean_train_s=float(np.mean(sim.train_s)) if sim.train_s else float("nan"),
-            mean_in_flight=loop.inflight_area(t) / t if t > 0 else 0.0,
-            mean_in_flight_time_s=float(np.mean(durations)) if durations else float("nan"),
-            completion_rate_per_s=len(durations) / t if t > 0 else 0.0,
-            rollout_busy_frac=sim.engine_busy_s / (t * num_inst) if t > 0 else 0.0,
-            instance_up_frac=sum(i.up_time_s for i in sim.instances) / (t * num_inst)
-            if t > 0
-            else 0.0,
-            num_events=sim.num_events,
-            wall_s=wall_s,
-        )
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

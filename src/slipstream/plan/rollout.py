@@ -16,22 +16,16 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from slipstream.plan.instance import Instance, Work
 
-if TYPE_CHECKING:
-    from slipstream.plan.sim import Simulator
 
-    _Base = Simulator
-else:
-    _Base = object
-
-
-class RolloutMixin(_Base):
-    """Methods of Simulator that model one rollout instance (see the module docstring)."""
+class RolloutMixin:
+    """Methods of Simulator that model one rollout instance (see the module docstring). They use
+    the Simulator's state (`now`, `plan`, `at`, the instances' and the loop's fields); this module
+    does not import sim.py, so the mixin is not typed against it."""
 
     # ---- weights -------------------------------------------------------------------------------
 
