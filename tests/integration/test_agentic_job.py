@@ -6,29 +6,21 @@ episode, sandbox acquire p50/p99 and infrastructure failures, and no sandbox is 
 from __future__ import annotations
 
 import ast
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from sandboxutil import needs_bwrap
 from slipstream.observe.metrics import read_metrics
 from slipstream.sandbox.journal import Journal
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _bwrap_unusable() -> str | None:
-    if os.geteuid() != 0:
-        return "the bwrap backend needs root (per-sandbox cgroups, setuid to nobody)"
-    if not os.access("/usr/bin/bwrap", os.X_OK):
-        return "/usr/bin/bwrap is not installed (scripts/setup.sh installs bubblewrap)"
-    return None
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(_bwrap_unusable() is not None, reason=str(_bwrap_unusable()))
+@needs_bwrap
 def test_agentic_job_runs_and_reports_episode_figures(tmp_path: Path) -> None:
     state = tmp_path / "sandbox-state"
     args = [

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from sandboxutil import needs_bwrap
 from slipstream.config.rl import RolloutConfig
 from slipstream.config.task import TaskConfig
 from slipstream.engine.base import Completion, GenerateRequest
@@ -39,20 +40,7 @@ from slipstream.sandbox.cgroups import CgroupManager
 from slipstream.sandbox.journal import Journal
 from slipstream.tasks import Task, get_taskset
 
-
-def _bwrap_unusable() -> str | None:
-    if os.geteuid() != 0:
-        return "the bwrap backend needs root (per-sandbox cgroups, setuid to nobody)"
-    if not os.access("/usr/bin/bwrap", os.X_OK):
-        return "/usr/bin/bwrap is not installed (scripts/setup.sh installs bubblewrap)"
-    try:
-        CgroupManager.detect("/sys/fs/cgroup")
-    except OSError as e:
-        return f"cgroups are not writable here: {e}"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_bwrap_unusable() is not None, reason=str(_bwrap_unusable()))
+pytestmark = needs_bwrap
 TEMPLATE = SandboxTemplate(backend="bwrap", memory_mib=256, workdir_mib=16)
 TS = get_taskset(TaskConfig(name="tool_arithmetic", env="python_tool", ops=["*"]))
 TOK = TS.tokenizer

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sandboxutil import needs_bwrap
 from slipstream.config import load_config
 from slipstream.config.task import TaskConfig
 from slipstream.envs import InfraError
@@ -38,20 +39,7 @@ from slipstream.storage import WeightStore
 from slipstream.tasks import Task, get_taskset
 from slipstream.tasks.code import BY_NAME
 
-
-def _bwrap_unusable() -> str | None:
-    if os.geteuid() != 0:
-        return "the bwrap backend needs root (per-sandbox cgroups, setuid to nobody)"
-    if not os.access("/usr/bin/bwrap", os.X_OK):
-        return "/usr/bin/bwrap is not installed (scripts/setup.sh installs bubblewrap)"
-    try:
-        CgroupManager.detect("/sys/fs/cgroup")
-    except OSError as e:
-        return f"cgroups are not writable here: {e}"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_bwrap_unusable() is not None, reason=str(_bwrap_unusable()))
+pytestmark = needs_bwrap
 
 TEMPLATE = SandboxTemplate(backend="bwrap", memory_mib=256, workdir_mib=32)
 
