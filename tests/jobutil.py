@@ -11,8 +11,9 @@ from pathlib import Path
 
 import torch
 
-from slipstream.config import load_config
-from slipstream.model import MoEForCausalLM, save_pretrained
+from slipstream.config import SlipstreamConfig, load_config
+from slipstream.model import MoEForCausalLM, hf_weights, load_pretrained, save_pretrained
+from slipstream.storage import WeightStore
 from slipstream.tasks import get_taskset
 
 # A model that runs a job step in well under a second on one core.
@@ -27,7 +28,17 @@ TINY_MODEL = [
 
 def save_random_init(directory: Path, overrides: list[str]) -> None:
     """A random (seed 0) model for the config `overrides` describe, saved as a start checkpoint."""
-    cfg = load_config(None, overrides)
+    _save_random(load_config(None, overrides), directory)
+
+
+def publish_random_init(cfg: SlipstreamConfig, directory: Path) -> None:
+    """A random (seed 0) model for `cfg` saved in `directory` and published as version 0 in
+    cfg.store.url: what a rollout worker built from `cfg` waits for and loads."""
+    _save_random(cfg, directory)
+    WeightStore(cfg.store.url).publish(0, *hf_weights(load_pretrained(directory)))
+
+
+def _save_random(cfg: SlipstreamConfig, directory: Path) -> None:
     vocab = get_taskset(cfg.task).tokenizer.vocab_size
     torch.manual_seed(0)
     save_pretrained(MoEForCausalLM(cfg.model.model_copy(update={"vocab_size": vocab})), directory)

@@ -370,8 +370,7 @@ def _worker_leases_from_the_agent(tmp_path: Path, agent_url: str) -> None:
     """`slipstream run`'s worker assembly (launch/worker.py) with rollout.sandbox_agent: the
     worker's sandboxes are the agent's (its admission limit, max_density 4), not a private pool
     (this worker's [sandbox] says max_density 1), and the backend check defers to the agent."""
-    import torch
-
+    from jobutil import publish_random_init
     from slipstream.config import load_config
     from slipstream.launch.worker import (
         WorkerSpec,
@@ -379,9 +378,7 @@ def _worker_leases_from_the_agent(tmp_path: Path, agent_url: str) -> None:
         check_sandbox_backend,
         close_worker,
     )
-    from slipstream.model import MoEForCausalLM, hf_weights, load_pretrained, save_pretrained
     from slipstream.sandbox.agent_pool import AgentPool
-    from slipstream.storage import WeightStore
 
     cfg = load_config(None, [
         f"run.output_dir={tmp_path}/run", "model.hidden_size=32", "model.num_hidden_layers=1",
@@ -394,10 +391,7 @@ def _worker_leases_from_the_agent(tmp_path: Path, agent_url: str) -> None:
         f"sandbox.state_dir={tmp_path}/worker-state", f"rollout.sandbox_agent={agent_url}",
     ])  # fmt: skip
     check_sandbox_backend(cfg)
-    torch.manual_seed(0)
-    model = MoEForCausalLM(cfg.model.model_copy(update={"vocab_size": TOK.vocab_size}))
-    save_pretrained(model, tmp_path / "init")
-    WeightStore(cfg.store.url).publish(0, *hf_weights(load_pretrained(tmp_path / "init")))
+    publish_random_init(cfg, tmp_path / "init")
     coord = Coordinator(TaskQueue(cfg.task.num_train), ExperienceBuffer(8, 4))
     worker = build_worker(WorkerSpec(("127.0.0.1", 0), b"\0", cfg.model_dump(mode="json")),
                           "w0.0", coord=coord)  # fmt: skip

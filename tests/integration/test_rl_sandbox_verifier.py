@@ -14,14 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import torch
 
+from jobutil import publish_random_init
 from sandboxutil import needs_bwrap
 from slipstream.config import load_config
 from slipstream.config.task import TaskConfig
 from slipstream.envs import InfraError
 from slipstream.launch.worker import WorkerSpec, build_worker, close_worker
-from slipstream.model import MoEForCausalLM, hf_weights, load_pretrained, save_pretrained
 from slipstream.rl.buffer import ExperienceBuffer
 from slipstream.rl.coordinator import Coordinator
 from slipstream.rl.queue import TaskQueue
@@ -35,7 +34,6 @@ from slipstream.rl.verifier import (
 from slipstream.sandbox import PoolOptions, SandboxTemplate
 from slipstream.sandbox.cgroups import CgroupManager
 from slipstream.sandbox.journal import Journal, process_alive
-from slipstream.storage import WeightStore
 from slipstream.tasks import Task, get_taskset
 from slipstream.tasks.code import BY_NAME
 
@@ -157,14 +155,7 @@ def test_rollout_worker_on_code_task_verifies_in_sandbox_pool(tmp_path: Path) ->
         "sandbox.min_idle=1", "sandbox.max_idle=2", "sandbox.max_density=2.0",
         f"sandbox.state_dir={state}",
     ])  # fmt: skip
-    ts = get_taskset(cfg.task)
-    torch.manual_seed(0)
-    init = tmp_path / "init"
-    save_pretrained(
-        MoEForCausalLM(cfg.model.model_copy(update={"vocab_size": ts.tokenizer.vocab_size})), init
-    )
-    store = WeightStore(cfg.store.url)
-    store.publish(0, *hf_weights(load_pretrained(init)))
+    publish_random_init(cfg, tmp_path / "init")
     coord = Coordinator(TaskQueue(cfg.task.num_train), ExperienceBuffer(8, 4))
     spec = WorkerSpec(("127.0.0.1", 0), b"\0", cfg.model_dump(mode="json"))  # coord is given
     worker = build_worker(spec, "w0.0", coord=coord)
@@ -211,13 +202,7 @@ def test_worker_process_sigterm_stops_its_pool(tmp_path: Path) -> None:
         "sandbox.memory_mib=256", "sandbox.workdir_mib=32", "sandbox.min_idle=1",
         "sandbox.max_idle=1", "sandbox.max_density=2.0", f"sandbox.state_dir={state}",
     ])  # fmt: skip
-    ts = get_taskset(cfg.task)
-    torch.manual_seed(0)
-    init = tmp_path / "init"
-    save_pretrained(
-        MoEForCausalLM(cfg.model.model_copy(update={"vocab_size": ts.tokenizer.vocab_size})), init
-    )
-    WeightStore(cfg.store.url).publish(0, *hf_weights(load_pretrained(init)))
+    publish_random_init(cfg, tmp_path / "init")
     coord = Coordinator(TaskQueue(cfg.task.num_train), ExperienceBuffer(8, 4))
     launcher = LocalLauncher(cfg, coord, restart=False)
     launcher.start()
@@ -259,13 +244,7 @@ def test_sandbox_capacity_check_applies_to_episodes_that_hold_one(
         "sandbox.workdir_mib=32", "sandbox.min_idle=0", "sandbox.max_idle=1",
         "sandbox.max_density=1.0", f"sandbox.state_dir={tmp_path}/state",
     ])  # fmt: skip
-    ts = get_taskset(cfg.task)
-    torch.manual_seed(0)
-    init = tmp_path / "init"
-    save_pretrained(
-        MoEForCausalLM(cfg.model.model_copy(update={"vocab_size": ts.tokenizer.vocab_size})), init
-    )
-    WeightStore(cfg.store.url).publish(0, *hf_weights(load_pretrained(init)))
+    publish_random_init(cfg, tmp_path / "init")
     coord = Coordinator(TaskQueue(cfg.task.num_train), ExperienceBuffer(8, 4))
     spec = WorkerSpec(("127.0.0.1", 0), b"\0", cfg.model_dump(mode="json"))
     if fits:
