@@ -26,11 +26,9 @@ Writes JSON with provenance to benchmarks/results/engine.json (or --out).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 from slipstream.bench.models import MODELS
@@ -222,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from slipstream.bench.limits import measure_limits
-    from slipstream.observe.provenance import collect_provenance
+    from slipstream.observe.provenance import collect_provenance, write_result
 
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()
@@ -310,8 +308,6 @@ def run(args: argparse.Namespace) -> int:
             {"loadavg_start": load_start, "loadavg_end": os.getloadavg()}
         ),
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = write_result(args.out, result)
     print(f"wrote {out}")
     return 0

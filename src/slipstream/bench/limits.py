@@ -33,7 +33,6 @@ routing imbalance (experts are assumed balanced), gradient clipping and zero_gra
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import time
@@ -356,7 +355,7 @@ def model_configs(cfg: Any, names: str) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     from slipstream.config import load_config
-    from slipstream.observe.provenance import collect_provenance
+    from slipstream.observe.provenance import collect_provenance, write_result
 
     cfg = load_config(args.config, args.overrides)
     threads = args.threads or cfg.run.num_threads or None
@@ -384,9 +383,7 @@ def run(args: argparse.Namespace) -> int:
         "provenance": collect_provenance({"loadavg_start": load_start,
                                           "loadavg_end": os.getloadavg()}),
     }  # fmt: skip
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1))
+    out = write_result(args.out, record)
     print(f"load average {load_start[0]:.1f} -> {os.getloadavg()[0]:.1f}\nwrote {out}")
     return 0
 

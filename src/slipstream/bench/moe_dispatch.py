@@ -20,10 +20,8 @@ JSON with provenance goes to benchmarks/results/moe_dispatch.json (or --out).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 # (tokens per rank, hidden, experts, top_k)
@@ -198,7 +196,7 @@ def _mib(b: float) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from slipstream.moe.launch import spawn_ep
-    from slipstream.observe.provenance import collect_provenance
+    from slipstream.observe.provenance import collect_provenance, write_result
 
     configs = (
         [tuple(int(v) for v in c.split(",")) for c in args.config]
@@ -296,8 +294,6 @@ def run(args: argparse.Namespace) -> int:
         "deepep_reference_different_hardware": DEEPEP_REFERENCE,
         "provenance": collect_provenance({"command": "slipstream bench moe-dispatch"}),
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = write_result(args.out, result)
     print(f"wrote {out}")
     return 0

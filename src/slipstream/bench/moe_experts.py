@@ -14,11 +14,9 @@ JSON with provenance to benchmarks/results/moe_experts.json (or --out).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 # (tokens, hidden, expert_width, experts, top_k): the quickstart layer, then wider/sparser ones
@@ -155,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from slipstream.model import moe
-    from slipstream.observe.provenance import collect_provenance
+    from slipstream.observe.provenance import collect_provenance, write_result
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -200,8 +198,6 @@ def run(args: argparse.Namespace) -> int:
         "fallbacks": list(moe.fallbacks),
         "provenance": collect_provenance({"command": "slipstream bench moe-experts"}),
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = write_result(args.out, result)
     print(f"wrote {out}")
     return 0

@@ -28,7 +28,6 @@ Not covered: a real inter-node link (no emulated bandwidth cap), GPUs.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -159,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     from slipstream.config import load_config
     from slipstream.model import MoEForCausalLM, save_pretrained
     from slipstream.moe.cost_model import predicted_inter_node_ratio
-    from slipstream.observe.provenance import collect_provenance
+    from slipstream.observe.provenance import collect_provenance, write_result
     from slipstream.runtime import spawn_ranks
 
     model_o = _model_overrides(args)
@@ -244,9 +243,7 @@ def run(args: argparse.Namespace) -> int:
                     "groups": args.groups, "group_size": args.group_size, "steps": args.steps},
         "provenance": collect_provenance(),
     }  # fmt: skip
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1))
+    out = write_result(args.out, record)
     print(f"figure: FSDP+EP experts {fsdp_ep:.2f}x of total/world (goal within 10%: "
           f"{'met' if record['meets_goal'] else 'NOT met'}) | baseline replicated "
           f"{record['baseline']['value']:.2f}x\nwrote {out}")  # fmt: skip

@@ -29,7 +29,6 @@ the same number of steps; rewards are reported side by side).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import tempfile
@@ -171,7 +170,7 @@ def _trainer_limit(cfg: Any, init: str, results: list[dict[str, Any]]) -> dict[s
 
 def run(args: argparse.Namespace) -> int:
     from slipstream.config import load_config
-    from slipstream.observe.provenance import collect_provenance
+    from slipstream.observe.provenance import collect_provenance, write_result
 
     logging.basicConfig(level=logging.WARNING)
     load_start = os.getloadavg()
@@ -225,9 +224,7 @@ def run(args: argparse.Namespace) -> int:
         "provenance": collect_provenance({"loadavg_start": load_start,
                                           "loadavg_end": os.getloadavg()}),
     }  # fmt: skip
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1))
+    out = write_result(args.out, record)
     print(f"\n{'mode':<8} {'samples/s':>10} {'idle':>6} {'final reward':>13} {'pass@1 after':>13}")
     for r in results:
         p1 = r["pass_at_1_after"]

@@ -23,7 +23,6 @@ CPU both run the same fp32 kernels, so at staleness 0 the mismatch is float roun
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import tempfile
 import time
@@ -66,7 +65,7 @@ def _summary(records: list[dict[str, Any]]) -> dict[str, float]:
 def run(args: argparse.Namespace) -> int:
     from slipstream.bench.pipeline import run_mode
     from slipstream.config import load_config
-    from slipstream.observe.provenance import collect_provenance
+    from slipstream.observe.provenance import collect_provenance, write_result
 
     logging.basicConfig(level=logging.WARNING)
     bounds = [int(s) for s in args.staleness.split(",")]
@@ -125,9 +124,7 @@ def run(args: argparse.Namespace) -> int:
         "config": base.model_dump(mode="json"),
         "provenance": collect_provenance(),
     }  # fmt: skip
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1))
+    out = write_result(args.out, record)
     print(f"\nfigure R3 |dlogp| {on.get('logp_abs_diff', float('nan')):.4f} | baseline "
           f"{off.get('logp_abs_diff', float('nan')):.4f} | limit 0 (max_staleness {top}); "
           f"wall {time.perf_counter() - t_start:.0f} s\nwrote {out}")  # fmt: skip

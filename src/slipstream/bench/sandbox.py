@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import statistics
@@ -219,7 +218,7 @@ def goals_for(b: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from slipstream.observe.provenance import collect_provenance
+    from slipstream.observe.provenance import collect_provenance, write_result
     from slipstream.sandbox.errors import BackendUnavailable, SandboxError
     from slipstream.sandbox.topology import read_topology
 
@@ -247,9 +246,7 @@ def run(args: argparse.Namespace) -> int:
     results["provenance"] = collect_provenance(
         {"benchmark": "sandbox", "topology": read_topology().to_dict()}
     )
-    out = Path(args.out or "benchmarks/results/sandbox.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
+    out = write_result(args.out or "benchmarks/results/sandbox.json", results)
     _table(results)
     print(f"wrote {out}", file=sys.stderr)
     return 0
@@ -258,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
 def run_shared_agent_case(args: argparse.Namespace) -> int:
     """N workers through one host agent vs N private pools (bench/sandbox_agent.py)."""
     from slipstream.bench.sandbox_agent import print_table, run_shared_agent
-    from slipstream.observe.provenance import collect_provenance
+    from slipstream.observe.provenance import collect_provenance, write_result
     from slipstream.sandbox.errors import SandboxError
     from slipstream.sandbox.topology import read_topology
 
@@ -274,9 +271,7 @@ def run_shared_agent_case(args: argparse.Namespace) -> int:
     results["provenance"] = collect_provenance(
         {"benchmark": "sandbox-shared-agent", "topology": read_topology().to_dict()}
     )
-    out = Path(args.out or "benchmarks/results/sandbox-shared-agent.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
+    out = write_result(args.out or "benchmarks/results/sandbox-shared-agent.json", results)
     print_table(results)
     print(f"wrote {out}", file=sys.stderr)
     return 0

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
 import random
 import statistics
@@ -205,11 +204,11 @@ def run(args: argparse.Namespace) -> int:
 
     from slipstream.bench.models import MODELS
     from slipstream.config import load_config
-    from slipstream.observe.provenance import collect_provenance
+    from slipstream.observe.provenance import collect_provenance, write_result
     from slipstream.tasks import get_taskset
 
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)  # the profiles are written before the JSON
     load_start = os.getloadavg()
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp_s:
@@ -240,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
         "provenance": collect_provenance({"loadavg_start": load_start,
                                           "loadavg_end": os.getloadavg()}),
     }  # fmt: skip
-    out.write_text(json.dumps(record, indent=1))
+    write_result(out, record)
     print(f"\n{'model':<8} {'kind':<4} {'tokens/s (wall): median, range':>31} "
           f"{'per CPU s: median, range':>26} {'limit':>7} {'wall':>6} {'CPU':>6} {'pad':>4}")  # fmt: skip
     for r in rows:

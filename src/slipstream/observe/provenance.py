@@ -8,6 +8,7 @@ is already importable; this module itself imports only the standard library.
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 import platform
 import socket
@@ -85,3 +86,11 @@ def collect_provenance(extra: dict[str, Any] | None = None) -> dict[str, Any]:
     if extra:
         prov.update(extra)
     return prov
+
+
+def write_result(path: str | Path, record: dict[str, Any]) -> Path:
+    """Write a benchmark's JSON record (with its provenance) to `path`, making the folder."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    return out
