@@ -284,3 +284,35 @@ def test_moe_block_accepts_zero_tokens(impl):
     block = SparseMoeBlock(16, 4, 2, 8, True, 0, impl)
     out = block.experts(torch.zeros(0, 16), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2))
     assert out.shape == (0, 16)
+
+
+@pytest.mark.parametrize("shared", [0, 32])
+def test_moe_skip_padding_equals_the_padded_forward_on_real_tokens(shared: int) -> None:
+    """Right-padded batch: skipping the padding in the MoE layers changes nothing at the real
+    positions (logits, router losses over them, and every gradient); the padding's router logits
+    are 0."""
+    model = _model(shared_expert_intermediate_size=shared, router_z_loss_coef=0.01).train()
+    ids = _ids(3, 9)
+    real = torch.ones(3, 9, dtype=torch.bool)
+    real[1, 5:] = False
+    real[2, 2:] = False
+
+    def run(skip: bool):
+        model.zero_grad(set_to_none=True)
+        out = model(ids, token_mask_BT=real, moe_skip_padding_BT=real if skip else None)
+        loss = (out.logits_BTV.logsumexp(-1) * real).sum() + out.aux_loss
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return out, grads
+
+    ref, ref_g = run(False)
+    got, got_g = run(True)
+    torch.testing.assert_close(got.logits_BTV[real], ref.logits_BTV[real], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got.aux_loss, ref.aux_loss, atol=1e-7, rtol=1e-6)
+    assert ref_g.keys() == got_g.keys()
+    for name in ref_g:
+        torch.testing.assert_close(got_g[name], ref_g[name], atol=1e-6, rtol=1e-5, msg=name)
+    for logits_NE in got.router_logits:
+        assert torch.count_nonzero(logits_NE[~real.reshape(-1)]) == 0
+    with pytest.raises(ValueError, match="token_mask_BT"):
+        model(ids, moe_skip_padding_BT=real)

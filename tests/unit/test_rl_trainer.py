@@ -154,3 +154,54 @@ def test_freeze_router_keeps_router_weights_and_trains_the_rest() -> None:
     Trainer(model2, TrainerConfig(lr=1e-2), pad_id=0).step(make_batch())
     assert not torch.equal(model2.state_dict()["model.layers.0.mlp.gate.weight"],
                            before["model.layers.0.mlp.gate.weight"])  # fmt: skip
+
+
+def test_collate_fills_every_field_per_position() -> None:
+    """The trainer's right-padded batch, position by position: a fully sampled completion, a
+    multi-turn one (an observation token in the middle, loss_mask 0) and a short one."""
+    from slipstream.rl.trainer import collate
+
+    full = Sample(prompt_ids=[5, 6], completion_ids=[7, 8, 9], behaviour_logprobs=[-1.0, -2.0, -3.0],
+                  versions=[4, 4, 5], reward=1.0)  # fmt: skip
+    turns = Sample(prompt_ids=[5], completion_ids=[7, 3, 8], behaviour_logprobs=[-1.5, -2.5],
+                   versions=[2, 3], reward=0.0, loss_mask=[1, 0, 1])  # fmt: skip
+    bare = Sample(
+        prompt_ids=[5, 6, 6],
+        completion_ids=[7],
+        behaviour_logprobs=[-0.5],
+        versions=[9],
+        reward=0.0,
+    )
+    t = collate([full, turns, bare], pad_id=0, device=torch.device("cpu"))
+    assert t["inputs_BT"].tolist() == [[5, 6, 7, 8], [5, 7, 3, 0], [5, 6, 6, 0]]
+    assert t["targets_BT"].tolist() == [[6, 7, 8, 9], [7, 3, 8, 0], [6, 6, 7, 0]]
+    assert t["mask_BT"].tolist() == [[False, True, True, True], [True, False, True, False],
+                                     [False, False, True, False]]  # fmt: skip
+    assert t["behaviour_BT"].tolist() == [[0.0, -1.0, -2.0, -3.0], [-1.5, 0.0, -2.5, 0.0],
+                                          [0.0, 0.0, -0.5, 0.0]]  # fmt: skip
+    # prompt positions: the first sampled token's version; the observation: the next sampled one's
+    assert t["version_BT"].tolist() == [[4, 4, 4, 5], [2, 3, 3, -1], [9, 9, 9, -1]]
+    assert t["valid_BT"].tolist() == [[True] * 4, [True, True, True, False],
+                                      [True, True, True, False]]  # fmt: skip
+    assert t["last_B"].tolist() == [3, 2, 2]
+    assert collate([full], 0, torch.device("cpu"), pad_to=6)["inputs_BT"].shape == (1, 6)
+    with pytest.raises(ValueError, match="pad_to"):
+        collate([full], 0, torch.device("cpu"), pad_to=3)
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, 1e3])
+def test_clip_grad_norm_equals_torch_bit_for_bit(max_norm: float) -> None:
+    """Clipping (small max_norm) and not clipping (large): gradients and norm as torch's."""
+    from slipstream.parallel.ranks import clip_grad_norm_
+
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(7, 5)), torch.nn.Parameter(torch.randn(3))]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    for a, b in zip(ours, ref, strict=True):
+        a.grad = torch.randn_like(a)
+        b.grad = a.grad.clone()
+    norm = clip_grad_norm_(ours, max_norm)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref, max_norm)
+    assert torch.equal(norm, ref_norm)
+    for a, b in zip(ours, ref, strict=True):
+        assert torch.equal(a.grad, b.grad)

@@ -210,7 +210,7 @@ def measure_optimizer(num_params: int, device: str = "cpu", repeats: int = 3) ->
 
 def _timed(gemms: list[Gemm], dtype: Any, device: str, repeats: int) -> list[GemmTiming]:
     """Each product timed at its shape, except "combine" (the gate-weighted sum of the k expert
-    outputs: a batched 1 x k @ k x D product in the model, elementwise work in an ideal kernel),
+    outputs: elementwise work, model.moe.combine_topk), counted as a 1 x k @ k x D product per row,
     which is charged at the mean rate of the others instead of the rate a bmm of 1-row matrices
     gets."""
     out, rest = [], []

@@ -77,6 +77,14 @@ def _grouped_mm_ok(x: torch.Tensor, inner_sizes: Sequence[int]) -> str | None:
     return None
 
 
+def combine_topk(w_Nk: torch.Tensor, y_NkD: torch.Tensor) -> torch.Tensor:
+    """sum_j w[n, j] * y[n, j, :]: the gate-weighted sum of each token's k expert outputs (the
+    combine of every expert path and EP dispatcher). Elementwise multiply + sum over k: a batched
+    (1 x k) @ (k x D) product did the same in 0.9 ms per call at N = 704, k = 2, D = 128 here
+    (3 calls per MoE layer and step counting backward) against ~0.05 ms for this form."""
+    return (y_NkD * w_Nk.to(y_NkD.dtype)[:, :, None]).sum(dim=1)
+
+
 class Experts(nn.Module):
     """E SwiGLU experts stored stacked, in transformers-5 layout: gate_up_proj (E, 2I, D) with the
     gate rows first, down_proj (E, D, I). Weights are applied as x @ W^T (nn.Linear convention)."""
@@ -147,8 +155,7 @@ class Experts(nn.Module):
         inverse_A = torch.empty_like(order_A)
         inverse_A[order_A] = torch.arange(order_A.numel(), device=order_A.device)
         y_NkD = y_AD.index_select(0, inverse_A).view(N, k, y_AD.shape[-1])
-        # weighted sum over the k choices as one batched (1 x k) @ (k x D) product
-        return torch.bmm(w_Nk.to(y_NkD.dtype)[:, None, :], y_NkD).squeeze(1)
+        return combine_topk(w_Nk, y_NkD)
 
     @staticmethod
     def _batched(
@@ -179,7 +186,7 @@ class Experts(nn.Module):
         y_ECD = torch.bmm(F.silu(gate) * up, down_w_E.transpose(1, 2))
         y_AD = torch.empty(order_A.numel(), D, dtype=y_ECD.dtype, device=y_ECD.device)
         y_AD[order_A] = y_ECD[sorted_ids_A, slot_A]
-        return torch.bmm(w_Nk.to(y_AD.dtype)[:, None, :], y_AD.view(N, k, D)).squeeze(1)
+        return combine_topk(w_Nk, y_AD.view(N, k, D))
 
     @staticmethod
     def _loop(
@@ -258,11 +265,32 @@ class SparseMoeBlock(nn.Module):
         return logits_NE, w_Nk.to(logits_NE.dtype), ids_Nk
 
     def forward(
-        self, x_BTD: torch.Tensor, replay_ids_Nk: torch.Tensor | None = None
+        self,
+        x_BTD: torch.Tensor,
+        replay_ids_Nk: torch.Tensor | None = None,
+        valid_N: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (output (B, T, D), router logits (B*T, E)). `replay_ids_Nk`: see `route`."""
+        """-> (output (B, T, D), router logits (B*T, E)). `replay_ids_Nk`: see `route`.
+        `valid_N` (bool, B*T): route and compute only these tokens (padding of a right-padded
+        training batch, which no real token attends to); the others get output 0 and router
+        logits 0, so callers must keep them out of every loss (the router losses' token mask)."""
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(-1, D)
+        if valid_N is None:
+            out_ND, logits_NE = self._tokens(x_ND, replay_ids_Nk)
+            return out_ND.view(B, T, D), logits_NE
+        rows_M = valid_N.reshape(-1).nonzero().squeeze(1)
+        replay_Mk = None if replay_ids_Nk is None else replay_ids_Nk.index_select(0, rows_M)
+        out_MD, logits_ME = self._tokens(x_ND.index_select(0, rows_M), replay_Mk)
+        out_ND = out_MD.new_zeros(x_ND.shape).index_copy(0, rows_M, out_MD)
+        logits_NE = logits_ME.new_zeros(x_ND.shape[0], logits_ME.shape[1]).index_copy(
+            0, rows_M, logits_ME
+        )
+        return out_ND.view(B, T, D), logits_NE
+
+    def _tokens(
+        self, x_ND: torch.Tensor, replay_ids_Nk: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         logits_NE, w_Nk, ids_Nk = self.route(x_ND, replay_ids_Nk)
         if self.routing_sink is not None:
             self.routing_sink(ids_Nk)
@@ -271,7 +299,7 @@ class SparseMoeBlock(nn.Module):
             out_ND = out_ND + torch.sigmoid(self.shared_expert_gate(x_ND)) * self.shared_expert(
                 x_ND
             )
-        return out_ND.view(B, T, D), logits_NE
+        return out_ND, logits_NE
 
 
 def load_balancing_loss(

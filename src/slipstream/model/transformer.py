@@ -76,11 +76,12 @@ class DecoderLayer(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         cache: KVCache | None,
         replay_ids_Nk: torch.Tensor | None = None,
+        valid_N: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), cos_sin, cache)
         h = self.post_attention_layernorm(x_BTD)
         if isinstance(self.mlp, SparseMoeBlock):
-            out, router_logits = self.mlp(h, replay_ids_Nk)
+            out, router_logits = self.mlp(h, replay_ids_Nk, valid_N)
             return x_BTD + out, router_logits
         return x_BTD + self.mlp(h), None
 
@@ -170,6 +171,7 @@ class MoEForCausalLM(nn.Module):
         token_mask_BT: torch.Tensor | None = None,
         logits_to_keep: int = 0,
         replay_routing_LNk: torch.Tensor | None = None,
+        moe_skip_padding_BT: torch.Tensor | None = None,
     ) -> ModelOutput:
         """Logits for every input position. Without a cache: causal attention over the T tokens
         given (no padding mask: right-pad batches). With a cache: see `KVCache`.
@@ -179,7 +181,13 @@ class MoEForCausalLM(nn.Module):
         (B, T, V) projection at prefill); 0 keeps all.
         `replay_routing_LNk` (routing replay): per MoE layer (model order), the experts each of
         the N = B*T tokens (row-major) is routed to instead of the router's own top-k (see
-        `SparseMoeBlock.route`); the router losses still follow the live router."""
+        `SparseMoeBlock.route`); the router losses still follow the live router.
+        `moe_skip_padding_BT` (bool, training without a cache): the real tokens of a right-padded
+        batch; MoE layers route and compute only these (19% fewer expert rows on the quickstart's
+        RL batches). Exact for the real positions (causal attention: none attends to padding);
+        the padding's logits are then meaningless, and its router logits are 0: pass the same or
+        a smaller `token_mask_BT` so the router losses skip it. Only for experts in this
+        process (the expert-parallel dispatchers need the same token count on every rank)."""
         B, T = input_ids_BT.shape
         if replay_routing_LNk is not None and replay_routing_LNk.shape[:2] != (
             len(self.moe_layer_ids),
@@ -196,6 +204,9 @@ class MoEForCausalLM(nn.Module):
             position_ids_BT, self.config.head_dim, self.config.rope_theta, x_BTD.dtype
         )
         router_logits: list[torch.Tensor] = []
+        valid_N = None if moe_skip_padding_BT is None else moe_skip_padding_BT.reshape(-1)
+        if valid_N is not None and token_mask_BT is None:
+            raise ValueError("moe_skip_padding_BT needs a token_mask_BT that excludes the padding")
         checkpoint = self.gradient_checkpointing and self.training and cache is None
         for layer in self.model.layers:
             replay = None
@@ -203,10 +214,10 @@ class MoEForCausalLM(nn.Module):
                 replay = replay_routing_LNk[len(router_logits)]
             if checkpoint:
                 x_BTD, rl = torch.utils.checkpoint.checkpoint(
-                    layer, x_BTD, cos_sin, None, replay, use_reentrant=False
+                    layer, x_BTD, cos_sin, None, replay, valid_N, use_reentrant=False
                 )
             else:
-                x_BTD, rl = layer(x_BTD, cos_sin, cache, replay)
+                x_BTD, rl = layer(x_BTD, cos_sin, cache, replay, valid_N)
             if rl is not None:
                 router_logits.append(rl)
         if logits_to_keep > 0:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from slipstream.model.moe import combine_topk
 from slipstream.moe.base import BaseDispatcher, HandleBase
 
 
@@ -59,4 +60,4 @@ class ExactDispatcher(BaseDispatcher):
         inverse_A[handle.order_A] = torch.arange(handle.order_A.numel(), device=y_MD.device)
         N, K = handle.topk_w_NK.shape
         y_NKD = back_AD.index_select(0, inverse_A).view(N, K, y_MD.shape[1])
-        return torch.bmm(handle.topk_w_NK.to(y_NKD.dtype)[:, None, :], y_NKD).squeeze(1)
+        return combine_topk(handle.topk_w_NK, y_NKD)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from slipstream.model.moe import combine_topk
 from slipstream.moe.base import BaseDispatcher, HandleBase
 from slipstream.moe.meter import ByteMeter
 from slipstream.moe.topology import EPGroup
@@ -126,4 +127,4 @@ class PaddedDispatcher(BaseDispatcher):
             0, handle.kept_A, back.index_select(0, handle.slot_kept)
         )
         y_NKD = y_AD.view(N, K, y_MD.shape[1])
-        return torch.bmm(handle.topk_w_NK.to(y_NKD.dtype)[:, None, :], y_NKD).squeeze(1)
+        return combine_topk(handle.topk_w_NK, y_NKD)

@@ -27,6 +27,19 @@ from torch.distributed.tensor import DTensor
 T = TypeVar("T")
 
 
+def clip_grad_norm_(params: Sequence[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` (one process), bit for bit, minus its unconditional pass
+    over every gradient: torch multiplies by the clamped coefficient even when it is 1.0; here
+    the gradients are scaled only when the norm exceeds max_norm (the same coefficient, computed
+    the same way). -> the total norm before clipping. Not for DTensor gradients (Ranks does
+    those)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads)
+    if bool(max_norm / (total + 1e-6) < 1.0):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
 class _SumKeepGrad(torch.autograd.Function):
     """all_reduce(SUM) forward; identity backward: the upstream gradient is already the same
     global quantity on every rank."""
@@ -103,7 +116,7 @@ class Ranks:
         Sharded: every element of every parameter lives on exactly one rank, so the global norm
         is the square root of the ranks' summed local squares."""
         if not self.sharded:
-            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+            return float(clip_grad_norm_(params, max_norm))
         grads = [p.grad for p in params if p.grad is not None]
         local_sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for g in grads:

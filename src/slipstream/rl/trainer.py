@@ -73,35 +73,39 @@ def collate(
             raise ValueError(f"pad_to={pad_to} is shorter than the longest sample ({T})")
         T = pad_to
     B = len(samples)
-    inputs_BT = torch.full((B, T), pad_id, dtype=torch.long)
-    targets_BT = torch.full((B, T), pad_id, dtype=torch.long)
-    mask_BT = torch.zeros((B, T), dtype=torch.bool)
-    behaviour_BT = torch.zeros((B, T), dtype=torch.float32)
-    version_BT = torch.full((B, T), -1, dtype=torch.long)
-    valid_BT = torch.zeros((B, T), dtype=torch.bool)
-    last_B = torch.zeros(B, dtype=torch.long)
-    for b, s in enumerate(samples):
+    # Rows are built as Python lists and turned into one tensor per field: filling (B, T)
+    # tensors slice by slice made ~8 torch calls per sample (5% of a quickstart RL step here).
+    inputs, targets, mask, behaviour, versions, valid = [], [], [], [], [], []
+    last = []
+    for s in samples:
         seq = s.prompt_ids + s.completion_ids
         n, p = len(seq) - 1, len(s.prompt_ids)
-        inputs_BT[b, :n] = torch.tensor(seq[:-1])
-        targets_BT[b, :n] = torch.tensor(seq[1:])
-        valid_BT[b, :n] = True
-        last_B[b] = max(n - 1, p - 1)
+        pad = T - n
+        inputs.append(seq[:-1] + [pad_id] * pad)
+        targets.append(seq[1:] + [pad_id] * pad)
+        valid.append([True] * n + [False] * pad)
+        last.append(max(n - 1, p - 1))
         # target j is token j + 1, so the completion's targets are positions p-1 .. n-1
-        if not s.loss_mask or all(s.loss_mask):  # every completion token was sampled
-            mask_BT[b, p - 1 : n] = True
-            behaviour_BT[b, p - 1 : n] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
-            if s.versions:
-                version_BT[b, : p - 1] = s.versions[0]
-                version_BT[b, p - 1 : n] = torch.tensor(s.versions)
-            continue
-        sampled_C = torch.tensor(s.loss_mask, dtype=torch.bool)
-        pos_S = (p - 1) + torch.nonzero(sampled_C).flatten()
-        mask_BT[b, pos_S] = True
-        behaviour_BT[b, pos_S] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
+        sampled = s.loss_mask if s.loss_mask else [1] * len(s.completion_ids)
+        mask.append([False] * (p - 1) + [bool(m) for m in sampled] + [False] * pad)
+        beh = [0.0] * T
+        for j, lp in zip((p - 1 + i for i, m in enumerate(sampled) if m), s.behaviour_logprobs,
+                         strict=True):  # fmt: skip
+            beh[j] = lp
+        behaviour.append(beh)
         if s.versions:
-            version_BT[b, : p - 1] = s.versions[0]
-            version_BT[b, p - 1 : n] = torch.tensor(_versions_per_token(s.loss_mask, s.versions))
+            per_token = (s.versions if all(sampled)
+                         else _versions_per_token(list(sampled), s.versions))  # fmt: skip
+            versions.append([s.versions[0]] * (p - 1) + per_token + [-1] * pad)
+        else:
+            versions.append([-1] * T)
+    inputs_BT = torch.tensor(inputs, dtype=torch.long)
+    targets_BT = torch.tensor(targets, dtype=torch.long)
+    mask_BT = torch.tensor(mask, dtype=torch.bool)
+    behaviour_BT = torch.tensor(behaviour, dtype=torch.float32)
+    version_BT = torch.tensor(versions, dtype=torch.long)
+    valid_BT = torch.tensor(valid, dtype=torch.bool)
+    last_B = torch.tensor(last, dtype=torch.long)
     out = {"inputs_BT": inputs_BT, "targets_BT": targets_BT, "mask_BT": mask_BT,
            "behaviour_BT": behaviour_BT, "last_B": last_B, "version_BT": version_BT,
            "valid_BT": valid_BT}  # fmt: skip
@@ -372,8 +376,12 @@ class Trainer:
                 )
             B, T, L, k = t["routing_BTLk"].shape
             replay = t["routing_BTLk"].permute(2, 0, 1, 3).reshape(L, B * T, k)
+        # padding skips the MoE layers unless their experts are sharded over ranks (the
+        # expert-parallel dispatchers need one token count on every rank)
+        skip = None if self.ranks.sharded else t["valid_BT"]
         with self._autocast():
-            out = model(t["inputs_BT"], token_mask_BT=t["mask_BT"], replay_routing_LNk=replay)
+            out = model(t["inputs_BT"], token_mask_BT=t["mask_BT"], replay_routing_LNk=replay,
+                        moe_skip_padding_BT=skip)  # fmt: skip
         return token_logprobs(out.logits_BTV / self.temperature, t["targets_BT"]), out
 
     def _advantages(
