@@ -41,10 +41,10 @@ if [[ ! -f "$stamp" || pyproject.toml -nt "$stamp" ]]; then
   .venv/bin/pip install -q --upgrade pip
   # torch first, pinned: pip takes the CPU build that lies on disk on the dev machines. A GPU user
   # installs a CUDA build before this script (see README); the pin below is then already satisfied.
-  .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q "torch==2.13.0"
+  .venv/bin/python -W ignore -c "import torch" 2>/dev/null || .venv/bin/pip install -q "torch==2.13.0"
   # Keep that torch (or the user's CUDA build): unpinned, pip's resolver replaced 2.13.0+cpu with
   # the 2.14.1 CUDA wheel and its nvidia-* packages while installing the extras (seen in CI).
-  .venv/bin/python -c "import torch; print('torch==' + torch.__version__)" > .venv/torch-pin.txt
+  .venv/bin/python -W ignore -c "import torch; print('torch==' + torch.__version__)" > .venv/torch-pin.txt
   .venv/bin/pip install -q -e ".[$EXTRAS]" -c .venv/torch-pin.txt
   touch "$stamp"
 fi
