@@ -111,21 +111,23 @@ def collate(
     tokens between the teacher's turns (tool output) are not in the mask."""
     from slipstream.envs import demonstration
 
-    pad = taskset.tokenizer.pad_id
+    pad_id = taskset.tokenizer.pad_id
     rows = []
     for task in tasks:
         demo = demonstration(taskset, task, max_observation_tokens)
         rows.append((demo.prompt_ids + demo.completion_ids, len(demo.prompt_ids), demo.loss_mask))
     T = max(len(seq) for seq, _, _ in rows) - 1
-    inputs_BT = torch.full((len(rows), T), pad, dtype=torch.long)
-    targets_BT = torch.full((len(rows), T), pad, dtype=torch.long)
-    mask_BT = torch.zeros((len(rows), T), dtype=torch.bool)
-    for b, (seq, prompt_len, loss_mask) in enumerate(rows):
-        n = len(seq) - 1
-        inputs_BT[b, :n] = torch.tensor(seq[:-1])
-        targets_BT[b, :n] = torch.tensor(seq[1:])
+    # one tensor per field from Python lists (a few torch calls per row cost 6% of a step)
+    inputs, targets, mask = [], [], []
+    for seq, prompt_len, loss_mask in rows:
+        pad = T - (len(seq) - 1)
+        inputs.append(seq[:-1] + [pad_id] * pad)
+        targets.append(seq[1:] + [pad_id] * pad)
         # target j is token j+1: the completion starts at prompt_len
-        mask_BT[b, prompt_len - 1 : n] = torch.tensor(loss_mask, dtype=torch.bool)
+        mask.append([False] * (prompt_len - 1) + [bool(m) for m in loss_mask] + [False] * pad)
+    inputs_BT = torch.tensor(inputs, dtype=torch.long)
+    targets_BT = torch.tensor(targets, dtype=torch.long)
+    mask_BT = torch.tensor(mask, dtype=torch.bool)
     return inputs_BT.to(device), targets_BT.to(device), mask_BT.to(device)
 
 
