@@ -22,4 +22,5 @@ def bwrap_unusable() -> str | None:
     return None
 
 
-needs_bwrap = pytest.mark.skipif(bwrap_unusable() is not None, reason=str(bwrap_unusable()))
+_REASON = bwrap_unusable()  # probed once per test process
+needs_bwrap = pytest.mark.skipif(_REASON is not None, reason=str(_REASON))

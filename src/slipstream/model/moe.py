@@ -268,18 +268,18 @@ class SparseMoeBlock(nn.Module):
         self,
         x_BTD: torch.Tensor,
         replay_ids_Nk: torch.Tensor | None = None,
-        valid_N: torch.Tensor | None = None,
+        rows_M: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (output (B, T, D), router logits (B*T, E)). `replay_ids_Nk`: see `route`.
-        `valid_N` (bool, B*T): route and compute only these tokens (padding of a right-padded
-        training batch, which no real token attends to); the others get output 0 and router
-        logits 0, so callers must keep them out of every loss (the router losses' token mask)."""
+        `rows_M` (indices into the B*T tokens): route and compute only these (the real tokens of
+        a right-padded training batch, which attend to no padding); the others get output 0 and
+        router logits 0, so callers must keep them out of every loss (the router losses' token
+        mask)."""
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(-1, D)
-        if valid_N is None:
+        if rows_M is None:
             out_ND, logits_NE = self._tokens(x_ND, replay_ids_Nk)
             return out_ND.view(B, T, D), logits_NE
-        rows_M = valid_N.reshape(-1).nonzero().squeeze(1)
         replay_Mk = None if replay_ids_Nk is None else replay_ids_Nk.index_select(0, rows_M)
         out_MD, logits_ME = self._tokens(x_ND.index_select(0, rows_M), replay_Mk)
         out_ND = out_MD.new_zeros(x_ND.shape).index_copy(0, rows_M, out_MD)

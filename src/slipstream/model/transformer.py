@@ -76,12 +76,12 @@ class DecoderLayer(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         cache: KVCache | None,
         replay_ids_Nk: torch.Tensor | None = None,
-        valid_N: torch.Tensor | None = None,
+        rows_M: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), cos_sin, cache)
         h = self.post_attention_layernorm(x_BTD)
         if isinstance(self.mlp, SparseMoeBlock):
-            out, router_logits = self.mlp(h, replay_ids_Nk, valid_N)
+            out, router_logits = self.mlp(h, replay_ids_Nk, rows_M)
             return x_BTD + out, router_logits
         return x_BTD + self.mlp(h), None
 
@@ -204,9 +204,13 @@ class MoEForCausalLM(nn.Module):
             position_ids_BT, self.config.head_dim, self.config.rope_theta, x_BTD.dtype
         )
         router_logits: list[torch.Tensor] = []
-        valid_N = None if moe_skip_padding_BT is None else moe_skip_padding_BT.reshape(-1)
-        if valid_N is not None and token_mask_BT is None:
-            raise ValueError("moe_skip_padding_BT needs a token_mask_BT that excludes the padding")
+        rows_M = None  # the real tokens' indices, found once for every MoE layer
+        if moe_skip_padding_BT is not None:
+            if token_mask_BT is None:
+                raise ValueError(
+                    "moe_skip_padding_BT needs a token_mask_BT that excludes the padding"
+                )
+            rows_M = moe_skip_padding_BT.reshape(-1).nonzero().squeeze(1)
         checkpoint = self.gradient_checkpointing and self.training and cache is None
         for layer in self.model.layers:
             replay = None
@@ -214,10 +218,10 @@ class MoEForCausalLM(nn.Module):
                 replay = replay_routing_LNk[len(router_logits)]
             if checkpoint:
                 x_BTD, rl = torch.utils.checkpoint.checkpoint(
-                    layer, x_BTD, cos_sin, None, replay, valid_N, use_reentrant=False
+                    layer, x_BTD, cos_sin, None, replay, rows_M, use_reentrant=False
                 )
             else:
-                x_BTD, rl = layer(x_BTD, cos_sin, cache, replay, valid_N)
+                x_BTD, rl = layer(x_BTD, cos_sin, cache, replay, rows_M)
             if rl is not None:
                 router_logits.append(rl)
         if logits_to_keep > 0:
