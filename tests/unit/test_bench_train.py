@@ -51,3 +51,21 @@ def test_bench_train_reports_figure_limit_and_profile(tmp_path) -> None:
     # 2 groups x 2 samples of prompt + answer: padding is reported, positions counted exactly
     assert 0 <= rows["rl"]["padding_frac"] < 1
     assert record["provenance"]["loadavg_start"] and record["settings"]["steps"] == 1
+
+
+@pytest.mark.slow
+def test_bench_train_without_a_profile(tmp_path) -> None:
+    """--profile-steps 0 times the windows and profiles nothing (it used to profile every RL
+    batch, `batches[-0:]`, and then fail to combine an empty SFT profile list)."""
+    from slipstream.cli import main
+
+    out = tmp_path / "train.json"
+    argv = ["bench", "train", "--models", "config", "--steps", "1", "--repeats", "1",
+            "--warmup", "0", "--profile-steps", "0", "--out", str(out), *TINY]  # fmt: skip
+    assert main(argv) == 0
+    for r in json.loads(out.read_text())["results"]:
+        assert r["profile_summary"] is None and r["profile_table"] is None
+        assert len(r["windows"]) == 1 and r["fraction_of_limit"] > 0
+    assert not list(tmp_path.glob("train-profile-*"))
+    with pytest.raises(SystemExit):
+        main(["bench", "train", "--profile-steps", "-1", "--out", str(out)])

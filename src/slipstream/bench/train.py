@@ -54,8 +54,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2, help="untimed RL steps first")
     p.add_argument("--threads", type=int, default=0, help="0: run.num_threads")
-    p.add_argument("--profile-steps", type=int, default=3,
-                   help="steps profiled after the timed ones (summaries: the median per series)")  # fmt: skip
+    p.add_argument("--profile-steps", type=_non_negative, default=3,
+                   help="steps profiled after the timed ones (summaries: the median per series); "
+                        "0: no profile")  # fmt: skip
     p.add_argument("--out", default="benchmarks/results/train.json", help="JSON output path")
     p.set_defaults(func=run)
 
@@ -99,6 +100,13 @@ def _profile(fn: Any) -> Any:
     return prof
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def measure_rl(cfg: Any, init_dir: str, taskset: Any, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -125,7 +133,8 @@ def measure_rl(cfg: Any, init_dir: str, taskset: Any, args: argparse.Namespace) 
                         "padded_tokens_per_s": padded / wall,
                         "tokens_per_step": real / len(chunk),
                         "padding_frac": 1 - real / padded})  # fmt: skip
-    profs = [_profile(lambda b=b: trainer.step(b)) for b in batches[-args.profile_steps :]]
+    timed = args.warmup + args.repeats * per_window  # the batches after these are profiled
+    profs = [_profile(lambda b=b: trainer.step(b)) for b in batches[timed:]]
     samples_per_step = tc.groups_per_step * cfg.rollout.group_size
     return {"windows": windows, "profiles": profs, "samples_per_step": samples_per_step}
 
@@ -272,14 +281,17 @@ def _report(name: str, kind: str, model_cfg: Any, m: dict[str, Any], threads: in
     fig = _spread(windows, "tokens_per_s")
     cpu_fig = _spread(windows, "cpu_tokens_per_s")
     summaries = [summarize(p, lim.op_overhead_s["add_s"]) for p in m["profiles"]]
-    summary = combine(summaries)
-    walls = [x["wall_s"] for x in summaries]
-    median_step = m["profiles"][walls.index(sorted(walls)[len(walls) // 2])]
-    table = median_step.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
-    prof_path = out.with_name(f"{out.stem}-profile-{name}-{kind}.txt")
-    prof_path.write_text(f"bench train: {name} {kind} step, {threads} thread(s); median of "
-                         f"{len(summaries)} profiled steps:\n{format_summary(summary)}\n\n"
-                         f"the step of median wall time, by self CPU time:\n{table}\n")  # fmt: skip
+    summary, prof_path, profile_text = None, None, "no step profiled (--profile-steps 0)"
+    if summaries:
+        summary = combine(summaries)
+        walls = [x["wall_s"] for x in summaries]
+        median_step = m["profiles"][walls.index(sorted(walls)[len(walls) // 2])]
+        table = median_step.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+        prof_path = out.with_name(f"{out.stem}-profile-{name}-{kind}.txt")
+        prof_path.write_text(f"bench train: {name} {kind} step, {threads} thread(s); median of "
+                             f"{len(summaries)} profiled steps:\n{format_summary(summary)}\n\n"
+                             f"the step of median wall time, by self CPU time:\n{table}\n")  # fmt: skip
+        profile_text = f"{format_summary(summary)}\nprofile table: {prof_path}"
     row = {
         "model": name, "kind": kind, "model_config": model_cfg.model_dump(),
         "threads": threads, "windows": windows, "tokens_per_s": fig,
@@ -288,7 +300,8 @@ def _report(name: str, kind: str, model_cfg: Any, m: dict[str, Any], threads: in
         "fraction_of_limit": fig["median"] / lim.train_tokens_per_s_limit,
         "cpu_tokens_per_s": cpu_fig,
         "cpu_fraction_of_limit": cpu_fig["median"] / lim.train_tokens_per_s_limit,
-        "limit": lim.to_dict(), "profile_summary": summary, "profile_table": str(prof_path),
+        "limit": lim.to_dict(), "profile_summary": summary,
+        "profile_table": None if prof_path is None else str(prof_path),
     }  # fmt: skip
     if "padding_frac" in windows[0]:
         row["padding_frac"] = statistics.mean(w["padding_frac"] for w in windows)
@@ -298,6 +311,5 @@ def _report(name: str, kind: str, model_cfg: Any, m: dict[str, Any], threads: in
           f"{tokens_per_step:.0f} tokens/step) = {row['fraction_of_limit']:.1%} of the limit "
           f"{lim.train_tokens_per_s_limit:,.0f} tokens/s ({lim.clock}); per CPU second "
           f"{cpu_fig['median']:,.0f} (range {cpu_fig['min']:,.0f}-{cpu_fig['max']:,.0f}) = "
-          f"{row['cpu_fraction_of_limit']:.1%}\n{format_summary(summary)}\n"
-          f"profile table: {prof_path}", flush=True)  # fmt: skip
+          f"{row['cpu_fraction_of_limit']:.1%}\n{profile_text}", flush=True)  # fmt: skip
     return row
