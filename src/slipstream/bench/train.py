@@ -115,8 +115,9 @@ def measure_rl(cfg: Any, init_dir: str, taskset: Any, args: argparse.Namespace) 
     trainer = build_trainer(cfg, init_dir, torch.device("cpu"), taskset.tokenizer.pad_id)
     tc = cfg.trainer
     per_window = args.steps
-    batches = _rl_batches(taskset, args.warmup + args.repeats * per_window + args.profile_steps,
-                          tc.groups_per_step, cfg.rollout.group_size, cfg.run.seed)  # fmt: skip
+    timed = args.warmup + args.repeats * per_window  # the batches after these are profiled
+    batches = _rl_batches(taskset, timed + args.profile_steps, tc.groups_per_step,
+                          cfg.rollout.group_size, cfg.run.seed)  # fmt: skip
     for b in batches[: args.warmup]:
         trainer.step(b)
     windows = []
@@ -133,7 +134,6 @@ def measure_rl(cfg: Any, init_dir: str, taskset: Any, args: argparse.Namespace) 
                         "padded_tokens_per_s": padded / wall,
                         "tokens_per_step": real / len(chunk),
                         "padding_frac": 1 - real / padded})  # fmt: skip
-    timed = args.warmup + args.repeats * per_window  # the batches after these are profiled
     profs = [_profile(lambda b=b: trainer.step(b)) for b in batches[timed:]]
     samples_per_step = tc.groups_per_step * cfg.rollout.group_size
     return {"windows": windows, "profiles": profs, "samples_per_step": samples_per_step}

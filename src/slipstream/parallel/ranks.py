@@ -106,13 +106,13 @@ class Ranks:
         gradient, so every rank all-reduces the same list). Sharded: FSDP already did."""
         if self.world == 1 or self.sharded:
             return
+        # one all-reduce of every gradient laid end to end per dtype: a collective per tensor
+        # costs a gloo round trip each (47 per step on the quickstart model: 103 ms vs 14-16 ms
+        # flat, docs/performance.md)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        # one all-reduce of every gradient laid end to end per dtype: a collective per tensor
-        # costs a round trip each (~50 of them per step on the quickstart model)
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in params:
             by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
         for grads in by_dtype.values():
             flat = torch.cat([g.reshape(-1) for g in grads])
