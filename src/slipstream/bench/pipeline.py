@@ -19,7 +19,10 @@ figure = async samples/s, baseline = sync samples/s, limit = the goal ratio (3x 
 sandbox-bound work, 1.5x with the lognormal stand-in). Also printed:
 each mode's samples/s as a fraction of the trainer's limit in samples/s (`bench limits`: this
 machine's GEMM + AdamW speed for the run's positions per sample, bench/limits.py), the most a
-trainer-bound pipeline could reach. Writes JSON with provenance (load average included) to
+trainer-bound pipeline could reach; and, when answers are verified in sandboxes, the sandbox
+limit: the same number of private pools as rollout workers, built from the run's [sandbox]
+section, verifying the task's reference solutions with nothing else running (the most samples/s
+a pipeline bound by its sandboxes could reach here; generation not included). Writes JSON with provenance (load average included) to
 benchmarks/results/pipeline.json (or --out).
 
 Not covered: multi-host runs, GPU engines, equal-reward runs of different lengths (both modes run
@@ -42,6 +45,8 @@ GOAL_RATIO = 1.5
 """async/sync goal with the lognormal stand-in verifier."""
 GOAL_RATIO_SANDBOXED = 3.0
 """async/sync goal on sandbox-bound work (real sandboxed verification or tool calls)."""
+SANDBOX_LIMIT_VERIFICATIONS_PER_POOL = 48
+"""Verifications per pool for the sandbox limit (~5 s per pool on the 2-vCPU dev VM)."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -110,7 +115,8 @@ def _latency_overrides(base: Any, args: argparse.Namespace) -> tuple[list[str], 
     if episode_sandboxed:
         verifier += f", tool calls in {base.sandbox.backend} sandboxes"
     if kind == "real":
-        return ["rollout.verify_latency=none"], {"distribution": "real", "verifier": verifier}
+        return ["rollout.verify_latency=none"], {"distribution": "real", "verifier": verifier,
+                                                 "sandbox_verified": verify_sandboxed}  # fmt: skip
     return [
         "rollout.verify_latency=lognormal", f"rollout.verify_latency_p50_s={args.verify_p50_s}",
         f"rollout.verify_latency_p99_over_p50={args.verify_p99_over_p50}",
@@ -168,6 +174,46 @@ def _trainer_limit(cfg: Any, init: str, results: list[dict[str, Any]]) -> dict[s
             "limits": lim.to_dict()}  # fmt: skip
 
 
+def _sandbox_limit(cfg: Any, num_pools: int) -> dict[str, Any]:
+    """Verifications per second of `num_pools` SandboxVerifiers built as the job's rollout
+    workers build theirs (`make_verifier`: one private pool each, the run's [sandbox] section),
+    each driven by as many threads as a worker verifies with (min(rollout.verify_threads,
+    max_inflight_tasks x group_size)), on the task's reference solutions (`demonstration`),
+    all at once in this process. A single-turn sandbox-verified task verifies each sample
+    once, so this is the sandbox side's ceiling in samples/s. Not covered: tasks whose episodes
+    hold sandboxes for tool calls (their cost per sample depends on the policy's turns)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from slipstream.rl.verifier import make_verifier
+    from slipstream.tasks import get_taskset
+
+    ts = get_taskset(cfg.task)
+    threads = max(1, min(cfg.rollout.verify_threads,
+                         cfg.rollout.max_inflight_tasks * cfg.rollout.group_size))  # fmt: skip
+    num = SANDBOX_LIMIT_VERIFICATIONS_PER_POOL * num_pools
+    jobs = [(i % num_pools, ts.train(i % ts.num_train)) for i in range(num)]
+    verifiers = []
+    try:
+        for _ in range(num_pools):
+            verifiers.append(make_verifier(cfg.sandbox, ts))
+        with ThreadPoolExecutor(threads * num_pools) as ex:
+            t0 = time.perf_counter()
+            rewards = list(
+                ex.map(lambda j: verifiers[j[0]].verify(j[1], ts.demonstration(j[1]))[0], jobs)
+            )
+            wall_s = time.perf_counter() - t0
+        summaries = [v.summary() for v in verifiers]
+    finally:
+        for v in verifiers:
+            v.close()
+    return {"samples_per_s": num / wall_s, "verifications": num, "wall_s": wall_s,
+            "pools": num_pools, "threads_per_pool": threads,
+            "reward_mean": sum(rewards) / num, "reuse": cfg.sandbox.reuse,
+            "sandboxes_created": sum(s.get("created", 0) for s in summaries),
+            "verify_latency_p50_s": [s["latency_p50_s"] for s in summaries],
+            "verify_latency_p99_s": [s["latency_p99_s"] for s in summaries]}  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> int:
     from slipstream.config import load_config
     from slipstream.observe.provenance import collect_provenance, write_result
@@ -205,6 +251,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"{mode}: {results[-1]['samples_per_s']:.2f} samples/s, idle "
                   f"{results[-1]['trainer_idle_frac']:.0%} ({time.monotonic() - t0:.0f} s)")  # fmt: skip
         trainer_limit = _trainer_limit(base, init, results)  # while `init` (maybe in tmp) exists
+        sandbox_limit = (
+            _sandbox_limit(base, args.workers) if latency.get("sandbox_verified") else None
+        )
     base_r, fig_r = results[0], results[-1]
     ratio = fig_r["samples_per_s"] / base_r["samples_per_s"]
     sandbox_bound = latency["distribution"] == "real" and "sandbox" in latency["verifier"]
@@ -220,6 +269,7 @@ def run(args: argparse.Namespace) -> int:
         "verify_latency": latency,
         "start_checkpoint": {"path": init, "kind": init_kind},
         "trainer_limit": trainer_limit,
+        "sandbox_limit": sandbox_limit,
         "config": base.model_dump(mode="json"),
         "provenance": collect_provenance({"loadavg_start": load_start,
                                           "loadavg_end": os.getloadavg()}),
@@ -235,6 +285,13 @@ def run(args: argparse.Namespace) -> int:
           f"positions/sample at {trainer_limit['tokens_per_s']:,.0f} tokens/s, "
           f"{trainer_limit['clock']}): " + ", ".join(
               f"{r['mode']} {r['samples_per_s'] / lim_sps:.1%}" for r in results))  # fmt: skip
+    if sandbox_limit is not None:
+        sb_sps = sandbox_limit["samples_per_s"]
+        print(f"sandbox limit {sb_sps:,.1f} samples/s ({sandbox_limit['verifications']} reference "
+              f"solutions verified by {sandbox_limit['pools']} pool(s) x "
+              f"{sandbox_limit['threads_per_pool']} threads, reuse={sandbox_limit['reuse']}, "
+              f"{sandbox_limit['sandboxes_created']} sandboxes created): " + ", ".join(
+                  f"{r['mode']} {r['samples_per_s'] / sb_sps:.0%}" for r in results))  # fmt: skip
     print(f"\nfigure {fig_r['mode']} {fig_r['samples_per_s']:.2f} samples/s | baseline "
           f"{base_r['mode']} {base_r['samples_per_s']:.2f} | ratio {ratio:.2f}x | goal >= "
           f"{goal}x: {'met' if ratio >= goal else 'NOT met'}\nwrote {out}")  # fmt: skip
