@@ -24,8 +24,8 @@ machine's GEMM + AdamW speed for the run's positions per sample, bench/limits.py
 trainer-bound pipeline could reach; and, when answers are verified in sandboxes, the sandbox
 limit: the same number of private pools as rollout workers, built from the run's [sandbox]
 section, verifying the task's reference solutions with nothing else running (the most samples/s
-a pipeline bound by its sandboxes could reach here; generation not included). Writes JSON with provenance (load average included) to
-benchmarks/results/pipeline.json (or --out).
+a pipeline bound by its sandboxes could reach here; generation not included). Writes JSON
+with provenance (load average included) to benchmarks/results/pipeline.json (or --out).
 
 Not covered: multi-host runs, GPU engines, equal-reward runs of different lengths (both modes run
 the same number of steps; rewards are reported side by side).
