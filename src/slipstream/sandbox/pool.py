@@ -9,14 +9,19 @@ Contract:
   waits. Admission: the vCPUs of all live sandboxes (idle, in use, being created or destroyed)
   stay <= online vCPUs x `max_density`, a new sandbox's memory limit fits in MemAvailable minus
   `memory_reserve_mib`, and the pinning policy has CPUs free. Waiting longer than the timeout raises
-  AdmissionTimeout.
+  AdmissionTimeout. Waiters queue in arrival order: a sandbox that becomes idle (refilled, or
+  returned with reuse) is handed to the longest waiter directly, and a change that may admit a
+  create (a create or destroy finishing) wakes one waiter, not all of them — with dozens of
+  verify threads per pool a wake-everyone condition spends the CPU the sandboxes need.
 - `release(sb)`: single use by default — the sandbox is destroyed (in the background) and replaced by
   the refill; with `reuse=True` it is `reset()` and returned to the idle set.
 - `stop()` destroys every sandbox (idle and handed-out) and leaves no process, cgroup or dir; the
   journal is empty afterwards.
 
 Not covered: several pools sharing admission (each pool admits against the whole host on its own),
-priority between waiters beyond FIFO-ish wakeups, sandboxes shared between event loops.
+priority between waiters (a new caller may still take an idle sandbox or start a create before
+a woken waiter runs), admission changes nothing announces (MemAvailable rising: waiters re-check
+on their deadline), sandboxes shared between event loops.
 """
 
 from __future__ import annotations
@@ -138,7 +143,11 @@ class SandboxPool:
         self._creating = 0
         self._destroying = 0
         self._live_vcpus = 0
+        # The refill loop and wait_ready() wait on this condition; acquirers do not (see _waiters).
         self._changed = asyncio.Condition()
+        # Acquirers waiting, oldest first. A future's result is the sandbox handed to it (already
+        # in _in_use) or None: "something changed, look again".
+        self._waiters: deque[asyncio.Future[AgentSandbox | None]] = deque()
         self._refill_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._create_sem = asyncio.Semaphore(self.opts.create_concurrency)
@@ -178,6 +187,8 @@ class SandboxPool:
 
     async def stop(self) -> None:
         self._stopping = True
+        while self._waiters:  # every waiter looks again and raises "pool is stopping"
+            self._wake_one()
         if self._refill_task:
             self._refill_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -251,6 +262,7 @@ class SandboxPool:
                 self.pinning.release(cpus)
                 self._live_vcpus -= self.template.vcpus
                 self._counts["create_failures"] += 1
+            self._wake_one()  # acquire creates inline only while nothing else is being created
         self._counts["created"] += 1
         if sb.journal is None:  # backends without journal support: the pool records them
             sb.journal = self.journal
@@ -291,7 +303,7 @@ class SandboxPool:
         if self._stopping:
             await self._destroy(sb)
             return
-        self._idle.append(sb)
+        self._put_idle(sb)
         await self._notify()
 
     def _spawn(self, coro: object) -> None:
@@ -303,34 +315,60 @@ class SandboxPool:
         async with self._changed:
             self._changed.notify_all()
 
+    def _next_waiter(self) -> asyncio.Future[AgentSandbox | None] | None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():  # done: it timed out, was cancelled or was already woken
+                return fut
+        return None
+
+    def _wake_one(self) -> None:
+        """Tell the longest waiter to look again (admission may allow a create now)."""
+        fut = self._next_waiter()
+        if fut is not None:
+            fut.set_result(None)
+
+    def _put_idle(self, sb: AgentSandbox) -> None:
+        """A ready sandbox: to the longest waiter if there is one, else into the idle set."""
+        fut = self._next_waiter()
+        if fut is None:
+            self._idle.append(sb)
+            return
+        self._in_use.add(sb)
+        fut.set_result(sb)
+
     # ------------------------------------------------------------ hand-out
 
     async def acquire(self, timeout_s: float | None = None) -> AgentSandbox:
         timeout_s = self.opts.acquire_timeout_s if timeout_s is None else timeout_s
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout_s
+        woken = False
         while True:
             if self._stopping:
                 raise SandboxError("pool is stopping")
+            # No await between looking at the state and changing it: the event loop runs one
+            # coroutine at a time, so no lock is needed here.
             sb = None
             create = False
-            async with self._changed:
-                if self._idle:
-                    sb = self._idle.popleft()
-                    self._in_use.add(sb)
-                elif self._creating == 0 and self._admissible():
-                    self._reserve()
-                    create = True
-                else:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise AdmissionTimeout(
-                            f"no sandbox within {timeout_s} s: live={self._live()} "
-                            f"vcpus={self._live_vcpus}/{self.vcpu_capacity:g} "
-                            f"free_cpus={len(self.pinning.free)} pinning={self.template.pinning}"
-                        )
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._changed.wait(), remaining)
+            if self._idle:
+                sb = self._idle.popleft()
+                self._in_use.add(sb)
+            elif self._creating == 0 and self._admissible():
+                self._reserve()
+                create = True
+            else:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise AdmissionTimeout(
+                        f"no sandbox within {timeout_s} s: live={self._live()} "
+                        f"vcpus={self._live_vcpus}/{self.vcpu_capacity:g} "
+                        f"free_cpus={len(self.pinning.free)} pinning={self.template.pinning}"
+                    )
+                # A waiter woken before keeps its place at the front; a new one queues last.
+                sb = await self._wait_turn(remaining, front=woken)
+                woken = True
+                if sb is None:
                     continue
             if create:
                 sb = await self._create_one()
@@ -340,6 +378,8 @@ class SandboxPool:
                 try:
                     await sb.ping()
                 except SandboxError as e:
+                    if sb not in self._in_use:  # stop() destroyed it meanwhile; the loop raises
+                        continue
                     self._counts["health_failures"] += 1
                     log.warning("pool: %s failed its health check (%s); replacing it", sb, e)
                     self._in_use.discard(sb)
@@ -349,6 +389,37 @@ class SandboxPool:
             self._waits_s.append(time.perf_counter() - t0)
             await self._notify()  # the refill loop may now want a replacement
             return sb
+
+    async def _wait_turn(self, timeout_s: float, *, front: bool) -> AgentSandbox | None:
+        """Queue as a waiter until handed a sandbox (returned, in _in_use) or woken (None); the
+        deadline wakes it too. A caller cancelled at the moment a sandbox was handed to it gives
+        the sandbox to the next waiter, and an unused wake is passed on, so neither is lost."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[AgentSandbox | None] = loop.create_future()
+        (self._waiters.appendleft if front else self._waiters.append)(fut)
+
+        def deadline_passed() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        timer = loop.call_later(timeout_s, deadline_passed)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                got = fut.result()
+                if got is None:
+                    self._wake_one()
+                else:
+                    self._in_use.discard(got)
+                    self._put_idle(got)
+            raise
+        finally:
+            timer.cancel()
+            if not fut.done():
+                fut.cancel()
+            with contextlib.suppress(ValueError):
+                self._waiters.remove(fut)
 
     async def release(self, sb: AgentSandbox, *, reuse: bool | None = None) -> None:
         if sb not in self._in_use:
@@ -361,8 +432,8 @@ class SandboxPool:
                 log.warning("pool: reset of %s failed (%s); destroying it", sb, e)
             else:
                 self._in_use.discard(sb)
-                if len(self._idle) < self.opts.max_idle:
-                    self._idle.append(sb)
+                if self._waiters or len(self._idle) < self.opts.max_idle:
+                    self._put_idle(sb)
                     await self._notify()
                     return
                 self._in_use.add(sb)
@@ -391,6 +462,7 @@ class SandboxPool:
             self._live_vcpus -= self.template.vcpus
             self.pinning.release(sb.cpus)
             self._counts["destroyed"] += 1
+            self._wake_one()  # its vCPUs and CPUs are free: one waiter may create now
             await self._notify()
 
     # ------------------------------------------------------------ stats
