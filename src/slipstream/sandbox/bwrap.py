@@ -10,8 +10,15 @@ namespace escape lands as `nobody`), with:
   no /home; a private tmpfs work dir `/sandbox` and `/tmp`, sized by `template.workdir_mib`; the root
   itself remounted read-only;
 - the seccomp filter of `seccomp.py` via `--seccomp FD`;
-- a cgroup (memory+swap, pids, cpuset, CPU quota) entered by the child between fork and exec, so
-  bwrap and everything below it is limited from its first instruction.
+- a cgroup (memory+swap, pids, cpuset, CPU quota) entered before bwrap runs, so bwrap and
+  everything below it is limited from its first instruction.
+
+How it is started: a short exec chain, not a Python `preexec_fn` (which forces Popen to fork
+this whole process, 15-23 ms with torch and a model loaded, and lets it vfork instead):
+`/bin/sh` (root) writes its own pid into the cgroup's cgroup.procs files, then execs `setpriv`
+(drop to the sandbox uid and gid, no supplementary groups, no inheritable capabilities,
+parent-death signal KILL), which execs `taskset` (the pinned CPUs, when pinned), which execs bwrap.
+The pid stays the same across the chain, so the cgroup holds bwrap from its first instruction.
 
 Not covered: GPU/device access (none is given), per-sandbox disk quotas beyond the tmpfs size,
 architectures other than x86_64 (the seccomp filter is x86_64-only).
@@ -31,12 +38,21 @@ from slipstream.sandbox.base import Backend, SandboxTemplate
 from slipstream.sandbox.cgroups import CgroupLimits, CgroupManager
 from slipstream.sandbox.errors import BackendUnavailable
 from slipstream.sandbox.journal import Journal, SandboxRecord, default_state_dir
-from slipstream.sandbox.process import SubprocessSandbox, set_pdeathsig, start_agent_subprocess
+from slipstream.sandbox.process import SubprocessSandbox, start_agent_subprocess
 from slipstream.sandbox.seccomp import build_filter, filter_fd
 
 log = logging.getLogger(__name__)
 
 SANDBOX_WORKDIR = "/sandbox"
+SH = "/bin/sh"
+SETPRIV = "/usr/bin/setpriv"  # util-linux (Essential on Debian), like taskset
+TASKSET = "/usr/bin/taskset"
+# Run as root by /bin/sh: "$1".. up to "--" are cgroup.procs files to write our pid into; the rest
+# is the command to exec. A failed write exits 125 with the shell's message on stderr (the
+# agent's hello never comes, and create reports that stderr).
+ENTER_CGROUP_SH = (
+    'p=$$; while [ "$1" != -- ]; do echo "$p" > "$1" || exit 125; shift; done; shift; exec "$@"'
+)
 AGENT_IN_SANDBOX = "/opt/slipstream/agent.py"
 NOBODY = 65534
 ETC_FILES = {
@@ -71,7 +87,7 @@ class BwrapBackend(Backend):
         rootfs_cache: str | Path = "/tmp/slipstream-bwrap-rootfs",
         **_: object,
     ) -> None:
-        for exe in (bwrap, python):
+        for exe in (bwrap, python, SH, SETPRIV, TASKSET):
             if not os.access(exe, os.X_OK):
                 raise BackendUnavailable(f"bwrap backend needs {exe}, which is not executable")
         self.state_dir = Path(state_dir) if state_dir else default_state_dir()
@@ -219,26 +235,13 @@ class BwrapBackend(Backend):
             self.journal.write(
                 SandboxRecord(sandbox_id=sandbox_id, backend=self.name, cgroup_paths=cgroup.dirs)
             )
-        enter = cgroup.enter_fn()
-        uid = self.uid
-
-        def preexec() -> None:
-            enter()
-            set_pdeathsig()
-            if cpus:
-                os.sched_setaffinity(0, cpus)
-            if uid != os.getuid() or uid != 0:
-                os.setgroups([])
-                os.setgid(uid)
-                os.setuid(uid)
-
+        launch = launch_argv(cgroup.procs_files(), uid=self.uid, cpus=cpus)
         fd = filter_fd(self.seccomp_program)
         try:
             proc, conn, tail = await start_agent_subprocess(
-                self.argv(template, fd),
+                launch + self.argv(template, fd),
                 sandbox_id=sandbox_id,
                 template=template,
-                preexec_fn=preexec,
                 pass_fds=(fd,),
             )
         except BaseException:
@@ -264,3 +267,14 @@ class BwrapBackend(Backend):
         if self.journal:
             self.journal.write(sb.record())
         return sb
+
+
+def launch_argv(procs_files: list[str], *, uid: int, cpus: tuple[int, ...] | None) -> list[str]:
+    """The exec chain that starts bwrap inside its cgroup, as `uid`, pinned to `cpus` (module
+    docstring). Prefix it to bwrap's argv; it needs root for the cgroup writes and the uid drop."""
+    argv = [SH, "-c", ENTER_CGROUP_SH, "sh", *procs_files, "--", SETPRIV, "--pdeathsig", "KILL"]
+    if uid != os.getuid() or uid != 0:
+        argv += [f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all"]
+    if cpus:
+        argv += [TASKSET, "--cpu-list", ",".join(map(str, cpus))]
+    return argv

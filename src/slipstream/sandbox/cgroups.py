@@ -80,9 +80,14 @@ class Cgroup:
     def _dir(self, controller: str) -> Path | None:
         return self.paths.get(controller)
 
+    def procs_files(self) -> list[str]:
+        """The cgroup.procs file of every hierarchy this cgroup spans (one on v2, one per
+        controller on v1): a process that writes its pid into each is inside the cgroup."""
+        return [os.path.join(d, "cgroup.procs") for d in self.dirs]
+
     def enter_fn(self) -> Callable[[], None]:
         """A callable for a forked child: writes its pid into every cgroup.procs (os calls only)."""
-        procs_files = [os.path.join(d, "cgroup.procs") for d in self.dirs]
+        procs_files = self.procs_files()
 
         def enter() -> None:
             pid = str(os.getpid()).encode()

@@ -161,10 +161,12 @@ async def start_agent_subprocess(
     *,
     sandbox_id: str,
     template: SandboxTemplate,
-    preexec_fn: Callable[[], None],
+    preexec_fn: Callable[[], None] | None = None,
     pass_fds: tuple[int, ...] = (),
 ) -> tuple[SpawnedProcess, AgentConnection, bytearray]:
-    """Spawn the agent command, keep the last bytes of its stderr, wait for hello."""
+    """Spawn the agent command, keep the last bytes of its stderr, wait for hello. Without a
+    `preexec_fn` Popen can vfork (under a millisecond); a preexec_fn forces a fork, whose cost
+    grows with this process's memory (15-23 ms with torch and a model loaded, GIL held)."""
     loop = asyncio.get_running_loop()
     popen = await loop.run_in_executor(
         _SPAWNER,
