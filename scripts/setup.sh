@@ -8,12 +8,12 @@ cd "$(dirname "$0")/.."
 DEV=0
 [[ "${1:-}" == "--dev" ]] && DEV=1
 
-# Debian packages: bubblewrap (bwrap sandboxes); QEMU, busybox, cpio, kmod (depmod) and lz4 (guest
-# image and kernel extraction for microVM sandboxes; the cloud kernel itself is fetched into the
-# image cache with `apt-get download`, never installed on the host); python3 (Debian's interpreter
-# runs inside bwrap sandboxes and the guest image). Installed only when missing; without root we say
-# what is missing and go on.
-APT_PKGS=(bubblewrap qemu-system-x86 busybox-static cpio lz4 kmod python3)
+# Debian packages: bubblewrap and util-linux (bwrap sandboxes; setpriv and taskset start them);
+# QEMU, busybox, cpio, kmod (depmod) and lz4 (guest image and kernel extraction for microVM
+# sandboxes; the cloud kernel itself is fetched into the image cache with `apt-get download`, never
+# installed on the host); python3 (Debian's interpreter runs inside bwrap sandboxes and the guest
+# image). Installed only when missing; without root we say what is missing and go on.
+APT_PKGS=(bubblewrap util-linux qemu-system-x86 busybox-static cpio lz4 kmod python3)
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
