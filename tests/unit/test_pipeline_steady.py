@@ -11,9 +11,10 @@ from slipstream.bench.pipeline import steady_samples_per_s
 def records(step_times_s: list[float], samples_per_step: int = 64) -> list[dict[str, float]]:
     """Cumulative records as the controller writes them: samples_per_s = total / elapsed."""
     return [
-        {"elapsed_s": t, "samples_per_s": samples_per_step * (i + 1) / t}
+        {"elapsed_s": t, "samples_total": samples_per_step * (i + 1),
+         "samples_per_s": samples_per_step * (i + 1) / t}
         for i, t in enumerate(step_times_s)
-    ]
+    ]  # fmt: skip
 
 
 def test_steady_rate_excludes_the_fill() -> None:

@@ -118,7 +118,8 @@ def _latency_overrides(base: Any, args: argparse.Namespace) -> tuple[list[str], 
         verifier += f", tool calls in {base.sandbox.backend} sandboxes"
     if kind == "real":
         return ["rollout.verify_latency=none"], {"distribution": "real", "verifier": verifier,
-                                                 "sandbox_verified": verify_sandboxed}  # fmt: skip
+                                                 "sandbox_verified": verify_sandboxed,
+                                                 "episode_sandboxed": episode_sandboxed}  # fmt: skip
     return [
         "rollout.verify_latency=lognormal", f"rollout.verify_latency_p50_s={args.verify_p50_s}",
         f"rollout.verify_latency_p99_over_p50={args.verify_p99_over_p50}",
@@ -128,7 +129,7 @@ def _latency_overrides(base: Any, args: argparse.Namespace) -> tuple[list[str], 
 
 def steady_samples_per_s(steps: list[dict[str, Any]]) -> float | None:
     """Trained samples per second after the first third of the steps, from the controller's
-    cumulative per-step records (`samples_per_s`, `elapsed_s`); None under 3 steps. Async leases
+    cumulative per-step records (`samples_total`, `elapsed_s`); None under 3 steps. Async leases
     max_inflight_tasks x workers groups before its first step (the pipeline fill), work a short
     run never trains on; past it both modes run at the rate the machine sustains."""
     if len(steps) < 3:
@@ -136,8 +137,9 @@ def steady_samples_per_s(steps: list[dict[str, Any]]) -> float | None:
     first, last = steps[len(steps) // 3 - 1], steps[-1]
     if last["elapsed_s"] <= first["elapsed_s"]:
         return None
-    done_first, done_last = (r["samples_per_s"] * r["elapsed_s"] for r in (first, last))
-    return (done_last - done_first) / (last["elapsed_s"] - first["elapsed_s"])
+    return (last["samples_total"] - first["samples_total"]) / (
+        last["elapsed_s"] - first["elapsed_s"]
+    )
 
 
 def run_mode(cfg: Any, init: str) -> dict[str, Any]:
@@ -278,7 +280,10 @@ def run(args: argparse.Namespace) -> int:
         if fig_r["steady_samples_per_s"] and base_r["steady_samples_per_s"]
         else None
     )
-    sandbox_bound = latency["distribution"] == "real" and "sandbox" in latency["verifier"]
+    # Sandbox-bound: the real latency of answers verified in sandboxes or of episodes' tool calls.
+    sandbox_bound = latency["distribution"] == "real" and (
+        latency["sandbox_verified"] or latency["episode_sandboxed"]
+    )
     goal = GOAL_RATIO_SANDBOXED if sandbox_bound else GOAL_RATIO
     record = {
         "benchmark": "pipeline",

@@ -221,7 +221,7 @@ class Controller:
                 "step": step, "version": self.trainer.version, **m,
                 "pass_at_1": pass_now, "evaluated": evaluated, "idle_s": idle_s, "train_s": train_s,
                 "staleness_max": max(batch.staleness), "staleness_mean": sum(batch.staleness) / len(batch.staleness),
-                "task_ids": batch.task_ids, "elapsed_s": elapsed,
+                "task_ids": batch.task_ids, "elapsed_s": elapsed, "samples_total": samples_total,
                 "samples_per_s": samples_total / max(elapsed, 1e-9),
                 "trainer_idle_frac": idle_total / max(elapsed, 1e-9),
                 "queue_pending": status["queue_pending"], "queue_leased": status["queue_leased"],
