@@ -12,7 +12,9 @@ swapped), pids, cpuset (cpus, mems) and a CPU quota of `vcpus` CPUs; it counts O
 reset it), kills every member and removes itself.
 
 `Cgroup.enter_fn()` returns a fork-safe callable that moves the calling process into the cgroup;
-backends run it in the child between fork and exec so no sandboxed code ever runs outside.
+the QEMU backend runs it in the child between fork and exec so no sandboxed code ever runs outside.
+`Cgroup.procs_files()` names the files to write a pid into: bwrap's exec chain writes them from a
+shell before it execs bwrap (no fork of the caller; bwrap.py).
 
 Not covered: io limits, cgroup v1 without the pids or cpuset controller (logged, skipped),
 delegated non-root v2 subtrees other than an explicit `parent` argument.

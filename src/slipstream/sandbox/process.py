@@ -103,8 +103,9 @@ async def _drain_stderr(stream: asyncio.StreamReader, tail: bytearray) -> None:
         del tail[:-STDERR_TAIL_BYTES]
 
 
-# Sandboxes are spawned from these long-lived threads: fork + preexec_fn + exec then block a spawner
-# thread, not the event loop that is relaying other sandboxes' output. The threads live until the
+# Sandboxes are spawned from these long-lived threads: the spawn (a fork + preexec_fn + exec for
+# the process backend, a vfork + exec for bwrap's exec chain) blocks a spawner thread, not the
+# event loop that is relaying other sandboxes' output. The threads live until the
 # interpreter exits, which matters: PR_SET_PDEATHSIG (ours and bwrap's --die-with-parent) fires when
 # the *thread* that forked the child ends.
 _SPAWNER = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="sandbox-spawn")
