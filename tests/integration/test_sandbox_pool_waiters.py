@@ -145,3 +145,64 @@ def test_single_use_pool_at_its_cap_admits_a_waiter_after_the_destroy(tmp_path):
         assert pool.journal.entries() == []
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("reuse", [True, False], ids=["reuse", "single-use"])
+def test_waiters_timing_out_and_cancelled_at_random_lose_nothing(tmp_path, reuse):
+    """40 callers on a 2-sandbox pool, each with a random timeout (some too short to be served),
+    some cancelled at a random moment: every caller with a long timeout that was not cancelled is
+    served, the others time out or are cancelled; afterwards nothing is in use, the live count is
+    what the pool holds, and stop() leaves the journal empty."""
+    import random
+
+    from slipstream.sandbox.errors import AdmissionTimeout
+
+    rng = random.Random(7)
+
+    async def go():
+        pool = await one_slot_pool(tmp_path, reuse=reuse, max_live=2, max_idle=2).start()
+        outcomes: dict[int, str] = {}
+
+        async def caller(i: int, timeout_s: float) -> None:
+            try:
+                sb = await pool.acquire(timeout_s=timeout_s)
+            except AdmissionTimeout:
+                outcomes[i] = "timeout"
+                return
+            try:
+                assert (await sb.exec(["true"])).exit_code == 0
+                await asyncio.sleep(rng.uniform(0, 0.02))
+            finally:
+                await pool.release(sb)
+            outcomes[i] = "served"
+
+        timeouts_s = [rng.choice([0.01, 0.05, 30.0, 30.0]) for _ in range(40)]
+        tasks = []
+        for i, timeout_s in enumerate(timeouts_s):
+            tasks.append(asyncio.ensure_future(caller(i, timeout_s)))
+            await asyncio.sleep(rng.uniform(0, 0.005))
+        cancel = set(rng.sample(range(40), 10))  # wherever they are: waiting, handed, in exec
+        for i in cancel:
+            tasks[i].cancel()
+        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 120)
+        errors = [r for r in results if r is not None and not isinstance(r, asyncio.CancelledError)]
+        assert not errors
+        for i, timeout_s in enumerate(timeouts_s):
+            if isinstance(results[i], asyncio.CancelledError):
+                assert i in cancel and i not in outcomes
+            elif timeout_s == 30.0:
+                assert outcomes[i] == "served", (i, outcomes.get(i))
+            else:
+                assert outcomes[i] in ("served", "timeout")
+        assert sum(o == "served" for o in outcomes.values()) >= 10
+        deadline = time.monotonic() + 30  # single use: the last destroys run in the background
+        while time.monotonic() < deadline and (
+            pool.stats().live != pool.stats().idle or pool._creating
+        ):
+            await asyncio.sleep(0.05)
+        st = pool.stats()
+        assert st.in_use == 0 and st.live == st.idle <= 2 and not pool._waiters
+        await pool.stop()
+        assert pool.stats().live == 0 and pool.journal.entries() == []
+
+    asyncio.run(go())
