@@ -13,12 +13,14 @@ namespace escape lands as `nobody`), with:
 - a cgroup (memory+swap, pids, cpuset, CPU quota) entered before bwrap runs, so bwrap and
   everything below it is limited from its first instruction.
 
-How it is started: a short exec chain, not a Python `preexec_fn` (which forces Popen to fork
-this whole process, 15-23 ms with torch and a model loaded, and lets it vfork instead):
-`/bin/sh` (root) writes its own pid into the cgroup's cgroup.procs files, then execs `setpriv`
-(drop to the sandbox uid and gid, no supplementary groups, no inheritable capabilities,
-parent-death signal KILL), which execs `taskset` (the pinned CPUs, when pinned), which execs bwrap.
-The pid stays the same across the chain, so the cgroup holds bwrap from its first instruction.
+How it is started: a short exec chain, so Popen can vfork. A Python `preexec_fn` would force it
+to fork this whole process (15-23 ms with torch and a model loaded, the GIL held). `/bin/sh`
+(root) writes its own pid into the cgroup's cgroup.procs files, then execs `setpriv` (drop to the
+sandbox uid and gid, no supplementary groups, no inheritable capabilities, parent-death signal
+KILL), which execs `taskset` (the pinned CPUs, when pinned), which execs bwrap. The pid stays the
+same across the chain, so the cgroup holds bwrap from its first instruction. If the pool dies in
+the ~1 ms before setpriv sets the parent-death signal, the agent still exits when its channel
+closes, and the journal entry written before the spawn lets orphan reaping remove the cgroup.
 
 Not covered: GPU/device access (none is given), per-sandbox disk quotas beyond the tmpfs size,
 architectures other than x86_64 (the seccomp filter is x86_64-only).

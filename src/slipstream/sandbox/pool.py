@@ -410,7 +410,7 @@ class SandboxPool:
                 got = fut.result()
                 if got is None:
                     self._wake_one()
-                else:
+                elif got in self._in_use:  # not when stop() has taken (and destroyed) it
                     self._in_use.discard(got)
                     self._put_idle(got)
             raise
