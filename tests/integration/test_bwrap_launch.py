@@ -12,6 +12,7 @@ import subprocess
 
 import pytest
 
+from sandboxutil import needs_bwrap
 from slipstream.sandbox.bwrap import SETPRIV, TASKSET, launch_argv
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the uid drop needs root")
@@ -55,8 +56,7 @@ def test_a_failed_cgroup_write_stops_the_chain(tmp_path):
 
 
 @needs_tools
-@needs_root
-@pytest.mark.skipif(not os.access("/usr/bin/bwrap", os.X_OK), reason="needs /usr/bin/bwrap")
+@needs_bwrap
 def test_a_bwrap_sandbox_seen_from_the_host(tmp_path):
     from slipstream.sandbox.base import SandboxTemplate
     from slipstream.sandbox.bwrap import BwrapBackend

@@ -399,7 +399,8 @@ class SandboxPool:
         (self._waiters.appendleft if front else self._waiters.append)(fut)
 
         def deadline_passed() -> None:
-            if not fut.done():
+            if not fut.done():  # still queued: leave the queue, then look once more
+                self._waiters.remove(fut)
                 fut.set_result(None)
 
         timer = loop.call_later(timeout_s, deadline_passed)
@@ -416,9 +417,8 @@ class SandboxPool:
             raise
         finally:
             timer.cancel()
-            if not fut.done():
+            if not fut.done():  # cancelled while queued (a handed or woken one was popped)
                 fut.cancel()
-            with contextlib.suppress(ValueError):
                 self._waiters.remove(fut)
 
     async def release(self, sb: AgentSandbox, *, reuse: bool | None = None) -> None:
