@@ -12,6 +12,7 @@ import torch
 
 from s3util import free_port, make_bucket, s3_options, start_moto
 from slipstream.storage import WeightStore
+from slipstream.storage.safetensors_buffer import SafetensorsBuffer
 
 
 def sd(seed: int) -> dict[str, torch.Tensor]:
@@ -110,6 +111,13 @@ def test_s3_store_roundtrip(moto: int) -> None:
     check_roundtrip(store)
     assert store.location(4) == "s3://bucket/run1/weights/v00000004"
     assert store.blob.fs.isfile(store.location(4) + "/model.safetensors")
+    # a trainer's per-step publish hands over a SafetensorsBuffer (bytes for the S3 PUT)
+    buf = SafetensorsBuffer.for_tensors(sd(5))
+    buf.fill(sd(5))
+    store.publish(5, buf)
+    assert store.check(5) is None
+    got = store.fetch(5)
+    assert got.keys() == sd(5).keys() and all(torch.equal(got[k], sd(5)[k]) for k in got)
 
 
 def test_s3_server_killed_mid_publish(moto: int) -> None:

@@ -118,9 +118,12 @@ class Controller:
         version to the coordinator (workers load what it announces, so it must exist). With
         trainer.background_publish the writing overlaps the next step (rl/publisher.py)."""
         self._tell_ranks("publish")
-        state = self.trainer.full_state()  # a snapshot; sharded: gathered from every rank
+        # the publisher copies the tensors before submit returns, so no snapshot here;
+        # sharded: gathered from every rank into copies (kept for _policy_for_eval)
+        state = self.trainer.full_state(copy=False)
         assert state is not None  # rank 0
-        self._published = state
+        if self.trainer.ranks.sharded:
+            self._published = state
         cfg = self.model.config
         dtype = next(iter(state.values())).dtype
         self.publisher.submit(self.trainer.version, hf_from_internal(state, cfg),

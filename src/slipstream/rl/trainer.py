@@ -350,16 +350,19 @@ class Trainer:
         return {"scheduler": self.scheduler.state_dict(), "rng": rng_state_json(),
                 "step": self.step_count}  # fmt: skip
 
-    def full_state(self) -> dict[str, torch.Tensor] | None:
-        """A snapshot of the policy's full internal state dict (every rank calls it; collective
-        when sharded): on rank 0 copies the next step does not change, None on the others."""
+    def full_state(self, copy: bool = True) -> dict[str, torch.Tensor] | None:
+        """The policy's full internal state dict (every rank calls it; collective when sharded):
+        on rank 0 copies the next step does not change, None on the others. `copy=False`
+        (unsharded layouts): the live parameters, detached, for a caller that copies them
+        before the next step (the publisher); sharded layouts always gather into copies."""
         if self.ranks.sharded:
             from slipstream.parallel.sharding import gather_full_state
 
             return gather_full_state(self.model, self.ranks.rank)
         if self.ranks.rank != 0:
             return None
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        live = {k: v.detach() for k, v in self.model.state_dict().items()}
+        return {k: v.clone() for k, v in live.items()} if copy else live
 
     # ---- step ----------------------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ import os
 import re
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import fsspec
@@ -90,7 +90,7 @@ def _read_regular(path: str) -> bytes:
         os.close(fd)
 
 
-def _write_replace(path: str, data: bytes) -> None:
+def _write_replace(path: str, data: bytes | memoryview) -> None:
     """`data` into a new temporary file (O_EXCL: never an existing one) renamed onto `path`."""
     tmp = f"{path}.tmp-{os.getpid()}-{time.time_ns()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
@@ -175,17 +175,18 @@ class BlobStore:
             raise with_path(e, self.url_of(rel)) from e
         return {name[len(base) + 1 :]: int(info["size"]) for name, info in found.items()}
 
-    def put(self, rel: str, data: bytes) -> None:
+    def put(self, rel: str, data: bytes | memoryview) -> None:
         """Write `rel` whole. Local: a fresh temporary file renamed over the target, so a FIFO,
         device or symlink planted at the target is replaced, never written through, and a
-        symlinked directory on the way is refused."""
+        symlinked directory on the way is refused. A memoryview is written without a copy
+        locally (remote filesystems get bytes)."""
         self._fence()
         try:
             if self.local:
                 _local_dirs(self.root, rel.rsplit("/", 1)[0] if "/" in rel else "")
                 _write_replace(self.path(rel), data)
             else:
-                self.fs.pipe_file(self.path(rel), data)
+                self.fs.pipe_file(self.path(rel), bytes(data))
         except OSError as e:
             raise with_path(e, self.url_of(rel)) from e
 
@@ -232,14 +233,15 @@ class BlobStore:
             raise with_path(e, self.url_of(rel)) from e
 
 
-def _sha256(data: bytes) -> str:
+def _sha256(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
 def write_manifested(
-    blob: BlobStore, prefix: str, files: dict[str, bytes], meta: dict[str, Any]
+    blob: BlobStore, prefix: str, files: Mapping[str, bytes | memoryview], meta: dict[str, Any]
 ) -> None:
-    """Write `files` under prefix, then the manifest (with sizes, hashes and `meta`) last."""
+    """Write `files` under prefix, then the manifest (with sizes, hashes and `meta`) last. A
+    memoryview must be of bytes (format "B": its len() is its size)."""
     for name in files:
         if not safe_name(name):
             raise ValueError(f"store file name {name!r} is not a plain relative name")

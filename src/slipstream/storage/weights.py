@@ -47,6 +47,7 @@ from slipstream.storage.blob import (
     write_manifested,
 )
 from slipstream.storage.errors import InvalidEntry, NonFiniteTensor
+from slipstream.storage.safetensors_buffer import SafetensorsBuffer
 
 log = logging.getLogger(__name__)
 
@@ -70,13 +71,22 @@ def state_dict_to_bytes(state_dict: dict[str, torch.Tensor]) -> bytes:
 def check_finite(tensors: Mapping[str, torch.Tensor], what: str) -> None:
     """NonFiniteTensor naming the first floating-point tensor of `tensors` with a NaN or inf
     value (and how many tensors have one); integer and bool tensors cannot hold either. One
-    host sync per device, not per tensor."""
+    host sync per device, not per tensor.
+
+    Fast path (every publish runs this): one fused 2-norm over a device's real floating-point
+    tensors (`get_total_norm`, foreach): a NaN or inf anywhere makes it non-finite, so a finite
+    norm proves every value finite (0.5 ms vs 5-7 ms for the per-tensor scan of the
+    quickstart's 135 tensors on this dev VM). A non-finite norm can also come from finite
+    values above ~1.8e19 whose squares overflow, so it falls back to the exact per-tensor scan,
+    which decides and names the tensor."""
     by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for name, t in tensors.items():
         if t.is_floating_point() or t.is_complex():
             by_device.setdefault(t.device, []).append((name, t.detach()))
     bad: list[tuple[str, int, int]] = []
-    for items in by_device.values():
+    for device, items in by_device.items():
+        if _norm_proves_finite(device, [t for _, t in items]):
+            continue
         counts = torch.stack([(~torch.isfinite(t)).sum() for _, t in items]).tolist()
         bad += [(name, int(n), t.numel()) for (name, t), n in zip(items, counts, strict=True) if n]
     if bad:
@@ -86,6 +96,13 @@ def check_finite(tensors: Mapping[str, torch.Tensor], what: str) -> None:
             f"{what}: tensor {name!r} has {n} of {total} values NaN or inf{more} "
             "(a diverged training run? see the loss and trainer.lr)"
         )
+
+
+def _norm_proves_finite(device: torch.device, tensors: list[torch.Tensor]) -> bool:
+    if device.type not in ("cpu", "cuda") or any(t.is_complex() for t in tensors):
+        return False
+    norm = torch.nn.utils.get_total_norm(tensors, 2.0, foreach=True)
+    return bool(torch.isfinite(norm))
 
 
 class WeightStore:
@@ -106,13 +123,18 @@ class WeightStore:
     def publish(
         self,
         version: int,
-        state_dict: dict[str, torch.Tensor],
+        state_dict: Mapping[str, torch.Tensor] | SafetensorsBuffer,
         config: dict[str, Any] | None = None,
     ) -> None:
-        check_finite(
-            state_dict, f"refusing to publish weights version {version} to {self.blob.url}"
-        )
-        files = {WEIGHTS_FILE: state_dict_to_bytes(state_dict)}
+        """Write version `version` (see the module contract). `state_dict` may be a filled
+        `SafetensorsBuffer` (what a trainer publishing every step hands over): its file is
+        written as it is, with no serialisation on this thread."""
+        tensors = state_dict.tensors() if isinstance(state_dict, SafetensorsBuffer) else state_dict
+        check_finite(tensors, f"refusing to publish weights version {version} to {self.blob.url}")
+        if isinstance(state_dict, SafetensorsBuffer):
+            files: dict[str, bytes | memoryview] = {WEIGHTS_FILE: state_dict.file_bytes()}
+        else:
+            files = {WEIGHTS_FILE: state_dict_to_bytes(dict(state_dict))}
         if config is not None:
             files["config.json"] = json.dumps(config, indent=1).encode()
         write_manifested(self.blob, self._dir(version), files, {"version": version})
