@@ -14,9 +14,9 @@ Contract:
   thread, after the previous publish finished, and the thread writes that buffer as the file:
   the caller may change its tensors (the trainer's next step) as soon as `submit` returns, and
   no serialisation runs beside the next step (a per-step publish through
-  `safetensors.torch.save` slowed the quickstart's trainer step by 17-20 ms; with the buffer by
-  ~2 ms, docs/performance.md). The buffer is made on the first submit and again only if the
-  names, dtypes or shapes change.
+  `safetensors.torch.save` made the quickstart's trainer step 96-131 ms where it is 89-96 ms
+  with the buffer and 78-96 ms with no publish at all; docs/performance.md). The buffer is made
+  on the first submit and again only if the names, dtypes or shapes change.
 - An error in the thread (e.g. the store refusing non-finite weights, a full disk) is raised
   by the next `submit` or `flush`, naming the version; nothing after it is published.
 - `background=False` publishes on the caller's thread (deterministic tests, debugging).

@@ -10,7 +10,7 @@ Why: `safetensors.torch.save` spends ~50 us of Python per tensor (checks, numpy 
 shared-storage scan) and returns a new bytes object; the quickstart's 135 HF-named tensors
 cost 7-10 ms of it per publish, and the publish thread's Python contends for the GIL with the
 trainer's step (measured: a background publish per step slowed the quickstart's trainer step
-by 17-20 ms, docs/performance.md). Here the header (names, dtypes, shapes, offsets) is JSON
+by 10-35 ms in one harness, docs/performance.md). Here the header (names, dtypes, shapes, offsets) is JSON
 written once into the buffer; `fill` is one `torch._foreach_copy_`; the file is the buffer.
 
 Contract:
@@ -51,6 +51,8 @@ def spec_of(tensors: Mapping[str, torch.Tensor]) -> Spec:
 
 
 class SafetensorsBuffer:
+    """The buffer for one layout (`spec`: name -> (dtype, shape)); see the module contract."""
+
     def __init__(self, spec: Spec) -> None:
         for name, (dtype, _) in spec.items():
             if dtype not in _DTYPE_CODES:
