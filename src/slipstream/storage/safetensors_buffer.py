@@ -10,8 +10,9 @@ Why: `safetensors.torch.save` spends ~50 us of Python per tensor (checks, numpy 
 shared-storage scan) and returns a new bytes object; the quickstart's 135 HF-named tensors
 cost 7-10 ms of it per publish, and the publish thread's Python contends for the GIL with the
 trainer's step (measured: a background publish per step slowed the quickstart's trainer step
-by 10-35 ms in one harness, docs/performance.md). Here the header (names, dtypes, shapes, offsets) is JSON
-written once into the buffer; `fill` is one `torch._foreach_copy_`; the file is the buffer.
+by 10-35 ms in one harness, docs/performance.md). Here the header (names, dtypes, shapes,
+offsets) is JSON written once into the buffer; `fill` is one `torch._foreach_copy_`; the file
+is the buffer.
 
 Contract:
 - The file is a valid safetensors file (8-byte little-endian header length, JSON header padded
@@ -31,6 +32,7 @@ Not covered: non-strided (sparse) tensors, dtypes safetensors has no code for, `
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Mapping
 
@@ -65,7 +67,7 @@ class SafetensorsBuffer:
         at = 0
         for name in order:
             dtype, shape = spec[name]
-            nbytes = dtype.itemsize * _numel(shape)
+            nbytes = dtype.itemsize * math.prod(shape)
             header[name] = {"dtype": _DTYPE_CODES[dtype], "shape": list(shape),
                             "data_offsets": [at, at + nbytes]}  # fmt: skip
             regions.append((name, at, nbytes))
@@ -83,8 +85,7 @@ class SafetensorsBuffer:
             dtype, shape = spec[name]
             region = self._buf_U8[start + offset : start + offset + nbytes]
             self._views[name] = region.view(dtype).view(shape)
-        self._names = list(spec)
-        self._targets = [self._views[n] for n in self._names]
+        self._targets = [self._views[n] for n in spec]  # in `spec` order, as `fill` reads
 
     @classmethod
     def for_tensors(cls, tensors: Mapping[str, torch.Tensor]) -> SafetensorsBuffer:
@@ -102,7 +103,7 @@ class SafetensorsBuffer:
             raise ValueError(
                 f"tensors differ from this buffer's layout: {self._difference(tensors)}"
             )
-        sources = [tensors[n].detach() for n in self._names]
+        sources = [tensors[n].detach() for n in self.spec]
         with torch.no_grad():
             torch._foreach_copy_(self._targets, sources)
 
@@ -127,10 +128,3 @@ class SafetensorsBuffer:
             if self.spec[n] != (t.dtype, tuple(t.shape)):
                 return f"{n!r} is {t.dtype} {tuple(t.shape)}, the layout has {self.spec[n]}"
         return "none"
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

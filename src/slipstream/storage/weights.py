@@ -129,12 +129,15 @@ class WeightStore:
         """Write version `version` (see the module contract). `state_dict` may be a filled
         `SafetensorsBuffer` (what a trainer publishing every step hands over): its file is
         written as it is, with no serialisation on this thread."""
-        tensors = state_dict.tensors() if isinstance(state_dict, SafetensorsBuffer) else state_dict
-        check_finite(tensors, f"refusing to publish weights version {version} to {self.blob.url}")
+        what = f"refusing to publish weights version {version} to {self.blob.url}"
+        data: bytes | memoryview
         if isinstance(state_dict, SafetensorsBuffer):
-            files: dict[str, bytes | memoryview] = {WEIGHTS_FILE: state_dict.file_bytes()}
+            check_finite(state_dict.tensors(), what)
+            data = state_dict.file_bytes()
         else:
-            files = {WEIGHTS_FILE: state_dict_to_bytes(dict(state_dict))}
+            check_finite(state_dict, what)
+            data = state_dict_to_bytes(dict(state_dict))
+        files: dict[str, bytes | memoryview] = {WEIGHTS_FILE: data}
         if config is not None:
             files["config.json"] = json.dumps(config, indent=1).encode()
         write_manifested(self.blob, self._dir(version), files, {"version": version})
