@@ -191,7 +191,7 @@ def run_sft(cfg: SlipstreamConfig, console: Console | None = None) -> SFTResult:
                     taskset, tasks, device, cfg.rollout.max_observation_tokens
                 )
                 real_BT = inputs_BT != taskset.tokenizer.pad_id
-                out = model(inputs_BT, token_mask_BT=real_BT, moe_skip_padding_BT=real_BT)
+                out = model(inputs_BT, skip_padding_BT=real_BT)
                 ce_BT = F.cross_entropy(
                     out.logits_BTV.flatten(0, 1), targets_BT.flatten(), reduction="none"
                 ).view_as(targets_BT)

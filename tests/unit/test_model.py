@@ -287,19 +287,25 @@ def test_moe_block_accepts_zero_tokens(impl):
 
 
 @pytest.mark.parametrize("shared", [0, 32])
-def test_moe_skip_padding_equals_the_padded_forward_on_real_tokens(shared: int) -> None:
-    """Right-padded batch: skipping the padding in the MoE layers changes nothing at the real
-    positions (logits, router losses over them, and every gradient); the padding's router logits
-    are 0."""
+@pytest.mark.parametrize("replay", [False, True])
+def test_skip_padding_equals_the_padded_forward_on_real_tokens(shared: int, replay: bool) -> None:
+    """Right-padded batch: running every per-token layer on the real tokens only changes
+    nothing at the real positions (logits, router losses over them, and every gradient, with and
+    without routing replay); the padding's logits and router logits are 0."""
     model = _model(shared_expert_intermediate_size=shared, router_z_loss_coef=0.01).train()
     ids = _ids(3, 9)
     real = torch.ones(3, 9, dtype=torch.bool)
     real[1, 5:] = False
     real[2, 2:] = False
+    L, k = len(model.moe_layer_ids), model.config.num_experts_per_tok
+    gen = torch.Generator().manual_seed(3)
+    routing = torch.stack([torch.randperm(model.config.num_experts, generator=gen)[:k]
+                           for _ in range(L * 27)]).view(L, 27, k) if replay else None  # fmt: skip
 
     def run(skip: bool):
         model.zero_grad(set_to_none=True)
-        out = model(ids, token_mask_BT=real, moe_skip_padding_BT=real if skip else None)
+        out = model(ids, token_mask_BT=real, replay_routing_LNk=routing,
+                    skip_padding_BT=real if skip else None)  # fmt: skip
         loss = (out.logits_BTV.logsumexp(-1) * real).sum() + out.aux_loss
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -308,11 +314,26 @@ def test_moe_skip_padding_equals_the_padded_forward_on_real_tokens(shared: int) 
     ref, ref_g = run(False)
     got, got_g = run(True)
     torch.testing.assert_close(got.logits_BTV[real], ref.logits_BTV[real], atol=1e-6, rtol=1e-5)
+    assert torch.count_nonzero(got.logits_BTV[~real]) == 0
     torch.testing.assert_close(got.aux_loss, ref.aux_loss, atol=1e-7, rtol=1e-6)
     assert ref_g.keys() == got_g.keys()
     for name in ref_g:
         torch.testing.assert_close(got_g[name], ref_g[name], atol=1e-6, rtol=1e-5, msg=name)
-    for logits_NE in got.router_logits:
-        assert torch.count_nonzero(logits_NE[~real.reshape(-1)]) == 0
-    with pytest.raises(ValueError, match="token_mask_BT"):
-        model(ids, moe_skip_padding_BT=real)
+    for got_NE, ref_NE in zip(got.router_logits, ref.router_logits, strict=True):
+        assert got_NE.shape == ref_NE.shape
+        assert torch.count_nonzero(got_NE[~real.reshape(-1)]) == 0
+        torch.testing.assert_close(got_NE[real.reshape(-1)], ref_NE[real.reshape(-1)])
+
+
+def test_skip_padding_refuses_what_it_cannot_compute_exactly() -> None:
+    """A real token after padding (not right-padded), a cache or logits_to_keep: refused."""
+    model = _model().train()
+    ids = _ids(2, 6)
+    holes = torch.ones(2, 6, dtype=torch.bool)
+    holes[0, 2] = False
+    with pytest.raises(ValueError, match="prefix"):
+        model(ids, skip_padding_BT=holes)
+    with pytest.raises(ValueError, match="bool"):
+        model(ids, skip_padding_BT=holes.long())
+    with pytest.raises(ValueError, match="training"):
+        model(ids, skip_padding_BT=torch.ones(2, 6, dtype=torch.bool), logits_to_keep=1)

@@ -3,10 +3,12 @@ attention with per-head q/k RMSNorm, and the SwiGLU MLP. Numerics follow transfo
 Qwen3-MoE (norm in float32, RoPE tables in float32 cast to the activation dtype).
 
 Shape legend: B batch, T tokens, D model width (hidden_size), H query heads, K key/value heads,
-Dh head width, I FFN width.
+Dh head width, I FFN width, M real (non-padding) tokens of a packed batch, N = B*T.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +58,43 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x_BNTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
     cos, sin = cos_BTD[:, None], sin_BTD[:, None]
     return x_BNTD * cos + _rotate_half(x_BNTD) * sin
+
+
+@dataclass(frozen=True)
+class Packing:
+    """The real tokens of a right-padded (B, T) training batch laid end to end (M of them):
+    the model runs every per-token layer on these M rows only, and attention alone scatters
+    them back to (B, T) for the causal kernel. Exact at the real positions because each row's
+    real tokens are a prefix (right padding), so no real query attends a padded key."""
+
+    rows_M: torch.Tensor
+    """Indices of the real tokens among the B*T (row-major), ascending."""
+    batch_size: int
+    num_tokens: int
+    """T, the padded length."""
+
+    @classmethod
+    def from_mask(cls, real_BT: torch.Tensor) -> Packing:
+        """From a bool mask of the real tokens; raises if a row's real tokens are not a prefix."""
+        if real_BT.dtype != torch.bool or real_BT.dim() != 2:
+            raise ValueError(f"the real-token mask must be bool (B, T), got {real_BT.dtype} "
+                             f"{tuple(real_BT.shape)}")  # fmt: skip
+        if bool((real_BT[:, 1:] & ~real_BT[:, :-1]).any()):
+            raise ValueError(
+                "skip_padding_BT must mark a prefix of every row (right padding): a real token "
+                "after a padded one would attend keys the packed forward does not compute"
+            )
+        B, T = real_BT.shape
+        return cls(real_BT.reshape(-1).nonzero().squeeze(1), B, T)
+
+    def pack(self, x_N_: torch.Tensor) -> torch.Tensor:
+        """(B*T, ...) -> (M, ...): the real rows."""
+        return x_N_.index_select(0, self.rows_M)
+
+    def unpack(self, x_M_: torch.Tensor) -> torch.Tensor:
+        """(M, ...) -> (B*T, ...): the real rows in place, zeros at the padding."""
+        N = self.batch_size * self.num_tokens
+        return x_M_.new_zeros((N, *x_M_.shape[1:])).index_copy(0, self.rows_M, x_M_)
 
 
 class Attention(nn.Module):
@@ -141,7 +180,12 @@ class Attention(nn.Module):
         x_BTD: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         cache: KVCache | None = None,
+        packing: Packing | None = None,
     ) -> torch.Tensor:
+        """(B, T, D) -> (B, T, D); with `packing` (training without a cache) x is (M, D) and so
+        are cos/sin and the output: see `Packing`."""
+        if packing is not None:
+            return self._forward_packed(x_BTD, cos_sin, packing)
         B, T, _ = x_BTD.shape
         if (
             torch.is_grad_enabled()
@@ -163,6 +207,29 @@ class Attention(nn.Module):
         else:
             out_BHTD = cache.attend(self.layer_idx, q_BHTD, k_BKTD, v_BKTD)
         return self.o_proj(out_BHTD.transpose(1, 2).reshape(B, T, -1))
+
+    def _forward_packed(
+        self, x_MD: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], packing: Packing
+    ) -> torch.Tensor:
+        """Projections, norms and RoPE on the M real tokens; SDPA on the padded layout (zeros
+        at the padding, which no real query sees); the same values as `forward` at the real
+        positions (tests/unit/test_model.py)."""
+        M = x_MD.shape[0]
+        H, K, Dh = self.num_heads, self.num_kv_heads, self.head_dim
+        B, T = packing.batch_size, packing.num_tokens
+        cos_M1D, sin_M1D = cos_sin[0][:, None], cos_sin[1][:, None]
+        q_MHD = self.q_norm(self.q_proj(x_MD).view(M, H, Dh))
+        k_MKD = self.k_norm(self.k_proj(x_MD).view(M, K, Dh))
+        q_MHD = q_MHD * cos_M1D + _rotate_half(q_MHD) * sin_M1D
+        k_MKD = k_MKD * cos_M1D + _rotate_half(k_MKD) * sin_M1D
+        v_MKD = self.v_proj(x_MD).view(M, K, Dh)
+        # one scatter for q, k and v together: C = H + 2K heads
+        qkv_BTCD = packing.unpack(torch.cat((q_MHD, k_MKD, v_MKD), dim=1)).view(B, T, H + 2 * K, Dh)
+        q_BHTD = qkv_BTCD[:, :, :H].transpose(1, 2)
+        k_BKTD = qkv_BTCD[:, :, H : H + K].transpose(1, 2)
+        v_BKTD = qkv_BTCD[:, :, H + K :].transpose(1, 2)
+        out_BHTD = causal_attend(q_BHTD, k_BKTD, v_BKTD)
+        return self.o_proj(packing.pack(out_BHTD.transpose(1, 2).reshape(B * T, H * Dh)))
 
 
 class MLP(nn.Module):

@@ -265,28 +265,13 @@ class SparseMoeBlock(nn.Module):
         return logits_NE, w_Nk.to(logits_NE.dtype), ids_Nk
 
     def forward(
-        self,
-        x_BTD: torch.Tensor,
-        replay_ids_Nk: torch.Tensor | None = None,
-        rows_M: torch.Tensor | None = None,
+        self, x_D: torch.Tensor, replay_ids_Nk: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (output (B, T, D), router logits (B*T, E)). `replay_ids_Nk`: see `route`.
-        `rows_M` (indices into the B*T tokens): route and compute only these (the real tokens of
-        a right-padded training batch, which attend to no padding); the others get output 0 and
-        router logits 0, so callers must keep them out of every loss (the router losses' token
-        mask)."""
-        B, T, D = x_BTD.shape
-        x_ND = x_BTD.reshape(-1, D)
-        if rows_M is None:
-            out_ND, logits_NE = self._tokens(x_ND, replay_ids_Nk)
-            return out_ND.view(B, T, D), logits_NE
-        replay_Mk = None if replay_ids_Nk is None else replay_ids_Nk.index_select(0, rows_M)
-        out_MD, logits_ME = self._tokens(x_ND.index_select(0, rows_M), replay_Mk)
-        out_ND = out_MD.new_zeros(x_ND.shape).index_copy(0, rows_M, out_MD)
-        logits_NE = logits_ME.new_zeros(x_ND.shape[0], logits_ME.shape[1]).index_copy(
-            0, rows_M, logits_ME
-        )
-        return out_ND.view(B, T, D), logits_NE
+        """x (..., D) -> (output of x's shape, router logits (N, E)), N = the tokens in x
+        (row-major; (B, T, D) or the model's packed (M, D)). `replay_ids_Nk`: see `route`."""
+        x_ND = x_D.reshape(-1, x_D.shape[-1])
+        out_ND, logits_NE = self._tokens(x_ND, replay_ids_Nk)
+        return out_ND.view_as(x_D), logits_NE
 
     def _tokens(
         self, x_ND: torch.Tensor, replay_ids_Nk: torch.Tensor | None

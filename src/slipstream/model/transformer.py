@@ -1,7 +1,8 @@
 """The decoder-only MoE language model (Qwen3-MoE architecture), parameter names identical to
 transformers' `Qwen3MoeForCausalLM` (transformers-5 in-memory layout: stacked experts).
 
-Shape legend: B batch, T tokens, D hidden_size, V vocab, E experts, N = B*T.
+Shape legend: B batch, T tokens, D hidden_size, V vocab, E experts, N = B*T, M real tokens of a
+packed batch (`skip_padding_BT`), L MoE layers.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch import nn
 
 from slipstream.config.model import ModelConfig
 from slipstream.model.kv_cache import KVCache
-from slipstream.model.layers import MLP, Attention, RMSNorm, rope_cos_sin
+from slipstream.model.layers import MLP, Attention, Packing, RMSNorm, rope_cos_sin
 from slipstream.model.moe import Experts, SparseMoeBlock, load_balancing_loss, router_z_loss
 
 
@@ -27,7 +28,8 @@ class ModelOutput:
     """router_aux_loss_coef * load_balance + router_z_loss_coef * z_loss (scalar, float32, part of
     the graph); 0 when the model has no MoE layer."""
     router_logits: tuple[torch.Tensor, ...] | None = None
-    """Per MoE layer, router logits (B*T, E) in the model dtype; None without MoE layers."""
+    """Per MoE layer, router logits (B*T, E) in the model dtype (0 at the padding when the
+    forward skipped it); None without MoE layers."""
     load_balance_loss: torch.Tensor | None = None
     """Unweighted load-balancing loss, detached (for logging); None without MoE layers."""
     z_loss: torch.Tensor | None = None
@@ -76,12 +78,13 @@ class DecoderLayer(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         cache: KVCache | None,
         replay_ids_Nk: torch.Tensor | None = None,
-        rows_M: torch.Tensor | None = None,
+        packing: Packing | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), cos_sin, cache)
+        """x (B, T, D), or (M, D) with `packing`; -> (x after the layer, router logits or None)."""
+        x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), cos_sin, cache, packing)
         h = self.post_attention_layernorm(x_BTD)
         if isinstance(self.mlp, SparseMoeBlock):
-            out, router_logits = self.mlp(h, replay_ids_Nk, rows_M)
+            out, router_logits = self.mlp(h, replay_ids_Nk)
             return x_BTD + out, router_logits
         return x_BTD + self.mlp(h), None
 
@@ -171,7 +174,7 @@ class MoEForCausalLM(nn.Module):
         token_mask_BT: torch.Tensor | None = None,
         logits_to_keep: int = 0,
         replay_routing_LNk: torch.Tensor | None = None,
-        moe_skip_padding_BT: torch.Tensor | None = None,
+        skip_padding_BT: torch.Tensor | None = None,
     ) -> ModelOutput:
         """Logits for every input position. Without a cache: causal attention over the T tokens
         given (no padding mask: right-pad batches). With a cache: see `KVCache`.
@@ -182,12 +185,15 @@ class MoEForCausalLM(nn.Module):
         `replay_routing_LNk` (routing replay): per MoE layer (model order), the experts each of
         the N = B*T tokens (row-major) is routed to instead of the router's own top-k (see
         `SparseMoeBlock.route`); the router losses still follow the live router.
-        `moe_skip_padding_BT` (bool, training without a cache): the real tokens of a right-padded
-        batch; MoE layers route and compute only these (19% fewer expert rows on the quickstart's
-        RL batches). Exact for the real positions (causal attention: none attends to padding);
-        the padding's logits are then meaningless, and its router logits are 0: pass the same or
-        a smaller `token_mask_BT` so the router losses skip it. Only for experts in this
-        process (the expert-parallel dispatchers need the same token count on every rank)."""
+        `skip_padding_BT` (bool, training without a cache): the real tokens of a right-padded
+        batch, a prefix of every row (checked). Every per-token layer (embedding, norms,
+        projections, RoPE, experts, head) then runs on these M tokens only (`Packing`; ~30% of
+        the positions of the quickstart's RL batches are padding); attention scatters them to
+        (B, T) for its kernel. The real positions get the same values as without it (the
+        rounding of the weight gradients may differ, since their sums run over M rows instead of
+        N); the padding gets logits 0 and router logits 0, and is left out of the router losses
+        whatever `token_mask_BT` says there. Only for experts in this process (the
+        expert-parallel dispatchers need the same token count on every rank)."""
         B, T = input_ids_BT.shape
         if replay_routing_LNk is not None and replay_routing_LNk.shape[:2] != (
             len(self.moe_layer_ids),
@@ -199,18 +205,21 @@ class MoEForCausalLM(nn.Module):
             )
         if position_ids_BT is None:
             position_ids_BT = self.default_position_ids(B, T, cache, input_ids_BT.device)
-        x_BTD = self.model.embed_tokens(input_ids_BT)
-        cos_sin = rope_cos_sin(
-            position_ids_BT, self.config.head_dim, self.config.rope_theta, x_BTD.dtype
-        )
+        packing = None
+        if skip_padding_BT is not None:
+            if cache is not None or logits_to_keep > 0:
+                raise ValueError("skip_padding_BT is for training forwards: no cache, all logits")
+            packing = Packing.from_mask(skip_padding_BT)
+            input_ids = packing.pack(input_ids_BT.reshape(-1))  # (M,)
+            position_ids = packing.pack(position_ids_BT.reshape(-1))
+            if replay_routing_LNk is not None:
+                replay_routing_LNk = replay_routing_LNk.index_select(1, packing.rows_M)
+        else:
+            input_ids, position_ids = input_ids_BT, position_ids_BT
+        x_BTD = self.model.embed_tokens(input_ids)  # (M, D) when packed
+        cos_sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta,
+                               x_BTD.dtype)  # fmt: skip
         router_logits: list[torch.Tensor] = []
-        rows_M = None  # the real tokens' indices, found once for every MoE layer
-        if moe_skip_padding_BT is not None:
-            if token_mask_BT is None:
-                raise ValueError(
-                    "moe_skip_padding_BT needs a token_mask_BT that excludes the padding"
-                )
-            rows_M = moe_skip_padding_BT.reshape(-1).nonzero().squeeze(1)
         checkpoint = self.gradient_checkpointing and self.training and cache is None
         for layer in self.model.layers:
             replay = None
@@ -218,15 +227,17 @@ class MoEForCausalLM(nn.Module):
                 replay = replay_routing_LNk[len(router_logits)]
             if checkpoint:
                 x_BTD, rl = torch.utils.checkpoint.checkpoint(
-                    layer, x_BTD, cos_sin, None, replay, rows_M, use_reentrant=False
+                    layer, x_BTD, cos_sin, None, replay, packing, use_reentrant=False
                 )
             else:
-                x_BTD, rl = layer(x_BTD, cos_sin, cache, replay, rows_M)
+                x_BTD, rl = layer(x_BTD, cos_sin, cache, replay, packing)
             if rl is not None:
                 router_logits.append(rl)
         if logits_to_keep > 0:
             x_BTD = x_BTD[:, -logits_to_keep:]
         logits_BTV = self.lm_head(self.model.norm(x_BTD)).float()
+        if packing is not None:
+            logits_BTV = packing.unpack(logits_BTV).view(B, T, -1)
         # Router losses are a training signal: skip them for cached inference without autograd
         # (the engine's decode loop), where they cost ~10% of a small model's step for nothing.
         if not router_logits or (cache is not None and not torch.is_grad_enabled()):
@@ -234,12 +245,16 @@ class MoEForCausalLM(nn.Module):
             return ModelOutput(logits_BTV, zero, tuple(router_logits) or None)
         cfg = self.config
         mask_N = None if token_mask_BT is None else token_mask_BT.reshape(-1)
+        if packing is not None and mask_N is not None:
+            mask_N = packing.pack(mask_N)  # the router logits are the M real tokens'
         lb = load_balancing_loss(router_logits, cfg.num_experts, cfg.num_experts_per_tok, mask_N,
                                  self.router_stats_sum)  # fmt: skip
         aux = cfg.router_aux_loss_coef * lb
         z = router_z_loss(router_logits, mask_N, self.router_stats_sum)
         if cfg.router_z_loss_coef > 0:
             aux = aux + cfg.router_z_loss_coef * z
+        if packing is not None:
+            router_logits = [packing.unpack(rl) for rl in router_logits]
         return ModelOutput(
             logits_BTV,
             aux,

@@ -379,12 +379,12 @@ class Trainer:
                 )
             B, T, L, k = t["routing_BTLk"].shape
             replay = t["routing_BTLk"].permute(2, 0, 1, 3).reshape(L, B * T, k)
-        # padding skips the MoE layers unless their experts are sharded over ranks (the
-        # expert-parallel dispatchers need one token count on every rank)
+        # every per-token layer skips the padding unless the experts are sharded over ranks
+        # (the expert-parallel dispatchers need one token count on every rank)
         skip = None if self.ranks.sharded else t["valid_BT"]
         with self._autocast():
             out = model(t["inputs_BT"], token_mask_BT=t["mask_BT"], replay_routing_LNk=replay,
-                        moe_skip_padding_BT=skip)  # fmt: skip
+                        skip_padding_BT=skip)  # fmt: skip
         return token_logprobs(out.logits_BTV / self.temperature, t["targets_BT"]), out
 
     def _advantages(
