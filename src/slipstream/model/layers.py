@@ -217,11 +217,9 @@ class Attention(nn.Module):
         M = x_MD.shape[0]
         H, K, Dh = self.num_heads, self.num_kv_heads, self.head_dim
         B, T = packing.batch_size, packing.num_tokens
-        cos_M1D, sin_M1D = cos_sin[0][:, None], cos_sin[1][:, None]
-        q_MHD = self.q_norm(self.q_proj(x_MD).view(M, H, Dh))
-        k_MKD = self.k_norm(self.k_proj(x_MD).view(M, K, Dh))
-        q_MHD = q_MHD * cos_M1D + _rotate_half(q_MHD) * sin_M1D
-        k_MKD = k_MKD * cos_M1D + _rotate_half(k_MKD) * sin_M1D
+        # apply_rope broadcasts the (M, Dh) tables over dim 1, here the heads of (M, heads, Dh)
+        q_MHD = apply_rope(self.q_norm(self.q_proj(x_MD).view(M, H, Dh)), *cos_sin)
+        k_MKD = apply_rope(self.k_norm(self.k_proj(x_MD).view(M, K, Dh)), *cos_sin)
         v_MKD = self.v_proj(x_MD).view(M, K, Dh)
         # one scatter for q, k and v together: C = H + 2K heads
         qkv_BTCD = packing.unpack(torch.cat((q_MHD, k_MKD, v_MKD), dim=1)).view(B, T, H + 2 * K, Dh)
