@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""Summarise quickstart runs (`slipstream run` output dirs) as one Markdown table row each.
+
+    python3 scripts/quickstart-summary.py RUN_DIR [RUN_DIR ...] [--runs runs.tsv]
+
+Per run: the SFT's wall time (its last `elapsed_s`), held-out pass@1 after SFT and after RL,
+the gain, the RL loop's wall time and samples/s, and the first in-run evaluation that passed
+issue 16's +16.8 points (its step and seconds into the RL loop). With `--runs` (the runs.tsv
+that scripts/bench-readme.sh writes) the whole command's wall time is added, matched on the
+run directory's name. Reads only the files a run writes (metrics.jsonl, sft/metrics.jsonl);
+stdlib only, so it runs without the project's venv; a gzipped metrics.jsonl.gz is read too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from pathlib import Path
+
+PEER_GAIN_POINTS = 16.8  # issue 16: TRL GRPOTrainer's gain in its 330-s run
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """A metrics.jsonl, or its gzipped copy (metrics.jsonl.gz, as kept in benchmarks/results/)."""
+    if not path.exists() and path.with_suffix(".jsonl.gz").exists():
+        with gzip.open(path.with_suffix(".jsonl.gz"), "rt") as f:
+            return [json.loads(line) for line in f if line.strip()]
+    with path.open() as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def summarise(run_dir: Path, wall_by_name: dict[str, float]) -> dict:
+    rl_rows = read_jsonl(run_dir / "metrics.jsonl")
+    end = next(r for r in reversed(rl_rows) if r.get("event"))
+    sft_rows = read_jsonl(run_dir / "sft" / "metrics.jsonl")
+    before, after = end["pass_at_1_before"], end["pass_at_1"]
+    reached = next(
+        (
+            r
+            for r in rl_rows
+            if r.get("evaluated") and (r["pass_at_1"] - before) * 100 >= PEER_GAIN_POINTS
+        ),
+        None,
+    )
+    samples = sum(r.get("num_samples", 0) for r in rl_rows if "num_samples" in r)
+    return {
+        "run": run_dir.name,
+        "sft_s": sft_rows[-1]["elapsed_s"],
+        "before": before,
+        "after": after,
+        "gain_points": (after - before) * 100,
+        "rl_s": end["wall_s"],
+        "samples_per_s": samples / end["wall_s"],
+        "reached_step": reached["step"] if reached else None,
+        "reached_s": reached["elapsed_s"] if reached else None,
+        "job_s": wall_by_name.get(run_dir.name),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("runs_dirs", nargs="+", type=Path, help="quickstart output dirs")
+    p.add_argument("--runs", type=Path, default=None, help="runs.tsv from scripts/bench-readme.sh")
+    args = p.parse_args()
+    wall_by_name: dict[str, float] = {}
+    if args.runs:
+        for line in args.runs.read_text().splitlines()[1:]:
+            name, _, _, wall_s, *_ = line.split("\t")
+            wall_by_name[name] = float(wall_s)
+    print(
+        "| run | SFT s | after SFT | after RL | gain | +16.8 at (step, s into RL) | RL s | samples/s | job s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for d in args.runs_dirs:
+        s = summarise(d, wall_by_name)
+        reached = (
+            f"{s['reached_step']}, {s['reached_s']:.1f} s" if s["reached_step"] else "not reached"
+        )
+        job = f"{s['job_s']:.0f}" if s["job_s"] is not None else "-"
+        print(
+            f"| {s['run']} | {s['sft_s']:.0f} | {s['before']:.1%} | {s['after']:.1%} | "
+            f"{s['gain_points']:+.1f} | {reached} | {s['rl_s']:.0f} | {s['samples_per_s']:.0f} | {job} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
