@@ -35,3 +35,15 @@ def test_the_documented_layers_are_the_enforced_ones() -> None:
     for layer in layers["layers"]:
         for name in layer.split(" | "):
             assert (SRC / name).is_dir() or (SRC / f"{name}.py").is_file(), name
+
+
+def test_every_repository_path_the_readme_names_exists() -> None:
+    """README's links and backticked repo paths (docs/, benchmarks/, scripts/, configs/,
+    deploy/) point at files that are in the tree, so a moved result does not leave a dead link."""
+    readme = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(((?:docs|benchmarks|scripts|configs|deploy)/[^)#\s]+)\)", readme)
+    ticks = re.findall(r"`((?:docs|benchmarks|scripts|configs|deploy)/[A-Za-z0-9_./-]+)`", readme)
+    named = {p.rstrip("/") for p in links + ticks if "<" not in p and "*" not in p}
+    assert len(named) >= 20, named
+    missing = sorted(p for p in named if not (ROOT / p).exists())
+    assert not missing, f"README.md names paths that do not exist: {missing}"
