@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from rich.console import Console
 
-from slipstream.config import SlipstreamConfig
+from slipstream.config import ConfigError, SlipstreamConfig
 from slipstream.config.sft import SFTConfig
 from slipstream.evaluate import pass_at_1_greedy
 from slipstream.model.tokenizer import Tokenizer
@@ -131,6 +131,21 @@ def collate(
     return inputs_BT.to(device), targets_BT.to(device), mask_BT.to(device)
 
 
+def check_fits_context(seq_len: int, cfg: SlipstreamConfig) -> None:
+    """Raise ConfigError when a demonstration episode of `seq_len` tokens (`<bos>` to `<eos>`)
+    is longer than the model's context. The model's rotary positions would run past it without
+    an error, training positions that the engine, `eval` and an exported checkpoint (its
+    config.json states the context) never use; so SFT refuses, before its first step for the
+    first batch, and on any later batch that has a longer episode."""
+    max_pos = cfg.model.max_position_embeddings
+    if seq_len > max_pos:
+        raise ConfigError(
+            f"model.max_position_embeddings = {max_pos}: task.name = {cfg.task.name!r} has a "
+            f"demonstration of {seq_len} tokens, longer than the model's context; raise "
+            f"model.max_position_embeddings to at least {seq_len}"
+        )
+
+
 def lr_at(step: int, cfg_sft: SFTConfig) -> float:
     """Linear warm-up over warmup_steps, then cosine from lr to lr * min_lr_ratio at the last step."""
     peak = cfg_sft.lr
@@ -190,6 +205,7 @@ def run_sft(cfg: SlipstreamConfig, console: Console | None = None) -> SFTResult:
                 inputs_BT, targets_BT, mask_BT = collate(
                     taskset, tasks, device, cfg.rollout.max_observation_tokens
                 )
+                check_fits_context(inputs_BT.shape[1] + 1, cfg)
                 real_BT = inputs_BT != taskset.tokenizer.pad_id
                 out = model(inputs_BT, skip_padding_BT=real_BT)
                 ce_BT = F.cross_entropy(
