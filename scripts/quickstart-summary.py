@@ -23,10 +23,8 @@ PEER_GAIN_POINTS = 16.8  # issue 16: TRL GRPOTrainer's gain in its 330-s run
 
 def read_jsonl(path: Path) -> list[dict]:
     """A metrics.jsonl, or its gzipped copy (metrics.jsonl.gz, as kept in benchmarks/results/)."""
-    if not path.exists() and path.with_suffix(".jsonl.gz").exists():
-        with gzip.open(path.with_suffix(".jsonl.gz"), "rt") as f:
-            return [json.loads(line) for line in f if line.strip()]
-    with path.open() as f:
+    gz = path.with_suffix(".jsonl.gz")
+    with gzip.open(gz, "rt") if not path.exists() and gz.exists() else path.open() as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
@@ -43,7 +41,7 @@ def summarise(run_dir: Path, wall_by_name: dict[str, float]) -> dict:
         ),
         None,
     )
-    samples = sum(r.get("num_samples", 0) for r in rl_rows if "num_samples" in r)
+    samples = sum(r.get("num_samples", 0) for r in rl_rows)
     return {
         "run": run_dir.name,
         "sft_s": sft_rows[-1]["elapsed_s"],

@@ -20,7 +20,7 @@ def test_sft_refuses_episodes_longer_than_the_context(tmp_path: Path) -> None:
             "sft.batch_size=2",
             "model.max_position_embeddings=64",
             f"run.output_dir={tmp_path}",
-        ],  # fmt: skip
+        ],
     )
     with pytest.raises(
         ConfigError, match=r"model\.max_position_embeddings = 64: task\.name = 'code'"
@@ -38,6 +38,6 @@ def test_sft_runs_when_the_context_fits(tmp_path: Path) -> None:
             "sft.batch_size=2",
             "model.max_position_embeddings=512",
             f"run.output_dir={tmp_path}",
-        ],  # fmt: skip
+        ],
     )
     assert run_sft(cfg).steps == 1
