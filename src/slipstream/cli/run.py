@@ -4,7 +4,9 @@ trainer in this process and rollout.num_workers rollout workers (local processes
 with run.launcher = "ray"; launch/job.py drives the job), a
 live progress display, JSON-lines metrics, TensorBoard events when installed, and a final report
 with the reward curve (<run.output_dir>/report.md, reward_curve.png). One job per output
-directory and per store: a second one is refused, naming the first (storage/lock.py)."""
+directory and per store: a second one is refused, naming the first (storage/lock.py).
+Under torchrun with run.launcher = "torchx" (the TorchX component, launch/torchx.py) every trainer
+rank runs this command: rank 0 is the job, the others follow it (launch/scheduled.py)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     import logging
+
+    if cfg.run.launcher == "torchx":
+        from slipstream.launch.scheduled import follower_main, torchrun_rank
+
+        if torchrun_rank():  # a trainer rank > 0: no job lock, no report; rank 0 drives
+            return follower_main(cfg)
 
     from rich.console import Console
 

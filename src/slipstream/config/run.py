@@ -18,9 +18,11 @@ class RunConfig(Section):
     """Parameter/compute dtype for the policy model."""
     num_threads: int = Field(default=0, ge=0)
     """torch intra-op threads; 0 leaves torch's default."""
-    launcher: Literal["local", "ray"] = "local"
+    launcher: Literal["local", "ray", "torchx"] = "local"
     """Where rollout workers run: `local` = processes on this machine (launch/local.py); `ray` =
-    Ray actors (launch/ray.py, needs the `ray` extra)."""
+    Ray actors (launch/ray.py, needs the `ray` extra); `torchx` = a role of their own that a
+    scheduler placed, trainer ranks started by torchrun (launch/scheduled.py; set by the TorchX
+    component slipstream.launch.torchx:rl)."""
     ray_address: str = ""
     """With `launcher = "ray"`: empty starts a private local Ray instance for this job; `auto`
     joins the existing cluster this machine belongs to; `host:port` joins that cluster."""

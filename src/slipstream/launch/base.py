@@ -1,6 +1,6 @@
 """The `Launcher` seam: what places the rollout workers of a job, and its factory.
 
-    launcher = make_launcher(cfg, coordinator)     # keyed by run.launcher: "local" | "ray"
+    launcher = make_launcher(cfg, coordinator)     # keyed by run.launcher: "local" | "ray" | "torchx"
     launcher.start()                               # workers start; supervision begins
     ...                                            # the controller runs the loop
     codes = launcher.stop()                        # drain, then stop; {slot: exit code}
@@ -22,10 +22,12 @@ from slipstream.config import SlipstreamConfig
 LAUNCHERS = {
     "local": "slipstream.launch.local:LocalLauncher",
     "ray": "slipstream.launch.ray:RayLauncher",  # the `ray` extra
+    "torchx": "slipstream.launch.scheduled:ScheduledLauncher",  # roles placed by TorchX
 }
 TRAINER_RANKS = {
     "local": "slipstream.launch.dp:TrainerRanks",  # processes on this machine
     "ray": "slipstream.launch.ray_ranks:RayTrainerRanks",  # actors of a placement group
+    "torchx": "slipstream.launch.scheduled:TorchrunRanks",  # processes torchrun started
 }
 
 

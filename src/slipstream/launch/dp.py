@@ -57,17 +57,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def join_group(cfg: SlipstreamConfig, rank: int, address: str, local_gpu: int | None = None
-               ) -> torch.device:  # fmt: skip
-    """Join the trainer ranks' process group at tcp://address as `rank`; -> this rank's device.
-    On CUDA the rank uses cuda:<local_gpu> (default: cuda:<rank>, one machine)."""
+def join_group(cfg: SlipstreamConfig, rank: int, address: str | None,
+               local_gpu: int | None = None) -> torch.device:  # fmt: skip
+    """Join the trainer ranks' process group at tcp://address as `rank` (None: `env://`, the
+    store torchrun set up; launch/scheduled.py); -> this rank's device. On CUDA the rank uses
+    cuda:<local_gpu> (default: cuda:<rank>, one machine)."""
     device = resolve_device(cfg.run)
     if device.type == "cuda":
         device = torch.device("cuda", rank if local_gpu is None else local_gpu)
         torch.cuda.set_device(device)
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
-        init_method=f"tcp://{address}",
+        init_method="env://" if address is None else f"tcp://{address}",
         rank=rank,
         world_size=cfg.trainer.num_processes,
         timeout=datetime.timedelta(seconds=cfg.trainer.batch_timeout_s + 60),

@@ -20,8 +20,17 @@ it knows no launcher.
 - `check_sandbox_backend(cfg)`: launchers call it once before placing workers, so a sandbox
   backend that cannot run here fails the job before any worker crash-loops on it.
 
-Worker process entry point: `python -m slipstream.launch.worker --spec FILE --worker-id ID`
-(SIGTERM drains the worker: see rl/worker.py).
+Worker process entry points (SIGTERM drains the worker: see rl/worker.py):
+
+    python -m slipstream.launch.worker --spec FILE --worker-id ID          # local launcher
+    python -m slipstream.launch.worker --coordinator HOST:PORT --slot N \
+        -c CONFIG [--key=value ...]                                         # a scheduler's role
+
+The second is the rollout role of a scheduled job (launch/scheduled.py, the TorchX component):
+the config file and overrides are the trainer's, the authkey comes from
+`SLIPSTREAM_COORDINATOR_AUTHKEY` (hex), the worker id is `w<slot>.<start time in ms>` (a replaced
+worker is a new incarnation of its slot), and the coordinator is waited for up to
+`--coordinator-wait-s` (rank 0 serves it after its SFT warm start).
 """
 
 from __future__ import annotations
@@ -44,6 +53,10 @@ from slipstream.config import SlipstreamConfig
 log = logging.getLogger(__name__)
 
 WEIGHTS_WAIT_S = 120.0  # a starting worker waits this long for the trainer's first publish
+# What wires a scheduled job's roles (launch/scheduled.py); the TorchX component sets them.
+COORDINATOR_PORT_ENV = "SLIPSTREAM_COORDINATOR_PORT"
+COORDINATOR_HOST_ENV = "SLIPSTREAM_COORDINATOR_HOST"  # the address rank 0 binds (0.0.0.0)
+COORDINATOR_AUTHKEY_ENV = "SLIPSTREAM_COORDINATOR_AUTHKEY"
 
 
 @dataclass(frozen=True)
@@ -179,16 +192,56 @@ def close_worker(worker: Any) -> None:
         worker.engine.close()
 
 
+def _scheduled_spec(args: argparse.Namespace, overrides: list[str]) -> tuple[WorkerSpec, Any]:
+    """The spec of a scheduled role's worker, from the trainer's config and overrides and the
+    environment, and a proxy of the coordinator once it answers."""
+    import os
+
+    from slipstream.config import load_config
+    from slipstream.rl.coordinator import connect
+
+    authkey_hex = os.environ.get(COORDINATOR_AUTHKEY_ENV)
+    if not authkey_hex:
+        raise SystemExit(f"--coordinator needs {COORDINATOR_AUTHKEY_ENV} (hex) in the environment")
+    host, _, port = args.coordinator.rpartition(":")
+    if not host or not port.isdigit():
+        raise SystemExit(f"--coordinator wants HOST:PORT, got {args.coordinator!r}")
+    cfg = load_config(args.config, overrides)
+    spec = WorkerSpec((host, int(port)), bytes.fromhex(authkey_hex), cfg.model_dump(mode="json"))
+    log.info("connecting to the coordinator at %s (up to %.0f s)", args.coordinator,
+             args.coordinator_wait_s)  # fmt: skip
+    return spec, connect(spec.address, spec.authkey, timeout_s=args.coordinator_wait_s)
+
+
 def worker_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m slipstream.launch.worker")
-    p.add_argument("--spec", required=True, help="the launcher's spec file (JSON, mode 0600)")
-    p.add_argument("--worker-id", required=True, help='"w<slot>.<generation>"')
-    args = p.parse_args(argv)
+    p = argparse.ArgumentParser(prog="python -m slipstream.launch.worker", allow_abbrev=False)
+    p.add_argument("--spec", help="the launcher's spec file (JSON, mode 0600)")
+    p.add_argument("--worker-id", help='"w<slot>.<generation>"')
+    p.add_argument("--coordinator", help="HOST:PORT of a scheduled job's coordinator (rank 0)")
+    p.add_argument("--slot", type=int, help="with --coordinator: this worker's slot (replica id)")
+    p.add_argument("-c", "--config", help="with --coordinator: the job's config file")
+    p.add_argument("--coordinator-wait-s", type=float, default=3600.0,
+                   help="with --coordinator: how long to wait for it to answer")  # fmt: skip
+    args, rest = p.parse_known_args(argv)
+    overrides = [a[2:] for a in rest if a.startswith("--") and "=" in a]
+    if len(overrides) != len(rest):
+        p.error(f"unrecognized arguments (overrides are --key=value): {rest}")
+    if args.coordinator is not None:
+        if args.slot is None or args.spec is not None or args.worker_id is not None:
+            p.error("--coordinator takes --slot and no --spec/--worker-id")
+        worker_id = f"w{args.slot}.{int(time.time() * 1000)}"
+    elif args.spec is None or args.worker_id is None or overrides:
+        p.error("give --spec and --worker-id, or --coordinator and --slot")
+    else:
+        worker_id = args.worker_id
     logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s {args.worker_id} %(levelname)s %(message)s"
+        level=logging.INFO, format=f"%(asctime)s {worker_id} %(levelname)s %(message)s"
     )
-    spec = WorkerSpec.from_json(json.loads(Path(args.spec).read_text()))
-    worker = build_worker(spec, args.worker_id)
+    if args.coordinator is not None:
+        spec, coord = _scheduled_spec(args, overrides)
+    else:
+        spec, coord = WorkerSpec.from_json(json.loads(Path(args.spec).read_text())), None
+    worker = build_worker(spec, worker_id, coord)
     signal.signal(signal.SIGTERM, lambda *_: worker.request_stop())
     try:
         rc = worker.run()
