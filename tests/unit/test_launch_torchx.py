@@ -263,3 +263,21 @@ def test_image_and_node_groups_are_deploys() -> None:
 def test_bad_arguments_fail_before_submission_naming_them(args: list[str], message: str) -> None:
     with pytest.raises(Exception, match=re.escape(message)):
         dryrun(args)
+
+
+def test_deploy_readme_command_dry_runs() -> None:
+    """The `torchx run -s kubernetes` command deploy/README.md shows is one this component takes."""
+    text = (REPO / "deploy/README.md").read_text()
+    block = next(
+        b for b in re.findall(r"```bash\n(.*?)```", text, re.S) if "launch/torchx.py:rl" in b
+    )
+    line = next(c for c in block.replace("\\\n", " ").splitlines() if "launch/torchx.py:rl" in c)
+    argv = shlex.split(line.replace("$REGISTRY", "registry.example"))
+    assert argv[:3] == ["torchx", "run", "-s"] and argv[3] == "kubernetes"
+    args = argv[argv.index("src/slipstream/launch/torchx.py:rl") + 1 :]
+    job = dryrun(args)
+    trainer = pods(job, "trainer")[0]
+    assert trainer["spec"]["containers"][0]["image"] == "registry.example/slipstream:0.1.0-gpu"
+    mounts = {m["mountPath"] for m in trainer["spec"]["containers"][0]["volumeMounts"]}
+    assert "/init" in mounts
+    assert len(pods(job, "rollout")) == 32 and len(pods(job, "trainer")) == 4
