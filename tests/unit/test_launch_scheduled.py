@@ -1,0 +1,81 @@
+"""run.launcher = "torchx" on rank 0 (launch/scheduled.py), without TorchX: the launcher serves a
+real coordinator where the environment says and starts nothing; a worker that connects with the
+job's key is counted, a second incarnation of its slot is a restart; stop() returns once the
+workers went quiet. What is missing or inconsistent fails naming the variable or the key."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from s3util import free_port
+from slipstream.config import load_config
+from slipstream.launch.base import make_launcher
+from slipstream.launch.scheduled import ScheduledLauncher, TorchrunRanks
+from slipstream.launch.worker import (
+    COORDINATOR_AUTHKEY_ENV,
+    COORDINATOR_HOST_ENV,
+    COORDINATOR_PORT_ENV,
+    worker_main,
+)
+from slipstream.rl.buffer import ExperienceBuffer
+from slipstream.rl.coordinator import Coordinator, connect
+from slipstream.rl.queue import TaskQueue
+
+
+def _coordinator() -> Coordinator:
+    return Coordinator(TaskQueue(10), ExperienceBuffer(2, 1))
+
+
+def test_rank0_serves_the_coordinator_to_workers_the_scheduler_started(monkeypatch) -> None:
+    cfg = load_config(None, ["run.launcher=torchx", "rollout.drain_timeout_s=1"])
+    port, key = free_port(), "ab" * 16
+    monkeypatch.setenv(COORDINATOR_PORT_ENV, str(port))
+    monkeypatch.setenv(COORDINATOR_AUTHKEY_ENV, key)
+    monkeypatch.setenv(COORDINATOR_HOST_ENV, "127.0.0.1")
+    coord = _coordinator()
+    launcher = make_launcher(cfg, coord)
+    assert isinstance(launcher, ScheduledLauncher)
+    launcher.start()
+    assert launcher.address == ("127.0.0.1", port)
+    proxy = connect(("127.0.0.1", port), bytes.fromhex(key))  # what a rollout pod does
+    proxy.report("w3.1000", {"samples": 1.0})
+    assert launcher.num_restarts == 0
+    proxy.report("w3.2000", {"samples": 2.0})  # the scheduler replaced slot 3's worker
+    assert launcher.num_restarts == 1
+    assert launcher.summary()["rollout workers seen"] == ["w3.1000", "w3.2000"]
+    t0 = time.monotonic()
+    assert launcher.stop() == {}
+    assert proxy.stopping()  # the workers' signal to drain and exit 0
+    assert time.monotonic() - t0 < cfg.rollout.drain_timeout_s + 10
+
+
+def test_missing_wiring_fails_naming_the_variable(monkeypatch) -> None:
+    monkeypatch.delenv(COORDINATOR_PORT_ENV, raising=False)
+    cfg = load_config(None, ["run.launcher=torchx"])
+    with pytest.raises(RuntimeError, match=COORDINATOR_PORT_ENV):
+        make_launcher(cfg, _coordinator()).start()
+
+
+def test_torchrun_world_must_equal_trainer_num_processes(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    cfg = load_config(None, ["run.launcher=torchx", "trainer.num_processes=2"])
+    with pytest.raises(ValueError, match=r"trainer.num_processes = 2, but torchrun started 4"):
+        TorchrunRanks.start(cfg, "unused", tmp_path)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--coordinator", "h:1", "-c", "x.toml"],  # no --slot
+        ["--coordinator", "h:1", "--slot", "0", "--spec", "s.json"],
+        ["--spec", "s.json", "--worker-id", "w0.0", "--run.seed=1"],  # overrides: scheduled only
+        ["--coordinator", "h:1", "--slot", "0", "stray"],
+    ],
+)
+def test_worker_entry_refuses_mixed_modes(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        worker_main(argv)
+    assert e.value.code == 2  # argparse's usage error
