@@ -2,7 +2,7 @@
 (launch/torchx.py) starts the trainer ranks with torchrun and the rollout workers as their own
 role; this module is what those processes do once they run. It does not import TorchX.
 
-    trainer role   torchrun ... -m slipstream run -c CONFIG --run.launcher=torchx ...
+    trainer role   torchrun ... --no-python slipstream run -c CONFIG --run.launcher=torchx ...
                    rank 0 (RANK=0): the job driver as always (launch/job.py); its launcher is
                    `ScheduledLauncher` (serves the coordinator, starts nothing) and its other
                    trainer ranks are `TorchrunRanks` (torchrun started them).

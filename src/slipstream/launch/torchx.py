@@ -58,8 +58,9 @@ TRAINER_INSTANCE_TYPE = "p5.48xlarge"
 GPU_TAINT = "nvidia.com/gpu"  # both GPU node groups' NoSchedule taint
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
 EFA_PER_NODE = 32  # a p5.48xlarge's EFA interfaces
-TRAINER_CPU, TRAINER_MEM_GB = 96, 1500  # a trainer node, as deploy/kuberay's head pod asks
-ROLLOUT_CPU, ROLLOUT_MEM_GB = 8, 64  # one rollout worker and its GPU
+# TorchX's memMB is Kubernetes' "M" (10^6 bytes); a p5.48xlarge has 2 TiB
+TRAINER_CPU, TRAINER_MEM_MB = 96, 1_500_000  # a trainer node, about deploy/kuberay's head pod
+ROLLOUT_CPU, ROLLOUT_MEM_MB = 8, 64_000  # one rollout worker and its GPU
 DRAIN_MARGIN_S = 30  # grace beyond rollout.drain_timeout_s: nacks, final report, sandboxes
 POD_KEY = "slipstream.io/pod"  # role metadata: what kubernetes_resource adds to the role's pods
 # Volcano task policies of a role retried per replica (TorchX 0.7 gives such a task maxRetry but
@@ -170,7 +171,7 @@ def rl(
         resource=specs.Resource(
             cpu=TRAINER_CPU,
             gpu=nproc,
-            memMB=TRAINER_MEM_GB * 1024,
+            memMB=TRAINER_MEM_MB,
             capabilities={"node.kubernetes.io/instance-type": TRAINER_INSTANCE_TYPE},
             devices={EFA_RESOURCE: EFA_PER_NODE},
         ),
@@ -192,7 +193,7 @@ def rl(
         entrypoint="bash",
         args=["-c", _join(worker)],
         num_replicas=num_rollout_workers,
-        resource=specs.Resource(cpu=ROLLOUT_CPU, gpu=rollout_gpus, memMB=ROLLOUT_MEM_GB * 1024),
+        resource=specs.Resource(cpu=ROLLOUT_CPU, gpu=rollout_gpus, memMB=ROLLOUT_MEM_MB),
         env=role_env,
         max_retries=rollout_max_retries,
         retry_policy=specs.RetryPolicy.REPLICA,

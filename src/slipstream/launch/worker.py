@@ -226,6 +226,8 @@ def worker_main(argv: list[str]) -> int:
     overrides = [a[2:] for a in rest if a.startswith("--") and "=" in a]
     if len(overrides) != len(rest):
         p.error(f"unrecognized arguments (overrides are --key=value): {rest}")
+    if not args.coordinator_wait_s > 0:
+        p.error(f"--coordinator-wait-s must be > 0, got {args.coordinator_wait_s}")
     if args.coordinator is not None:
         if args.slot is None or args.spec is not None or args.worker_id is not None:
             p.error("--coordinator takes --slot and no --spec/--worker-id")
