@@ -79,3 +79,18 @@ def test_worker_entry_refuses_mixed_modes(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as e:
         worker_main(argv)
     assert e.value.code == 2  # argparse's usage error
+
+
+def test_worker_waits_for_the_coordinators_name_then_gives_up(monkeypatch, tmp_path) -> None:
+    """A rollout pod may start before trainer pod 0's service name resolves: it retries, and
+    after --coordinator-wait-s fails with the resolver's error."""
+    import socket
+    import time
+
+    monkeypatch.setenv(COORDINATOR_AUTHKEY_ENV, "ab" * 16)
+    (tmp_path / "empty.toml").write_text("")
+    t0 = time.monotonic()
+    with pytest.raises(socket.gaierror):
+        worker_main(["--coordinator", "trainer-0.no-such-job.invalid:29600", "--slot", "0",
+                     "-c", str(tmp_path / "empty.toml"), "--coordinator-wait-s", "1.5"])  # fmt: skip
+    assert time.monotonic() - t0 >= 1.5

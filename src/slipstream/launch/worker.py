@@ -41,6 +41,7 @@ import json
 import logging
 import secrets
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -210,7 +211,18 @@ def _scheduled_spec(args: argparse.Namespace, overrides: list[str]) -> tuple[Wor
     spec = WorkerSpec((host, int(port)), bytes.fromhex(authkey_hex), cfg.model_dump(mode="json"))
     log.info("connecting to the coordinator at %s (up to %.0f s)", args.coordinator,
              args.coordinator_wait_s)  # fmt: skip
-    return spec, connect(spec.address, spec.authkey, timeout_s=args.coordinator_wait_s)
+    deadline = time.monotonic() + args.coordinator_wait_s
+    # On Kubernetes trainer pod 0's service name resolves only once that pod exists
+    while True:
+        try:
+            socket.getaddrinfo(host, int(port))
+            break
+        except socket.gaierror:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
+    wait_s = max(0.0, deadline - time.monotonic())
+    return spec, connect(spec.address, spec.authkey, timeout_s=wait_s)
 
 
 def worker_main(argv: list[str]) -> int:
