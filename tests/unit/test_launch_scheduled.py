@@ -94,3 +94,32 @@ def test_worker_waits_for_the_coordinators_name_then_gives_up(monkeypatch, tmp_p
         worker_main(["--coordinator", "trainer-0.no-such-job.invalid:29600", "--slot", "0",
                      "-c", str(tmp_path / "empty.toml"), "--coordinator-wait-s", "1.5"])  # fmt: skip
     assert time.monotonic() - t0 >= 1.5
+
+
+def test_sigterm_while_waiting_for_the_coordinator_exits_0(tmp_path) -> None:
+    """A rollout pod terminated (Spot) before its worker started has nothing to drain: exit 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "empty.toml").write_text("")
+    env = dict(os.environ, **{COORDINATOR_AUTHKEY_ENV: "ab" * 16})
+    cmd = [sys.executable, "-m", "slipstream.launch.worker", "--coordinator",
+           f"127.0.0.1:{free_port()}", "--slot", "0", "-c", str(tmp_path / "empty.toml")]  # fmt: skip
+    log = tmp_path / "worker.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while "connecting to the coordinator" not in log.read_text():  # its handler is set
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "SIGTERM before the worker started: nothing leased, exiting 0" in log.read_text()

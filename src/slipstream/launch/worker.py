@@ -225,6 +225,11 @@ def _scheduled_spec(args: argparse.Namespace, overrides: list[str]) -> tuple[Wor
     return spec, connect(spec.address, spec.authkey, timeout_s=wait_s)
 
 
+def _terminated_while_starting(signum: int, frame: Any) -> None:
+    log.info("SIGTERM before the worker started: nothing leased, exiting 0")
+    raise SystemExit(0)
+
+
 def worker_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m slipstream.launch.worker", allow_abbrev=False)
     p.add_argument("--spec", help="the launcher's spec file (JSON, mode 0600)")
@@ -251,6 +256,10 @@ def worker_main(argv: list[str]) -> int:
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s {worker_id} %(levelname)s %(message)s"
     )
+    # SIGTERM while still starting (waiting for the coordinator or the weights, loading): nothing
+    # leased yet, so nothing to drain; leave at once with 0, as a drained worker does (a Spot
+    # pod terminated during its start is not a failure). build_worker undoes what it built.
+    signal.signal(signal.SIGTERM, _terminated_while_starting)
     if args.coordinator is not None:
         spec, coord = _scheduled_spec(args, overrides)
     else:
