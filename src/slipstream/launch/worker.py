@@ -20,7 +20,8 @@ it knows no launcher.
 - `check_sandbox_backend(cfg)`: launchers call it once before placing workers, so a sandbox
   backend that cannot run here fails the job before any worker crash-loops on it.
 
-Worker process entry points (SIGTERM drains the worker: see rl/worker.py):
+Worker process entry points (SIGTERM drains the worker: see rl/worker.py; before the worker is
+built it exits 0 at once, nothing being leased yet):
 
     python -m slipstream.launch.worker --spec FILE --worker-id ID          # local launcher
     python -m slipstream.launch.worker --coordinator HOST:PORT --slot N \
