@@ -151,7 +151,9 @@ def test_completion_logprobs_top_n_and_echo(served, model):
         ref = torch.log_softmax(model(torch.tensor([ids])).logits_BTV[0], -1)
     for j in range(1, n_prompt):
         assert lp.token_logprobs[j] == pytest.approx(float(ref[j - 1, ids[j]]), abs=1e-4)
-        assert len(lp.top_logprobs[j]) >= 3
+        # raw top-3 plus the prompt token itself when it is not among them (vLLM)
+        assert lp.tokens[j] in lp.top_logprobs[j] and 3 <= len(lp.top_logprobs[j]) <= 4
+        assert lp.top_logprobs[j][lp.tokens[j]] == pytest.approx(lp.token_logprobs[j])
     for j in range(n_prompt, len(lp.tokens)):  # generated: up to 3 alternatives + the sampled
         assert lp.tokens[j] in lp.top_logprobs[j] and 3 <= len(lp.top_logprobs[j]) <= 4
     chat = client.chat.completions.create(model=NAME, messages=[{"role": "user",
@@ -160,6 +162,36 @@ def test_completion_logprobs_top_n_and_echo(served, model):
     content = chat.choices[0].logprobs.content
     assert "".join(e.token for e in content) == chat.choices[0].message.content
     assert all(len(e.top_logprobs) <= 2 and e.bytes == list(e.token.encode()) for e in content)
+
+
+def test_top_logprobs_are_raw_at_temperature_zero_and_logprobs_zero_gives_one(served, model):
+    """vLLM test_completion's zero/some logprobs and SGLang's top_logprobs_num at temperature 0:
+    the model's raw top-n (not the point mass greedy sampling uses)."""
+    server, client, _ = served
+    ids = [TOK.bos_id, *TOK.encode("12+34=")]
+    tid = {"return_tokens_as_token_ids": True}  # token strings may collide (specials are "")
+    out = client.completions.create(model=NAME, prompt=ids, max_tokens=4, temperature=0.0,
+                                    logprobs=5, extra_body=tid)  # fmt: skip
+    lp = out.choices[0].logprobs
+    tokens = out.choices[0].token_ids  # type: ignore[attr-defined]
+    with torch.no_grad():
+        raw = torch.log_softmax(model(torch.tensor([ids + tokens])).logits_BTV[0], -1)
+    for i, tops in enumerate(lp.top_logprobs):
+        ref = raw[len(ids) - 1 + i].topk(5)
+        assert list(tops) == [f"token_id:{t}" for t in ref.indices.tolist()]
+        assert list(tops.values()) == pytest.approx(ref.values.tolist(), abs=1e-4)
+        assert lp.tokens[i] == f"token_id:{tokens[i]}" == next(iter(tops))  # greedy: the argmax
+    zero = client.completions.create(model=NAME, prompt=ids, max_tokens=4, temperature=0.0,
+                                     logprobs=0, echo=True, extra_body=tid)  # fmt: skip
+    zl = zero.choices[0].logprobs
+    assert zl.top_logprobs[0] is None and len(zl.top_logprobs) == len(ids) + 4
+    assert all(list(t) == [tok] for t, tok in zip(zl.top_logprobs[1:], zl.tokens[1:], strict=True))
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 3},
+            "return_logprob": True, "top_logprobs_num": 5}  # fmt: skip
+    meta = httpx.post(server.url + "/generate", json=body, timeout=60).json()["meta_info"]
+    for i, tops in enumerate(meta["output_top_logprobs"]):
+        assert [t[1] for t in tops] == raw[len(ids) - 1 + i].topk(5).indices.tolist()
+    assert all(t[0] == 0.0 for t in meta["output_token_logprobs"])  # processed: greedy
 
 
 def test_errors_have_the_openai_shape(served):

@@ -21,7 +21,7 @@ handful of tensor ops (sampling, bookkeeping) and one host sync to the model for
   dtypes, finite) on the caller's thread before the engine thread copies it in (`weights.py`):
   a bad source fails its caller and the old weights keep serving.
 - Optional outputs, computed only for rows that ask (the default path adds no work): top-n
-  alternatives per token, prompt logprobs (from the admission forward's logits, which cover every
+  alternatives per token (of the raw distribution, `sampling.raw_top_logprobs`), prompt logprobs (from the admission forward's logits, which cover every
   prompt position), MoE routing (`routing.py`: the blocks' sinks are set only for forwards with a
   row that records), and per-token streaming (`GenerateRequest.stream`).
 - Failure isolation: a step that raises fails the requests in flight and the engine keeps
@@ -57,7 +57,7 @@ from slipstream.engine.batch import Group, Row, RunningBatch
 from slipstream.engine.kv_cache import Part, SlotKVCache
 from slipstream.engine.outputs import completion_routing, set_prompt_logprobs, stream_events
 from slipstream.engine.routing import RoutingRecorder
-from slipstream.engine.sampling import processed_logprobs, sample
+from slipstream.engine.sampling import raw_top_logprobs, sample
 from slipstream.engine.weights import WeightSource, apply_weights, prepare_weights
 
 log = logging.getLogger(__name__)
@@ -417,14 +417,9 @@ class NativeEngine:
         batch = self.batch
         rp = batch.params()
         u_R = batch.uniforms(len(batch))
-        top = None
-        if batch.top_width:
-            lp_RV = processed_logprobs(logits_RV, rp)
-            values, ids = lp_RV.topk(batch.top_width, dim=-1)
-            top = (ids, values)
-            tokens_R, logprobs_R = sample(logits_RV, rp, u_R, lp_BV=lp_RV)
-        else:
-            tokens_R, logprobs_R = sample(logits_RV, rp, u_R)
+        # Top-n alternatives: the raw distribution (see sampling.py), not the sampled one.
+        top = raw_top_logprobs(logits_RV, batch.top_width) if batch.top_width else None
+        tokens_R, logprobs_R = sample(logits_RV, rp, u_R)
         batch.record(0, tokens_R, logprobs_R, self._version, top)
         return tokens_R, logprobs_R, top
 

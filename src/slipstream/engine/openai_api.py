@@ -50,13 +50,20 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def _with_sampled(
-    tops: list[list[tuple[int, float]]] | None, tokens: list[int], logprobs: list[float]
-) -> list[list[tuple[int, float]]] | None:
-    """Completions' top_logprobs also hold the sampled token (OpenAI: up to logprobs + 1)."""
-    if tops is None:
-        return None
-    out = []
-    for alts, tok, lp in zip(tops, tokens, logprobs, strict=True):
+    tops: list[list[tuple[int, float]] | None] | None,
+    tokens: list[int],
+    logprobs: list[float | None],
+) -> list[list[tuple[int, float]] | None]:
+    """Completions' top_logprobs per position: the raw top-n (none when n = 0) plus the position's
+    own token when it is not among them (vLLM: n or n + 1 entries, so logprobs=0 gives one).
+    A position without a logprob (the first prompt token) has None."""
+    alts_of = tops if tops is not None else [[] for _ in tokens]
+    out: list[list[tuple[int, float]] | None] = []
+    for alts, tok, lp in zip(alts_of, tokens, logprobs, strict=True):
+        if lp is None:
+            out.append(None)
+            continue
+        alts = alts or []
         out.append(alts if any(t == tok for t, _ in alts) else [*alts, (tok, lp)])
     return out
 
@@ -146,14 +153,13 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
                 logprobs = None
                 if obj.logprobs is not None:
                     tops = _with_sampled(c.top_logprobs if top_n else None, c.token_ids,
-                                         c.logprobs)  # fmt: skip
+                                         list(c.logprobs))  # fmt: skip
                     ids, lps = c.token_ids, list(c.logprobs)
                     if obj.echo:
+                        plps = list(c.prompt_logprobs or [None] * len(c.prompt_ids))
                         ptop = c.prompt_top_logprobs if top_n else None
-                        ids = c.prompt_ids + ids
-                        lps = list(c.prompt_logprobs or [None] * len(c.prompt_ids)) + lps
-                        if tops is not None:
-                            tops = list(ptop or [None] * len(c.prompt_ids)) + tops
+                        tops = _with_sampled(ptop, c.prompt_ids, plps) + tops
+                        ids, lps = c.prompt_ids + ids, plps + lps
                     logprobs = completion_logprobs(ids, _finite_all(lps), _finite_tops(tops),
                                                    tok_str)  # fmt: skip
                 text = (echo_text(i) if obj.echo else "") + c.text
@@ -240,8 +246,9 @@ async def _completion_stream(
         logprobs = None
         if want_lp:
             prompt = requests[i].prompt_ids
-            tops = (ptop or [None] * len(prompt)) if top_n else None
-            logprobs = lp_obj(index, prompt, list(plps or [None] * len(prompt)), tops)
+            lps = list(plps or [None] * len(prompt))
+            logprobs = lp_obj(index, prompt, lps, _with_sampled(ptop if top_n else None, prompt,
+                                                               lps))  # fmt: skip
         return chunk(index, echo_text(i), logprobs, None)
 
     try:
@@ -259,7 +266,7 @@ async def _completion_stream(
             logprobs = None
             if want_lp:
                 tops = _with_sampled([ev.top_logprobs or []], [ev.token_id], [ev.logprob])
-                logprobs = lp_obj(index, [ev.token_id], [ev.logprob], tops if top_n else None)
+                logprobs = lp_obj(index, [ev.token_id], [ev.logprob], tops)
             if delta or want_lp:
                 yield chunk(index, delta, logprobs, None)
     except (RuntimeError, ValueError) as e:
