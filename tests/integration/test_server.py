@@ -253,6 +253,82 @@ def test_http_hot_swap_from_disk(served, tmp_path):
         client.update_weights(8, str(ckpt))  # restore for other tests (versions only go up)
 
 
+def test_sglang_weight_version_labels_and_model_path_flow(served, tmp_path):
+    """SGLang's test_weight_version and update-and-revert flow: free-form string versions
+    (our integer versions kept underneath), /get_weight_version, /update_weight_version,
+    meta_info / OpenAI metadata weight_version, and /get_model_info.model_path following
+    /update_weights_from_disk (the served name loads the served directory back)."""
+    server, _, engine, ckpt = served
+    url = server.url
+
+    def label() -> str:
+        got = httpx.get(url + "/get_weight_version").json()["weight_version"]
+        assert httpx.get(url + "/get_model_info").json()["weight_version"] == got
+        return got
+
+    def generated() -> dict:
+        body = {"text": "1+1=", "sampling_params": {"temperature": 0, "max_new_tokens": 2}}
+        return httpx.post(url + "/generate", json=body, timeout=60).json()["meta_info"]
+
+    assert label() == str(engine.version)
+    before = engine.version
+    resp = httpx.post(
+        url + "/update_weight_version",
+        json={"new_version": "updated_version_2.0", "abort_all_requests": False},
+    )
+    assert resp.json() == {
+        "success": True,
+        "new_version": "updated_version_2.0",
+        "message": "Weight version updated to updated_version_2.0",
+    }
+    assert label() == "updated_version_2.0" and engine.version == before
+    meta = generated()
+    assert meta["weight_version"] == "updated_version_2.0"
+    assert meta["output_token_versions"] == [before] * 2  # the integers stay
+    chat = httpx.post(
+        url + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "1+1="}], "max_tokens": 2, "temperature": 0},
+        timeout=60,
+    )
+    cmpl = httpx.post(url + "/v1/completions", json={"prompt": "1+1=", "max_tokens": 2},
+                      timeout=60)  # fmt: skip
+    assert chat.json()["metadata"]["weight_version"] == "updated_version_2.0"
+    assert cmpl.json()["metadata"]["weight_version"] == "updated_version_2.0"
+    bad = httpx.post(url + "/update_weight_version", json={"new_version": "  "})
+    assert bad.status_code == 400 and "new_version" in bad.json()["error"]["message"]
+
+    # the served name (not the server's directory) loads the directory it started from
+    served_name = httpx.post(
+        url + "/update_weights_from_disk",
+        json={"model_path": ckpt.name, "weight_version": "base"},
+        timeout=60,
+    )
+    assert served_name.status_code == 200, served_name.text
+    before = engine.version
+    origin = httpx.get(url + "/get_model_info").json()["model_path"]
+    assert origin == ckpt.name and label() == "base"
+    other = tmp_path / "other"
+    save_pretrained(checks.tiny_model(), other)
+    resp = httpx.post(
+        url + "/update_weights_from_disk",
+        json={
+            "model_path": str(other),
+            "load_format": "auto",
+            "weight_version": "disk_update_v2.0.0",
+        },
+        timeout=60,
+    )
+    assert resp.status_code == 200, resp.text
+    assert label() == "disk_update_v2.0.0" and engine.version == before + 1
+    assert httpx.get(url + "/get_model_info").json()["model_path"] == str(other)
+    assert generated()["output_token_versions"] == [before + 1] * 2
+    resp = httpx.post(url + "/update_weights_from_disk", json={"model_path": origin},
+                      timeout=60)  # fmt: skip
+    assert resp.status_code == 200, resp.text
+    assert httpx.get(url + "/get_model_info").json()["model_path"] == origin
+    assert label() == str(before + 2)  # no label given: the integer
+
+
 def test_client_retries_5xx_with_backoff_but_not_4xx():
     """A stand-in server (real HTTP; its answers are canned) failing with 503 twice, then 200."""
     from fastapi import FastAPI

@@ -34,7 +34,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from slipstream.engine.base import MAX_VERSION
 
 ADMIN_PATHS = frozenset(
-    {"/update_weights_from_disk", "/abort_request", "/flush_cache", "/update_weights"}
+    {
+        "/update_weights_from_disk",
+        "/abort_request",
+        "/flush_cache",
+        "/update_weights",
+        "/update_weight_version",
+    }
 )
 PUBLIC_PATHS = frozenset({"/health", "/health_generate"})
 _ERROR_TYPES = {

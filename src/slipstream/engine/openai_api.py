@@ -68,6 +68,12 @@ def _with_sampled(
     return out
 
 
+def _metadata(state: ServerState, groups: list[list[Completion]]) -> dict[str, Any]:
+    """SGLang's response `metadata`: the weight version (label) of the newest token."""
+    versions = [c.versions[-1] for g in groups for c in g if c.versions]
+    return {"weight_version": state.versions.label(max(versions, default=state.engine.version))}
+
+
 def _finite_all(values: list[float | None]) -> list[float | None]:
     return [finite(v) for v in values]
 
@@ -170,7 +176,8 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
                     "token_versions": c.versions,
                 })  # fmt: skip
         prompt_tokens = sum(len(ids) for ids in prompts)
-        return {**head, "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
+        return {**head, "choices": choices, "usage": _usage(prompt_tokens, completion_tokens),
+                "metadata": _metadata(state, groups)}  # fmt: skip
 
     @app.post("/v1/chat/completions")
     async def chat_completions(obj: ChatCompletionRequest, request: Request) -> Any:
@@ -210,7 +217,8 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
                 "token_versions": c.versions,
             })  # fmt: skip
         usage = _usage(len(ids), sum(len(c.token_ids) for c in group))
-        return {**head, "object": "chat.completion", "choices": choices, "usage": usage}
+        return {**head, "object": "chat.completion", "choices": choices, "usage": usage,
+                "metadata": _metadata(state, [group])}  # fmt: skip
 
 
 async def _completion_stream(

@@ -130,19 +130,28 @@ class GenerateReqInput(Strict):
 
 
 class UpdateWeightFromDiskReqInput(Strict):
-    """SGLang `POST /update_weights_from_disk` body. `weight_version` must be a decimal integer
-    here (slipstream versions are integers); absent, the version is incremented."""
+    """SGLang `POST /update_weights_from_disk` body. `weight_version`: decimal digits set the
+    integer version; any other string is a label of the next integer version; absent, the
+    version is incremented (`weight_versions.py`)."""
 
     model_path: Annotated[str, Field(min_length=1, max_length=4096)]
     load_format: str | None = None
     abort_all_requests: bool = False
-    weight_version: str | None = None
+    weight_version: Annotated[str, Field(max_length=4096)] | None = None
     flush_cache: bool = True
     is_async: bool = False
     torch_empty_cache: bool = False
     keep_pause: bool = False
     recapture_cuda_graph: bool = False
     token_step: Count = 0
+
+
+class UpdateWeightVersionReqInput(Strict):
+    """SGLang `POST /update_weight_version` body: relabel the served weights. SGLang's default
+    aborts the requests in flight."""
+
+    new_version: Annotated[str, Field(max_length=4096)]
+    abort_all_requests: bool = True
 
 
 class AbortReqInput(Strict):
@@ -186,8 +195,10 @@ def generate_output(
     current_version: int,
     routed_experts: str | None = None,
     routed_layout: dict[str, Any] | None = None,
+    version_label: Callable[[int], str] = str,
 ) -> dict[str, Any]:
-    """One SGLang `/generate` output object for one sample."""
+    """One SGLang `/generate` output object for one sample. `version_label`: the string
+    `meta_info.weight_version` reports for an integer version (`weight_versions.py`)."""
     version = c.versions[-1] if c.versions else current_version
     text_fn = token_text if obj.return_text_in_logprobs else None
     meta: dict[str, Any] = {
@@ -197,7 +208,7 @@ def generate_output(
         "completion_tokens": len(c.token_ids),
         # Samples after the first of a group reuse the group's prefill.
         "cached_tokens": len(c.prompt_ids) if c.index > 0 else 0,
-        "weight_version": str(version),
+        "weight_version": version_label(version),
         "e2e_latency": c.meta.get("e2e_latency_s", 0.0),
         "output_token_versions": c.versions,
     }

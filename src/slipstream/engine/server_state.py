@@ -15,6 +15,7 @@ from slipstream.engine.guard import ServeOptions
 from slipstream.engine.native import NativeEngine
 from slipstream.engine.routing import encode_routed_experts
 from slipstream.engine.streaming import Runner
+from slipstream.engine.weight_versions import WeightVersions
 
 
 class ServerState:
@@ -35,6 +36,17 @@ class ServerState:
         self.moe_layer_ids = list(getattr(engine.model, "moe_layer_ids", []))
         self.num_experts = cfg.num_experts
         self.default_max_new = engine.config.max_new_tokens
+        self.versions = WeightVersions()
+        # /get_model_info's model_path: the served name (the directory stays private) until an
+        # update loads another source, then that source, as SGLang reports it.
+        self.reported_model_path = options.served_model_name
+
+    def weight_source(self, model_path: str) -> str:
+        """What an update's model_path loads: the served name means the directory the server
+        started from (SGLang's revert flow posts back /get_model_info's model_path)."""
+        if model_path == self.options.served_model_name and self.model_path:
+            return self.model_path
+        return model_path
 
     def encode(self, text: str) -> list[int]:
         """A text prompt as the tokenizer defines it (its post-processor: BOS for slipstream's
