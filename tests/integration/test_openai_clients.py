@@ -122,6 +122,43 @@ def test_streamed_text_equals_non_streamed_token_for_token(served):
         assert "".join(deltas) == full_chat.choices[0].message.content == full.choices[0].text
 
 
+def test_stream_framing_as_vllm(served):
+    """vLLM test_completion_streaming / test_chat_streaming framing: finish_reason once, on the
+    last token's chunk (one chunk per token with logprobs, no extra empty chunk), echo merged
+    into the first chunk, continuous_usage_stats, stream_options without stream refused."""
+    server, client, _ = served
+    kw = dict(model=NAME, prompt="12+34=", max_tokens=6, temperature=0, logprobs=0)
+    full = client.completions.create(**kw).choices[0]
+    chunks = [c for c in client.completions.create(stream=True, **kw) if c.choices]
+    assert len(chunks) == len(full.token_ids)  # type: ignore[attr-defined]
+    assert [c.choices[0].finish_reason for c in chunks] == [None] * 5 + ["length"]
+    assert chunks[-1].choices[0].text and "".join(c.choices[0].text for c in chunks) == full.text
+    echo = [c for c in client.completions.create(stream=True, echo=True, **kw) if c.choices]
+    assert len(echo) == len(chunks) and echo[0].choices[0].text.startswith("12+34=")
+    assert "".join(c.choices[0].text for c in echo) == "12+34=" + full.text
+    assert sum(len(c.choices[0].logprobs.tokens) for c in echo) == len("12+34=") + 1 + 6
+    usage = [c.usage for c in client.completions.create(stream=True, stream_options={
+        "include_usage": True, "continuous_usage_stats": True}, **kw)]  # fmt: skip
+    assert [u.completion_tokens for u in usage] == [1, 2, 3, 4, 5, 6, 6]  # + the usage chunk
+    assert {u.prompt_tokens for u in usage} == {len("12+34=") + 1}
+    chat_kw = dict(model=NAME, messages=[{"role": "user", "content": "12+34="}], max_tokens=6,
+                   temperature=0, logprobs=True)  # fmt: skip
+    chat = [c for c in client.chat.completions.create(stream=True, **chat_kw) if c.choices]
+    assert len(chat) == 1 + 6  # the role chunk, then one per token
+    assert [c.choices[0].finish_reason for c in chat][-2:] == [None, "length"]
+    for body in (
+        {"prompt": "1", "stream_options": {"include_usage": True}},
+        {
+            "messages": [{"role": "user", "content": "1"}],
+            "stream_options": {"include_usage": True},
+            "stream": False,
+        },
+    ):
+        path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+        resp = httpx.post(server.url + path, json=body, timeout=30)
+        assert resp.status_code == 400 and "stream_options" in resp.json()["error"]["message"]
+
+
 def test_streamed_logprobs_and_tokens_match(served):
     _, client, _ = served
     kw = dict(model=NAME, prompt="7-5=", max_tokens=8, temperature=0.8, seed=11, logprobs=2)

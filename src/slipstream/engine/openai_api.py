@@ -8,9 +8,12 @@ loaded from the checkpoint does); chat messages go through the tokenizer's chat 
 default the model directory's name) or be omitted; another name is 404.
 
 Streaming (`stream: true`) sends server-sent events: one chunk per generated token (chunks whose
-text delta is empty are skipped unless logprobs were asked for), a final chunk per choice with
-its finish_reason and the rest of its text, a usage chunk (`choices: []`) when
-`stream_options.include_usage` is true, then `data: [DONE]`. The concatenated deltas of a choice
+text delta is empty are skipped unless logprobs were asked for), the last token's chunk carrying
+its choice's finish_reason (and the rest of the text held back), an echoed prompt merged into the
+first token's chunk, so a stream has at most one chunk per token (vLLM's framing; `_Framing`);
+with `stream_options.include_usage` a usage chunk (`choices: []`), and with
+`continuous_usage_stats` too, each chunk's usage so far; then `data: [DONE]`. `stream_options`
+without `stream` is a 400. The concatenated deltas of a choice
 equal its non-streamed text (`streaming.TextStream`). A client that disconnects has its
 requests aborted.
 
@@ -104,6 +107,8 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
     def checked(obj: CompletionRequest | ChatCompletionRequest) -> None:
         state.check_model(obj.model)
+        if obj.stream_options is not None and not obj.stream:
+            raise ValueError("stream_options can only be set when stream is true")
         bad = obj.unsupported()
         if bad:
             raise ValueError(f"{bad[0]} is not supported by slipstream's server")
@@ -221,6 +226,75 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
                 "metadata": _metadata(state, [group])}  # fmt: skip
 
 
+class _Framing:
+    """Stream framing as vLLM/OpenAI send it: each choice's latest chunk is held until that
+    choice's next event, so the finish_reason rides on the last token's chunk (no extra empty
+    chunk: a stream has at most one chunk per token), and an echoed prompt is merged into the
+    first token's chunk. With `stream_options.continuous_usage_stats` (and include_usage) every
+    chunk carries its choice's usage so far (vLLM)."""
+
+    def __init__(self, head: dict[str, Any], content: str, continuous_usage: bool) -> None:
+        self.head = head
+        self.content = content  # "text" (completions) or "delta" (chat)
+        self.continuous_usage = continuous_usage
+        self.held: dict[int, tuple[dict[str, Any], bool]] = {}  # index -> (choice, open)
+
+    def send(self, choice: dict[str, Any]) -> bytes:
+        """`choice` (with its "usage" key, dropped unless continuous usage) as one chunk."""
+        usage = choice.pop("usage")
+        body = {**self.head, "choices": [choice]}
+        if self.continuous_usage:
+            body["usage"] = usage
+        return sse(body)
+
+    def hold(self, choice: dict[str, Any], usage: dict[str, int], open_: bool = False) -> bytes:
+        """Hold `choice` (its previous chunk is sent, or, when open, absorbs it)."""
+        choice["usage"] = usage
+        prev = self.held.pop(choice["index"], None)
+        if prev is not None and prev[1]:  # an echo chunk: the first token joins it
+            choice = _merged(prev[0], choice, self.content)
+            prev = None
+        self.held[choice["index"]] = (choice, open_)
+        return self.send(prev[0]) if prev is not None else b""
+
+    def finish(self, index: int, rest: str, c: Completion, usage: dict[str, int]) -> bytes:
+        """The choice's last chunk: the held one (its last token's) with the rest of the text,
+        the finish_reason and vLLM's stop_reason; a chunk of its own when nothing is held."""
+        prev = self.held.pop(index, None)
+        if prev is None:
+            body: Any = rest if self.content == "text" else ({"content": rest} if rest else {})
+            choice = {"index": index, self.content: body, "logprobs": None}
+        else:
+            choice = prev[0]
+            if self.content == "text":
+                choice["text"] += rest
+            elif rest:
+                choice["delta"] = {"content": choice["delta"].get("content", "") + rest}
+        choice.update(finish_reason=c.finish_reason, stop_reason=c.matched_stop, usage=usage)
+        return self.send(choice)
+
+
+def _merged(first: dict[str, Any], then: dict[str, Any], content: str) -> dict[str, Any]:
+    """Completions chunk `first` (an echo) followed by `then` as one chunk."""
+    out = dict(then)
+    out["text"] = first["text"] + then["text"]
+    a, b = first["logprobs"], then["logprobs"]
+    if a is not None and b is not None:
+        out["logprobs"] = {k: (None if a[k] is None and b[k] is None else
+                               list(a[k] or [None] * len(a["tokens"])) +
+                               list(b[k] or [None] * len(b["tokens"])))
+                           for k in a}  # fmt: skip
+    return out
+
+
+def _stream_usage(obj: CompletionRequest | ChatCompletionRequest) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats) as vLLM reads stream_options."""
+    so = obj.stream_options
+    if so is None or not so.include_usage:
+        return False, False
+    return True, so.continuous_usage_stats
+
+
 async def _completion_stream(
     state: ServerState,
     obj: CompletionRequest,
@@ -233,12 +307,17 @@ async def _completion_stream(
     streams: dict[int, TextStream] = {}
     text_pos: dict[int, int] = {}
     echoed: set[int] = set()
+    ntok: dict[int, int] = {}
     want_lp, top_n = obj.logprobs is not None, obj.logprobs or 0
     completion_tokens = 0
+    include_usage, continuous = _stream_usage(obj)
+    framing = _Framing(head, "text", continuous)
 
-    def chunk(index: int, text: str, logprobs: Any, finish: str | None) -> bytes:
-        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        return sse({**head, "choices": [choice]})
+    def choice(index: int, text: str, logprobs: Any) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
+
+    def usage_of(i: int, index: int) -> dict[str, int]:
+        return _usage(len(requests[i].prompt_ids), ntok.get(index, 0))
 
     def lp_obj(index: int, ids: list[int], lps: list[Any], tops: Any) -> dict[str, Any]:
         out = completion_logprobs(ids, _finite_all(lps), _finite_tops(tops), tok_str,
@@ -257,30 +336,34 @@ async def _completion_stream(
             lps = list(plps or [None] * len(prompt))
             logprobs = lp_obj(index, prompt, lps, _with_sampled(ptop if top_n else None, prompt,
                                                                lps))  # fmt: skip
-        return chunk(index, echo_text(i), logprobs, None)
+        return framing.hold(choice(index, echo_text(i), logprobs), usage_of(i, index), True)
 
     try:
         async for i, ev in state.runner.stream(requests):
             index = offsets[i] + ev.index
             ts = streams.setdefault(index, TextStream(state.decode(), requests[i].params.stop))
-            if obj.echo and index not in echoed:
-                yield echo_chunk(i, index, ev)
+            if obj.echo and index not in echoed and (out := echo_chunk(i, index, ev)):
+                yield out
             c: Completion | None = ev.completion
             if c is not None:
                 completion_tokens += len(c.token_ids)
-                yield chunk(index, ts.finish(c), None, c.finish_reason)
+                ntok[index] = len(c.token_ids)
+                yield framing.finish(index, ts.finish(c), c, usage_of(i, index))
                 continue
+            ntok[index] = ntok.get(index, 0) + 1
             delta = ts.push(ev.token_id)
             logprobs = None
             if want_lp:
                 tops = _with_sampled([ev.top_logprobs or []], [ev.token_id], [ev.logprob])
                 logprobs = lp_obj(index, [ev.token_id], [ev.logprob], tops)
-            if delta or want_lp:
-                yield chunk(index, delta, logprobs, None)
+            if (delta or want_lp) and (
+                out := framing.hold(choice(index, delta, logprobs), usage_of(i, index))
+            ):
+                yield out
     except (RuntimeError, ValueError) as e:
         yield sse(error_body(500, f"engine error: {e}"))
     else:
-        if obj.stream_options is not None and obj.stream_options.include_usage:
+        if include_usage:
             prompt_tokens = sum(len(r.prompt_ids) for r in requests)
             yield sse({**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
     yield sse("[DONE]")
@@ -297,22 +380,27 @@ async def _chat_stream(
     streams = {i: TextStream(state.decode(), req.params.stop) for i in range(req.params.n)}
     top_n = req.params.top_logprobs
     completion_tokens = 0
+    ntok = dict.fromkeys(range(req.params.n), 0)
+    include_usage, continuous = _stream_usage(obj)
+    framing = _Framing(head, "delta", continuous)
 
-    def chunk(index: int, delta: dict[str, Any], logprobs: Any, finish: str | None) -> bytes:
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return sse({**head, "choices": [choice]})
+    def usage_of(index: int) -> dict[str, int]:
+        return _usage(len(req.prompt_ids), ntok[index])
 
     for i in range(req.params.n):
-        yield chunk(i, {"role": "assistant", "content": ""}, None, None)
+        first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None, "usage": usage_of(i)}  # fmt: skip
+        yield framing.send(first)
     try:
         async for _, ev in state.runner.stream(requests):
             ts = streams[ev.index]
             c = ev.completion
             if c is not None:
                 completion_tokens += len(c.token_ids)
-                rest = ts.finish(c)
-                yield chunk(ev.index, {"content": rest} if rest else {}, None, c.finish_reason)
+                ntok[ev.index] = len(c.token_ids)
+                yield framing.finish(ev.index, ts.finish(c), c, usage_of(ev.index))
                 continue
+            ntok[ev.index] += 1
             delta = ts.push(ev.token_id)
             logprobs = None
             if obj.logprobs:
@@ -321,11 +409,14 @@ async def _chat_stream(
                                                state.token_text)  # fmt: skip
                 logprobs = {"content": entries, "refusal": None}
             if delta or obj.logprobs:
-                yield chunk(ev.index, {"content": delta}, logprobs, None)
+                chunk = {"index": ev.index, "delta": {"content": delta}, "logprobs": logprobs,
+                         "finish_reason": None}  # fmt: skip
+                if out := framing.hold(chunk, usage_of(ev.index)):
+                    yield out
     except (RuntimeError, ValueError) as e:
         yield sse(error_body(500, f"engine error: {e}"))
     else:
-        if obj.stream_options is not None and obj.stream_options.include_usage:
+        if include_usage:
             usage = _usage(len(req.prompt_ids), completion_tokens)
             yield sse({**head, "choices": [], "usage": usage})
     yield sse("[DONE]")
