@@ -159,6 +159,72 @@ def test_stream_framing_as_vllm(served):
         assert resp.status_code == 400 and "stream_options" in resp.json()["error"]["message"]
 
 
+def test_chat_parity_echo_specials_and_vllm_validation(served, model):
+    """Chat has matched_stop and return_tokens_as_token_ids; a token-id prompt echoes its
+    special tokens; vLLM's 400s for stop_token_ids beyond the vocabulary and for prompt +
+    max_tokens over the context (naming the field); vLLM's prompt_logprobs."""
+    server, client, _ = served
+    msgs = [{"role": "user", "content": "12+34="}]
+    chat = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=6,
+                                          temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"return_tokens_as_token_ids": True})  # fmt: skip
+    ch = chat.choices[0]
+    assert [e.token for e in ch.logprobs.content] == [f"token_id:{t}" for t in ch.token_ids]  # type: ignore[attr-defined]
+    assert all(a.token.startswith("token_id:") for e in ch.logprobs.content for a in e.top_logprobs)
+    stop_tok = ch.token_ids[2]  # type: ignore[attr-defined]
+    stopped = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=6, temperature=0,
+                                             extra_body={"stop_token_ids": [stop_tok]}).choices[0]  # fmt: skip
+    assert stopped.finish_reason == "stop" and stopped.matched_stop == stop_tok  # type: ignore[attr-defined]
+
+    ids = [TOK.bos_id, *TOK.encode("12+34=")]
+    echo = client.completions.create(model=NAME, prompt=ids, max_tokens=2, temperature=0, echo=True)
+    assert echo.choices[0].text.startswith("<bos>12+34=")
+
+    def error(path: str, body: dict) -> str:
+        resp = httpx.post(server.url + path, json=body, timeout=30)
+        assert resp.status_code == 400, resp.text
+        return resp.json()["error"]["message"]
+
+    assert "stop_token_ids" in error(
+        "/v1/completions", {"prompt": "1", "stop_token_ids": [TOK.vocab_size]}
+    )
+    assert "stop_token_ids" in error(
+        "/v1/chat/completions", {"messages": msgs, "stop_token_ids": [10**6]}
+    )
+    assert error("/v1/completions", {"prompt": ids, "max_tokens": 64 - len(ids) + 1}).startswith(
+        "max_tokens"
+    )
+    assert "max_completion_tokens" in error(
+        "/v1/chat/completions", {"messages": msgs, "max_completion_tokens": 64}
+    )
+    fits = client.completions.create(
+        model=NAME, prompt=ids, max_tokens=64 - len(ids), temperature=0
+    )
+    assert fits.usage.total_tokens <= 64
+    long_ids = [TOK.bos_id, *TOK.encode("1+2=" * 12)]  # 49 tokens: the default 32 won't fit
+    default = httpx.post(server.url + "/v1/completions", json={"prompt": long_ids,
+                         "max_tokens": None, "ignore_eos": True}, timeout=30).json()  # fmt: skip
+    assert default["usage"]["total_tokens"] == 64  # capped at the context, not 65 (vLLM)
+
+    # vLLM test_prompt_logprobs_completion: None at 0, then n or n + 1 entries per position
+    with torch.no_grad():
+        raw = torch.log_softmax(model(torch.tensor([ids])).logits_BTV[0], -1)
+    for n in (0, 3):
+        out = client.completions.create(model=NAME, prompt=[ids, ids], max_tokens=1,
+                                        extra_body={"prompt_logprobs": n})  # fmt: skip
+        for choice in out.choices:
+            plp = choice.prompt_logprobs  # type: ignore[attr-defined]
+            assert plp[0] is None and len(plp) == len(ids)
+            for j, entry in enumerate(plp[1:], start=1):
+                assert max(n, 1) <= len(entry) <= n + 1 and str(ids[j]) in entry
+                assert entry[str(ids[j])]["logprob"] == pytest.approx(
+                    float(raw[j - 1, ids[j]]), abs=1e-4
+                )
+    chat_plp = httpx.post(server.url + "/v1/chat/completions", json={"messages": msgs,
+                          "max_tokens": 1, "prompt_logprobs": 2}, timeout=30).json()["prompt_logprobs"]  # fmt: skip
+    assert chat_plp[0] is None and all(2 <= len(e) <= 3 for e in chat_plp[1:])
+
+
 def test_streamed_logprobs_and_tokens_match(served):
     _, client, _ = served
     kw = dict(model=NAME, prompt="7-5=", max_tokens=8, temperature=0.8, seed=11, logprobs=2)

@@ -493,12 +493,15 @@ def _raw_request(url: str, path: str, body: dict) -> socket.socket:
 def test_a_disconnected_clients_work_is_cancelled(site, expected, path, stream):
     url, _, engine, _ = site
     long = {"max_new_tokens": 100000, "ignore_eos": True}
+    messages = [{"role": "user", "content": "1"}]
+    # /v1 refuses prompt + max_tokens over the context (vLLM): ask for all of it
+    chat_room = engine.max_seq_len - len(CharTokenizer().chat_prompt(messages, True))
     body = {
         "/generate": {"input_ids": [8], "sampling_params": {**long, "n": 2}, "stream": stream},
-        "/v1/completions": {"prompt": [8], "max_tokens": 100000, "ignore_eos": True, "n": 2,
-                            "stream": stream},
-        "/v1/chat/completions": {"messages": [{"role": "user", "content": "1"}], "n": 2,
-                                 "max_tokens": 100000, "ignore_eos": True, "stream": stream},
+        "/v1/completions": {"prompt": [8], "max_tokens": engine.max_seq_len - 1,
+                            "ignore_eos": True, "n": 2, "stream": stream},
+        "/v1/chat/completions": {"messages": messages, "n": 2, "max_tokens": chat_room,
+                                 "ignore_eos": True, "stream": stream},
     }[path]  # fmt: skip
     _wait_idle(engine)
     sock = _raw_request(url, path, body)

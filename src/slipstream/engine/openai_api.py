@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -68,6 +68,46 @@ def _with_sampled(
             continue
         alts = alts or []
         out.append(alts if any(t == tok for t, _ in alts) else [*alts, (tok, lp)])
+    return out
+
+
+def _most(a: int | None, b: int | None) -> int | None:
+    """The larger of two optional prompt-logprob widths (None: not asked for)."""
+    return b if a is None else (a if b is None else max(a, b))
+
+
+def _first_n(tops: Any, n: int) -> Any:
+    """Each position's first n alternatives (None positions stay None)."""
+    return None if tops is None else [None if a is None else a[:n] for a in tops]
+
+
+def _token_str(state: ServerState, obj: CompletionRequest | ChatCompletionRequest) -> Any:
+    """How logprob entries name a token: its text, or vLLM's "token_id:N"."""
+    if obj.return_tokens_as_token_ids:
+        return lambda t: f"token_id:{t}"
+    return state.token_text
+
+
+def _vllm_prompt_logprobs(
+    c: Completion, n: int | None, state: ServerState
+) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt position, {token id: {logprob, rank, decoded_token}}
+    for the raw top-n and the prompt token itself (None at position 0). `rank` is the
+    1-based position among the top-n; a prompt token outside them has rank null."""
+    if n is None or c.prompt_logprobs is None:
+        return None
+    tops = _first_n(c.prompt_top_logprobs, n) or [None] * len(c.prompt_ids)
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for tok, lp, alts in zip(c.prompt_ids, c.prompt_logprobs, tops, strict=True):
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(t): {"logprob": finite(a), "rank": r + 1, "decoded_token": state.token_text(t)}
+                 for r, (t, a) in enumerate(alts or [])}  # fmt: skip
+        if str(tok) not in entry:
+            entry[str(tok)] = {"logprob": finite(lp), "rank": None,
+                               "decoded_token": state.token_text(tok)}  # fmt: skip
+        out.append(entry)
     return out
 
 
@@ -132,22 +172,27 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
         if any(not ids for ids in prompts):
             raise ValueError("prompt is empty")
         top_n = obj.logprobs or 0
+        echo_lp = top_n if obj.echo and obj.logprobs is not None else None
         params = SamplingParams(
             max_new_tokens=state.default_max_new if obj.max_tokens is None else obj.max_tokens,
             top_logprobs=top_n,
-            prompt_logprobs=top_n if obj.echo and obj.logprobs is not None else None,
+            prompt_logprobs=_most(echo_lp, obj.prompt_logprobs),
             **obj.sampling_kwargs(),
         )
         cid = f"cmpl-{uuid.uuid4().hex}"
         requests = [GenerateRequest(ids, params, f"{cid}-{i}") for i, ids in enumerate(prompts)]
         state.check_batch(requests)
-
-        def tok_str(t: int) -> str:
-            return f"token_id:{t}" if obj.return_tokens_as_token_ids else state.token_text(t)
+        if obj.max_tokens is not None:
+            state.check_context(requests, "max_tokens")
+        else:
+            requests = state.fit_context(requests)
+        state.check_stop_token_ids(requests)
+        tok_str = _token_str(state, obj)
 
         def echo_text(i: int) -> str:
+            # A token-id prompt echoes every token, special ones included (vLLM).
             text = texts[i]
-            return text if text is not None else state.text_of(prompts[i])
+            return text if text is not None else state.text_of(prompts[i], skip_special=False)
 
         head = {"id": cid, "object": "text_completion", "created": int(time.time()),
                 "model": options.served_model_name}  # fmt: skip
@@ -168,7 +213,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
                     ids, lps = c.token_ids, list(c.logprobs)
                     if obj.echo:
                         plps = list(c.prompt_logprobs or [None] * len(c.prompt_ids))
-                        ptop = c.prompt_top_logprobs if top_n else None
+                        ptop = _first_n(c.prompt_top_logprobs, top_n) if top_n else None
                         tops = _with_sampled(ptop, c.prompt_ids, plps) + tops
                         ids, lps = c.prompt_ids + ids, plps + lps
                     logprobs = completion_logprobs(ids, _finite_all(lps), _finite_tops(tops),
@@ -179,6 +224,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
                     "finish_reason": c.finish_reason, "stop_reason": c.matched_stop,
                     "matched_stop": c.matched_stop, "token_ids": c.token_ids,
                     "token_versions": c.versions,
+                    "prompt_logprobs": _vllm_prompt_logprobs(c, obj.prompt_logprobs, state),
                 })  # fmt: skip
         prompt_tokens = sum(len(ids) for ids in prompts)
         return {**head, "choices": choices, "usage": _usage(prompt_tokens, completion_tokens),
@@ -198,13 +244,22 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
         ids = state.tokenizer.chat_prompt(messages, obj.add_generation_prompt)
         top_n = (obj.top_logprobs or 0) if obj.logprobs else 0
         params = SamplingParams(max_new_tokens=obj.max_new_tokens(state.default_max_new),
-                                top_logprobs=top_n, **obj.sampling_kwargs())  # fmt: skip
+                                top_logprobs=top_n, prompt_logprobs=obj.prompt_logprobs,
+                                **obj.sampling_kwargs())  # fmt: skip
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         requests = [GenerateRequest(ids, params, cid)]
         state.check_batch(requests)
+        if obj.max_completion_tokens is not None:
+            state.check_context(requests, "max_completion_tokens")
+        elif obj.max_tokens is not None:
+            state.check_context(requests, "max_tokens")
+        else:
+            requests = state.fit_context(requests)
+        state.check_stop_token_ids(requests)
+        tok_str = _token_str(state, obj)
         head = {"id": cid, "created": int(time.time()), "model": options.served_model_name}
         if obj.stream:
-            return StreamingResponse(_chat_stream(state, obj, requests, head),
+            return StreamingResponse(_chat_stream(state, obj, requests, head, tok_str),
                                      media_type="text/event-stream")  # fmt: skip
         (group,) = await state.runner.run(request, requests)
         choices = []
@@ -213,17 +268,18 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
             if obj.logprobs:
                 entries = chat_logprob_entries(c.token_ids, _finite_all(c.logprobs),
                                                _finite_tops(c.top_logprobs) if top_n else None,
-                                               state.token_text)  # fmt: skip
+                                               tok_str)  # fmt: skip
                 logprobs = {"content": entries, "refusal": None}
             choices.append({
                 "index": c.index, "message": {"role": "assistant", "content": c.text},
                 "logprobs": logprobs, "finish_reason": c.finish_reason,
-                "stop_reason": c.matched_stop, "token_ids": c.token_ids,
-                "token_versions": c.versions,
+                "stop_reason": c.matched_stop, "matched_stop": c.matched_stop,
+                "token_ids": c.token_ids, "token_versions": c.versions,
             })  # fmt: skip
         usage = _usage(len(ids), sum(len(c.token_ids) for c in group))
         return {**head, "object": "chat.completion", "choices": choices, "usage": usage,
-                "metadata": _metadata(state, [group])}  # fmt: skip
+                "metadata": _metadata(state, [group]),
+                "prompt_logprobs": _vllm_prompt_logprobs(group[0], obj.prompt_logprobs, state)}  # fmt: skip
 
 
 class _Framing:
@@ -374,6 +430,7 @@ async def _chat_stream(
     obj: ChatCompletionRequest,
     requests: list[GenerateRequest],
     head: dict[str, Any],
+    tok_str: Callable[[int], str],
 ) -> AsyncIterator[bytes]:
     head = {**head, "object": "chat.completion.chunk"}
     (req,) = requests
@@ -406,7 +463,7 @@ async def _chat_stream(
             if obj.logprobs:
                 tops = [_finite_tops([ev.top_logprobs or []])[0]] if top_n else None
                 entries = chat_logprob_entries([ev.token_id], [finite(ev.logprob)], tops,
-                                               state.token_text)  # fmt: skip
+                                               tok_str)  # fmt: skip
                 logprobs = {"content": entries, "refusal": None}
             if delta or obj.logprobs:
                 chunk = {"index": ev.index, "delta": {"content": delta}, "logprobs": logprobs,

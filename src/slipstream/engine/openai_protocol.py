@@ -56,6 +56,11 @@ class _Sampling(Strict):
     min_p: float = 0.0
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
+    return_tokens_as_token_ids: bool = False
+    """vLLM extension: logprobs tokens as "token_id:N" strings."""
+    prompt_logprobs: TopN | None = None
+    """vLLM extension: each prompt token's logprob and n raw alternatives (`prompt_logprobs`
+    of the choice, completions; of the response, chat)."""
 
     def unsupported(self) -> list[str]:
         """Names of fields set to something slipstream does not implement."""
@@ -84,8 +89,6 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: Annotated[int, Field(ge=1, le=MAX_SAMPLES)] | None = None
-    return_tokens_as_token_ids: bool = False
-    """vLLM extension: logprobs tokens as "token_id:N" strings."""
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
