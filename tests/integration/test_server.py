@@ -498,3 +498,28 @@ def test_sglang_routed_experts_wire_format(served, model):
     plain = httpx.post(server.url + "/generate", json={**body, "return_routed_experts": False},
                        timeout=30).json()  # fmt: skip
     assert "routed_experts" not in plain["meta_info"]
+
+
+def test_prefix_cache_is_reported_and_flushed(model):
+    """meta_info.cached_tokens, OpenAI usage.prompt_tokens_details.cached_tokens, the hit rate
+    on /metrics, and /flush_cache emptying the cache."""
+    from slipstream.engine.server import create_app
+
+    cfg = EngineConfig(kv_cache_tokens=4 * 128, max_seq_len=128, max_batch_size=4,
+                       prefix_cache_tokens=1024)  # fmt: skip
+    prompt = [5 + i % 20 for i in range(40)]
+    body = {"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 3}}
+    with NativeEngine(model, cfg, tokenizer=CharTokenizer()) as engine:
+        with Server(create_app(engine, CharTokenizer(), "m")) as server:
+            metas = [httpx.post(server.url + "/generate", json=body, timeout=30).json()["meta_info"]
+                     for _ in range(2)]  # fmt: skip
+            assert [m["cached_tokens"] for m in metas] == [0, 32]
+            out = httpx.post(server.url + "/v1/completions", json={"prompt": prompt,
+                             "max_tokens": 2}, timeout=30).json()  # fmt: skip
+            assert out["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+            metrics = httpx.get(server.url + "/metrics").text
+            assert "slipstream_engine_prefix_cache_hit_tokens_total 64.0" in metrics
+            assert "slipstream_engine_prefix_cache_query_tokens_total 120.0" in metrics
+            assert httpx.post(server.url + "/flush_cache").status_code == 200
+            again = httpx.post(server.url + "/generate", json=body, timeout=30).json()
+            assert again["meta_info"]["cached_tokens"] == 0

@@ -28,7 +28,13 @@ handful of tensor ops (sampling, bookkeeping) and one host sync to the model for
   serving; `error` is set (and `healthy` False) only when the engine can no longer serve (its
   thread ended, or a weight copy failed part-way).
 
-Not covered: chunked prefill, prefix caching across requests, preemption, tensor parallelism.
+- Prefix cache across requests (`engine.prefix_cache_tokens` > 0, `prefix_cache.py`): an
+  admitted prompt's cached leading blocks are copied into its slot and only the rest is
+  prefilled (a `Part` starting past 0); a finished row's sequence (and each admitted prompt) is
+  stored when all its KV came from the weights now serving; cleared on every weight update.
+  Requests asking for prompt logprobs or routing prefill in full (they need every position).
+
+Not covered: chunked prefill, preemption, tensor parallelism.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ from slipstream.engine.base import (
 from slipstream.engine.batch import Group, Row, RunningBatch
 from slipstream.engine.kv_cache import Part, SlotKVCache
 from slipstream.engine.outputs import completion_routing, set_prompt_logprobs, stream_events
+from slipstream.engine.prefix_cache import PrefixCache
 from slipstream.engine.routing import RoutingRecorder
 from slipstream.engine.sampling import raw_top_logprobs, sample
 from slipstream.engine.weights import WeightSource, apply_weights, prepare_weights
@@ -103,6 +110,8 @@ class NativeEngine:
             dtype=dtype, device=self.device,
         )  # fmt: skip
         self.batch = RunningBatch(cache, cfg.vocab_size, self.device)
+        tokens = self.config.prefix_cache_tokens
+        self.prefix_cache = PrefixCache(cache, tokens) if tokens else None
         if eos_token_ids is None:
             eos_token_ids = [tokenizer.eos_id] if tokenizer is not None else []
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
@@ -121,7 +130,16 @@ class NativeEngine:
         # Counters for benchmarks and profiles: mean decode batch = decode_rows / decode_steps;
         # forward_s / step_s = share of engine-thread time spent inside model forwards.
         self.stats: dict[str, float] = dict.fromkeys(
-            ("decode_steps", "decode_rows", "prefill_tokens", "forward_s", "step_s"), 0
+            (
+                "decode_steps",
+                "decode_rows",
+                "prefill_tokens",
+                "forward_s",
+                "step_s",
+                "prefix_cache_query_tokens",
+                "prefix_cache_hit_tokens",
+            ),
+            0,
         )
         self._thread = threading.Thread(target=self._loop, name="slipstream-engine", daemon=True)
         self._thread.start()
@@ -281,7 +299,9 @@ class NativeEngine:
             raise RuntimeError(f"native engine is not serving: {self.error or 'closed'}")
 
     def flush_cache(self) -> bool:
-        """Nothing is cached across requests (slots are freed when rows finish): always True."""
+        """Drop the prefix cache (at the engine thread's next use); True."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.request_clear()
         return True
 
     def close(self) -> None:
@@ -387,6 +407,8 @@ class NativeEngine:
             self._fail_all(self.error)
             return
         self._version = version
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()  # KV of the old weights
         future.set_result(None)
 
     def _step(self, admitted: list[Group]) -> None:
@@ -454,8 +476,9 @@ class NativeEngine:
                 frozenset() if g.params.ignore_eos else self.eos_token_ids
             )
             rows = [batch.add(Row(g, i, stop_ids), len(g.prompt_ids)) for i in range(g.params.n)]
-            parts.append(Part(rows[0], offset, len(g.prompt_ids)))
-            offset += len(g.prompt_ids)
+            hit = self._load_prefix(g, rows[0])
+            parts.append(Part(rows[0], offset, len(g.prompt_ids) - hit, hit))
+            offset += len(g.prompt_ids) - hit
             if g.params.top_logprobs:
                 batch.ensure_top(g.params.top_logprobs)
             if g.params.return_routed_experts:
@@ -463,9 +486,9 @@ class NativeEngine:
         batch.params()
         pos_B = batch.pos_N[:num_running]
         ids = [batch.last_N[:num_running]] + [
-            torch.tensor(g.prompt_ids, device=dev) for g in groups
+            torch.tensor(g.prompt_ids[g.cached_tokens :], device=dev) for g in groups
         ]
-        pos = [pos_B] + [torch.arange(part.length, device=dev) for part in parts]
+        pos = [pos_B] + [torch.arange(p.start, p.start + p.length, device=dev) for p in parts]
         max_pos = int(pos_B.max()) if num_running else -1
         batch.cache.begin_mixed(pos_B, max_pos, parts)
         logits_1TV, route_TLk = self._forward(
@@ -482,8 +505,10 @@ class NativeEngine:
         pick = list(range(num_running))
         for g, (first, off, length, _) in zip(groups, parts, strict=True):
             batch.cache.copy_prefix(
-                first, torch.arange(first + 1, first + g.params.n, device=dev), length
+                first, torch.arange(first + 1, first + g.params.n, device=dev), len(g.prompt_ids)
             )
+            if self.prefix_cache is not None:
+                self.prefix_cache.store(g.prompt_ids, first, len(g.prompt_ids))
             pick += [off + length - 1] * g.params.n
             if g.params.return_routed_experts and route_TLk is not None:
                 g.prompt_routing_PLk = route_TLk[off : off + length].clone()
@@ -494,6 +519,33 @@ class NativeEngine:
         tokens_R, logprobs_R, _ = self._sample(logits_RV)
         self._stream_tokens(tokens_R, logprobs_R)
         self._finish_done(0, tokens_R)
+
+    def _load_prefix(self, g: Group, slot: int) -> int:
+        """Copy the prompt's cached leading blocks into `slot`; the tokens served from cache
+        (0 without a prefix cache, or for requests that need every prompt position)."""
+        pc = self.prefix_cache
+        if pc is None or g.params.prompt_logprobs is not None or g.params.return_routed_experts:
+            return 0
+        hit, blocks = pc.lookup(g.prompt_ids)
+        pc.load(blocks, slot)
+        g.cached_tokens = hit
+        self.stats["prefix_cache_query_tokens"] = pc.query_tokens
+        self.stats["prefix_cache_hit_tokens"] = pc.hit_tokens
+        return hit
+
+    def _store_prefix(self, i: int) -> None:
+        """Cache row i's sequence (prompt + tokens whose KV is in its slot) when all of its KV
+        came from the weights now serving (versions only grow, so its tokens' versions say)."""
+        pc, batch = self.prefix_cache, self.batch
+        if pc is None:
+            return
+        n = int(batch.gen_N[i])
+        if n == 0 or bool((batch.out_ver_NS[i, :n] != self._version).any()):
+            return
+        g = batch.rows[i].group
+        length = int(batch.pos_N[i])
+        pc.store(g.prompt_ids + batch.out_tok_NS[i, : length - len(g.prompt_ids)].tolist(), i,
+                 length)  # fmt: skip
 
     def _stream_tokens(self, tokens_B: torch.Tensor, logprobs_B: torch.Tensor) -> None:
         """A StreamEvent per streaming row for the token it just sampled (rows [0, B))."""
@@ -538,6 +590,7 @@ class NativeEngine:
         """Build completions for rows and free their slots. reason None: derive stop/length."""
         matched = matched or {}
         for i in indices:
+            self._store_prefix(i)
             out = self.batch.take(i)
             row, g = out.row, out.row.group
             tokens, logprobs, versions, top = out.tokens, out.logprobs, out.versions, out.top
@@ -575,6 +628,7 @@ class NativeEngine:
 
     def _deliver(self, group: Group, c: Completion) -> None:
         c.meta["e2e_latency_s"] = time.perf_counter() - group.start_s
+        c.meta["cached_tokens"] = group.cached_tokens
         self._emit(group, StreamEvent(c.index, completion=c))
         group.results[c.index] = c
         group.remaining -= 1

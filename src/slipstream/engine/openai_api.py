@@ -47,9 +47,19 @@ if TYPE_CHECKING:
     from slipstream.engine.server_state import ServerState
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+def _usage(prompt_tokens: int, completion_tokens: int, cached: int | None = None) -> dict[str, Any]:
+    """OpenAI usage; `cached`: prompt tokens served from the prefix cache (its
+    `prompt_tokens_details.cached_tokens`), on the final usage objects."""
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+    if cached is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
+
+
+def _cached(groups: list[list[Completion]]) -> int:
+    """Prompt tokens served from the prefix cache, per prompt (its group's first sample)."""
+    return sum(g[0].meta.get("cached_tokens", 0) for g in groups if g)
 
 
 def _with_sampled(
@@ -227,7 +237,8 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
                     "prompt_logprobs": _vllm_prompt_logprobs(c, obj.prompt_logprobs, state),
                 })  # fmt: skip
         prompt_tokens = sum(len(ids) for ids in prompts)
-        return {**head, "choices": choices, "usage": _usage(prompt_tokens, completion_tokens),
+        usage = _usage(prompt_tokens, completion_tokens, _cached(groups))
+        return {**head, "choices": choices, "usage": usage,
                 "metadata": _metadata(state, groups)}  # fmt: skip
 
     @app.post("/v1/chat/completions")
@@ -276,7 +287,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
                 "stop_reason": c.matched_stop, "matched_stop": c.matched_stop,
                 "token_ids": c.token_ids, "token_versions": c.versions,
             })  # fmt: skip
-        usage = _usage(len(ids), sum(len(c.token_ids) for c in group))
+        usage = _usage(len(ids), sum(len(c.token_ids) for c in group), _cached([group]))
         return {**head, "object": "chat.completion", "choices": choices, "usage": usage,
                 "metadata": _metadata(state, [group]),
                 "prompt_logprobs": _vllm_prompt_logprobs(group[0], obj.prompt_logprobs, state)}  # fmt: skip

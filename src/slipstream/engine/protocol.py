@@ -206,8 +206,9 @@ def generate_output(
         "finish_reason": finish_reason_json(c),
         "prompt_tokens": len(c.prompt_ids),
         "completion_tokens": len(c.token_ids),
-        # Samples after the first of a group reuse the group's prefill.
-        "cached_tokens": len(c.prompt_ids) if c.index > 0 else 0,
+        # Prompt tokens not prefilled for this sample: the prefix cache's hit (engine meta),
+        # and all of them for samples after the first of a group (they copy its prefill).
+        "cached_tokens": len(c.prompt_ids) if c.index > 0 else c.meta.get("cached_tokens", 0),
         "weight_version": version_label(version),
         "e2e_latency": c.meta.get("e2e_latency_s", 0.0),
         "output_token_versions": c.versions,
