@@ -72,6 +72,18 @@ def test_sampled_outputs_equal_a_run_without_the_cache(model):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
 
 
+def test_copies_of_a_prompt_sent_at_once_prefill_it_once(model):
+    """GRPO as G separate requests: the copies wait one step for the first one's prefix."""
+    p, other = prompt(40, 6), prompt(20, 7)
+    greedy = SamplingParams(temperature=0, max_new_tokens=5)
+    with NativeEngine(model, engine_cfg(1024)) as engine:
+        out = engine.generate([GenerateRequest(p, greedy) for _ in range(3)]
+                              + [GenerateRequest(other, greedy)])  # fmt: skip
+        assert [c.meta["cached_tokens"] for c in out] == [0, 32, 32, 0]
+        assert engine.stats["prefill_tokens"] == 40 + 2 * 8 + 20
+    assert all(c.token_ids == reference_greedy(model, p, 5, set()) for c in out[:3])
+
+
 def test_prompt_outputs_prefill_in_full(model):
     with NativeEngine(model, engine_cfg(512)) as engine:
         p = prompt(40, 4)

@@ -369,7 +369,9 @@ class NativeEngine:
 
     def _schedule(self) -> list[Group]:
         """Under the lock: apply a weight update when its policy allows, drop aborted rows, and
-        pick the waiting groups that fit in the free slots (FIFO, no overtaking)."""
+        pick the waiting groups that fit in the free slots (FIFO, no overtaking, except that a
+        group whose prompt starts like one admitted now waits one step for its prefix to be
+        cached: `_wait_for_prefix`)."""
         if self._pending_update is not None:
             policy = self.config.weight_update_policy
             if policy == "abort":
@@ -386,10 +388,15 @@ class NativeEngine:
             self._aborted.clear()
         admitted: list[Group] = []
         free = self.batch.free_slots
+        held: list[Group] = []  # wait one step for a prefix admitted now (keep their order)
         while self._waiting and self._waiting[0].params.n <= free:
             g = self._waiting.popleft()
+            if self._wait_for_prefix(g, admitted):
+                held.append(g)
+                continue
             free -= g.params.n
             admitted.append(g)
+        self._waiting.extendleft(reversed(held))
         return admitted
 
     def _apply_update(self) -> None:
@@ -532,6 +539,15 @@ class NativeEngine:
         self.stats["prefix_cache_query_tokens"] = pc.query_tokens
         self.stats["prefix_cache_hit_tokens"] = pc.hit_tokens
         return hit
+
+    def _wait_for_prefix(self, g: Group, admitted: list[Group]) -> bool:
+        """Hold `g` one step when a group admitted now shares its first prefix-cache block."""
+        pc = self.prefix_cache
+        if pc is None or not admitted or g.params.prompt_logprobs is not None:
+            return False
+        if g.params.return_routed_experts:
+            return False
+        return pc.worth_waiting(g.prompt_ids, [a.prompt_ids for a in admitted])
 
     def _store_prefix(self, i: int) -> None:
         """Cache row i's sequence (prompt + tokens whose KV is in its slot) when all of its KV

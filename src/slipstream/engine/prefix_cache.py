@@ -15,6 +15,9 @@ a lookup leaves at least one prompt token to prefill (its logits sample the firs
   positions in, reusing the blocks already cached.
 - Eviction: least recently used block first (a lookup touches its whole chain, so a parent is
   never older than its children); evicting a block drops its descendants (unreachable then).
+- `worth_waiting(prompt, admitted)`: the scheduler holds a prompt back one step when one
+  admitted in this step starts with the same block (identical prompts arriving together would
+  otherwise all prefill in full).
 - `clear()` on every weight update (KV of other weights would be wrong); `request_clear()` from
   another thread (HTTP /flush_cache) is applied at the engine thread's next use.
 - Counters: `query_tokens` (prompt tokens looked up), `hit_tokens` (of them, served from cache).
@@ -111,6 +114,16 @@ class PrefixCache:
         hit = len(found) * self.block_tokens
         self.hit_tokens += hit
         return hit, found
+
+    def worth_waiting(self, prompt: list[int], admitted: list[list[int]]) -> bool:
+        """Whether `prompt` should wait one step because a prompt admitted in this step shares
+        at least its first whole block: that prefill is stored right after the step, so the
+        copies of a GRPO prompt sent as separate requests then prefill only their tail."""
+        t = self.block_tokens
+        if len(prompt) <= t:
+            return False
+        head = prompt[:t]
+        return any(p[:t] == head for p in admitted)
 
     def load(self, blocks: list[int], slot: int) -> None:
         """Copy cached blocks into positions [0, len(blocks) * block_tokens) of `slot`."""
