@@ -159,3 +159,29 @@ def test_usage_reports_cached_tokens(served, client):
     client.completions.create(model=served.name, prompt=prompt, max_tokens=2)
     again = client.completions.create(model=served.name, prompt=prompt, max_tokens=2)
     assert again.usage.prompt_tokens_details.cached_tokens == 32
+
+
+@covers("routed_v1")
+def test_routed_experts_on_v1_choices(served, client):
+    import base64
+
+    body = {"prompt": [1, 5, 6, 7], "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "return_routed_experts": True}  # fmt: skip
+    choice = httpx.post(served.url + "/v1/completions", json=body, timeout=30).json()["choices"][0]
+    rows, layers, k = choice["routed_experts_layout"]["shape"]
+    assert (
+        rows == 4 + 3 - 1
+        and len(base64.b64decode(choice["routed_experts"])) == rows * layers * k * 4
+    )
+    gen = httpx.post(served.url + "/generate", json={"input_ids": [1, 5, 6, 7],
+                     "return_routed_experts": True, "sampling_params": {"temperature": 0,
+                     "max_new_tokens": 3, "ignore_eos": True}}, timeout=30).json()  # fmt: skip
+    assert gen["meta_info"]["routed_experts"] == choice["routed_experts"]
+    streamed = list(client.completions.create(model=served.name, stream=True,
+                    prompt=body["prompt"], max_tokens=3, temperature=0,
+                    extra_body={"ignore_eos": True, "return_routed_experts": True}))  # fmt: skip
+    assert streamed[-1].choices[0].routed_experts == choice["routed_experts"]  # type: ignore[attr-defined]
+    chat = httpx.post(served.url + "/v1/chat/completions", json={"messages": [{"role": "user",
+                      "content": "1"}], "max_tokens": 2, "return_routed_experts": True},
+                      timeout=30).json()  # fmt: skip
+    assert chat["choices"][0]["routed_experts_layout"]["shape"][0] >= 2

@@ -17,7 +17,10 @@ without `stream` is a 400. The concatenated deltas of a choice
 equal its non-streamed text (`streaming.TextStream`). A client that disconnects has its
 requests aborted.
 
-Choices carry slipstream extras `token_ids`, `token_versions` (and vLLM's `stop_reason`).
+Choices carry slipstream extras `token_ids`, `token_versions` (and vLLM's `stop_reason`), and
+with `return_routed_experts` the MoE routing as `/generate` has it (`routed_experts`, base64
+int32 of the P + C - 1 input positions, and `routed_experts_layout`; streamed on the choice's
+last chunk).
 Logprob semantics: see `openai_protocol.py`. Not covered: tools/function calling, response
 formats other than text, suffix, best_of > n, logit_bias, penalties, multimodal content.
 """
@@ -121,6 +124,13 @@ def _vllm_prompt_logprobs(
     return out
 
 
+def _routed(state: ServerState, c: Completion) -> dict[str, Any]:
+    """A choice's `routed_experts` (SGLang's base64 int32 of all P + C - 1 input positions) and
+    `routed_experts_layout`, when the request asked (`return_routed_experts`); else nothing."""
+    data, layout = state.routed(c, 0)
+    return {} if data is None else {"routed_experts": data, "routed_experts_layout": layout}
+
+
 def _metadata(state: ServerState, groups: list[list[Completion]]) -> dict[str, Any]:
     """SGLang's response `metadata`: the weight version (label) of the newest token."""
     versions = [c.versions[-1] for g in groups for c in g if c.versions]
@@ -187,6 +197,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
             max_new_tokens=state.default_max_new if obj.max_tokens is None else obj.max_tokens,
             top_logprobs=top_n,
             prompt_logprobs=_most(echo_lp, obj.prompt_logprobs),
+            return_routed_experts=obj.return_routed_experts,
             **obj.sampling_kwargs(),
         )
         cid = f"cmpl-{uuid.uuid4().hex}"
@@ -235,6 +246,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
                     "matched_stop": c.matched_stop, "token_ids": c.token_ids,
                     "token_versions": c.versions,
                     "prompt_logprobs": _vllm_prompt_logprobs(c, obj.prompt_logprobs, state),
+                    **_routed(state, c),
                 })  # fmt: skip
         prompt_tokens = sum(len(ids) for ids in prompts)
         usage = _usage(prompt_tokens, completion_tokens, _cached(groups))
@@ -256,6 +268,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
         top_n = (obj.top_logprobs or 0) if obj.logprobs else 0
         params = SamplingParams(max_new_tokens=obj.max_new_tokens(state.default_max_new),
                                 top_logprobs=top_n, prompt_logprobs=obj.prompt_logprobs,
+                                return_routed_experts=obj.return_routed_experts,
                                 **obj.sampling_kwargs())  # fmt: skip
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         requests = [GenerateRequest(ids, params, cid)]
@@ -285,7 +298,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
                 "index": c.index, "message": {"role": "assistant", "content": c.text},
                 "logprobs": logprobs, "finish_reason": c.finish_reason,
                 "stop_reason": c.matched_stop, "matched_stop": c.matched_stop,
-                "token_ids": c.token_ids, "token_versions": c.versions,
+                "token_ids": c.token_ids, "token_versions": c.versions, **_routed(state, c),
             })  # fmt: skip
         usage = _usage(len(ids), sum(len(c.token_ids) for c in group), _cached([group]))
         return {**head, "object": "chat.completion", "choices": choices, "usage": usage,
@@ -324,9 +337,12 @@ class _Framing:
         self.held[choice["index"]] = (choice, open_)
         return self.send(prev[0]) if prev is not None else b""
 
-    def finish(self, index: int, rest: str, c: Completion, usage: dict[str, int]) -> bytes:
+    def finish(
+        self, index: int, rest: str, c: Completion, usage: dict[str, int], extra: dict[str, Any]
+    ) -> bytes:
         """The choice's last chunk: the held one (its last token's) with the rest of the text,
-        the finish_reason and vLLM's stop_reason; a chunk of its own when nothing is held."""
+        the finish_reason and vLLM's stop_reason (and `extra` fields); a chunk of its own when
+        nothing is held."""
         prev = self.held.pop(index, None)
         if prev is None:
             body: Any = rest if self.content == "text" else ({"content": rest} if rest else {})
@@ -337,7 +353,8 @@ class _Framing:
                 choice["text"] += rest
             elif rest:
                 choice["delta"] = {"content": choice["delta"].get("content", "") + rest}
-        choice.update(finish_reason=c.finish_reason, stop_reason=c.matched_stop, usage=usage)
+        choice.update(finish_reason=c.finish_reason, stop_reason=c.matched_stop, usage=usage,
+                      **extra)  # fmt: skip
         return self.send(choice)
 
 
@@ -415,7 +432,7 @@ async def _completion_stream(
             if c is not None:
                 completion_tokens += len(c.token_ids)
                 ntok[index] = len(c.token_ids)
-                yield framing.finish(index, ts.finish(c), c, usage_of(i, index))
+                yield framing.finish(index, ts.finish(c), c, usage_of(i, index), _routed(state, c))
                 continue
             ntok[index] = ntok.get(index, 0) + 1
             delta = ts.push(ev.token_id)
@@ -466,7 +483,8 @@ async def _chat_stream(
             if c is not None:
                 completion_tokens += len(c.token_ids)
                 ntok[ev.index] = len(c.token_ids)
-                yield framing.finish(ev.index, ts.finish(c), c, usage_of(ev.index))
+                yield framing.finish(ev.index, ts.finish(c), c, usage_of(ev.index),
+                                     _routed(state, c))  # fmt: skip
                 continue
             ntok[ev.index] += 1
             delta = ts.push(ev.token_id)

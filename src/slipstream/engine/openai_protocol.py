@@ -58,6 +58,9 @@ class _Sampling(Strict):
     ignore_eos: bool = False
     return_tokens_as_token_ids: bool = False
     """vLLM extension: logprobs tokens as "token_id:N" strings."""
+    return_routed_experts: bool = False
+    """slipstream extension (SGLang's /generate field): the MoE routing of every input position
+    on each choice (`routed_experts`, `routed_experts_layout`)."""
     prompt_logprobs: TopN | None = None
     """vLLM extension: each prompt token's logprob and n raw alternatives (`prompt_logprobs`
     of the choice, completions; of the response, chat)."""
