@@ -36,7 +36,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     exe = Path(sys.executable).parent / "slipstream"
     cmd = [str(exe), "serve", "--model", str(ckpt), "--port", str(port),
            f"--engine.max_seq_len={MAX_SEQ_LEN}", "--engine.kv_cache_tokens=2048",
-           "--engine.max_batch_size=16", "--engine.prefix_cache_tokens=4096"]  # fmt: skip
+           "--engine.max_batch_size=16", "--engine.prefix_cache_tokens=4096",
+           "--weight-version", "test_version_1.0"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     log = open(root / "serve.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

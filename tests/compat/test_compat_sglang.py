@@ -110,7 +110,13 @@ def test_cached_tokens_of_a_resent_prompt_and_flush(served):
 def test_update_weights_from_disk_and_revert_with_versions(served):
     url = served.url
     sp = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
-    origin = httpx.get(url + "/get_model_info").json()["model_path"]
+    info = httpx.get(url + "/get_model_info").json()
+    origin = info["model_path"]
+    # serve --weight-version test_version_1.0 (this is the suite's only test that updates)
+    assert info["weight_version"] == "test_version_1.0"
+    assert httpx.get(url + "/get_weight_version").json()["weight_version"] == "test_version_1.0"
+    meta = generate(served, text="1", sampling_params=sp)["meta_info"]
+    assert meta["weight_version"] == "test_version_1.0" and meta["output_token_versions"][0] == 0
     before = generate(served, text="12+34=", sampling_params=sp)["output_ids"]
     resp = httpx.post(url + "/update_weights_from_disk", json={"model_path": str(served.other),
                       "weight_version": "disk_update_v2.0.0"}, timeout=60).json()  # fmt: skip

@@ -74,9 +74,11 @@ def create_app(
     tokenizer: Any = None,
     model_path: str = "",
     options: ServeOptions | None = None,
+    weight_version: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine`. `tokenizer` encodes text prompts and chat messages and
-    decodes texts. `options` default: served name = the model directory's name."""
+    decodes texts. `options` default: served name = the model directory's name.
+    `weight_version`: the label of the weights served at start (SGLang's --weight-version)."""
     from slipstream.engine.openai_api import add_openai_routes
 
     if options is None:
@@ -86,6 +88,8 @@ def create_app(
     metrics = ServeMetrics(engine, endpoints=ADMIN_PATHS | PUBLIC_PATHS | METRICS_ENDPOINTS)
     app.add_middleware(RequestMetrics, metrics=metrics)  # outermost: counts refused ones too
     state = ServerState(engine, tokenizer, model_path, options)
+    if weight_version is not None:
+        state.versions.set(engine.version, check_label("weight_version", weight_version))
     app.state.slipstream = state
 
     @app.exception_handler(RequestValidationError)
