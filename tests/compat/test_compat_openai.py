@@ -159,6 +159,9 @@ def test_usage_reports_cached_tokens(served, client):
     client.completions.create(model=served.name, prompt=prompt, max_tokens=2)
     again = client.completions.create(model=served.name, prompt=prompt, max_tokens=2)
     assert again.usage.prompt_tokens_details.cached_tokens == 32
+    streamed = list(client.completions.create(model=served.name, prompt=prompt, max_tokens=2,
+                                              stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == 32
 
 
 @covers("routed_v1")

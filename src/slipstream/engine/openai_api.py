@@ -394,6 +394,7 @@ async def _completion_stream(
     ntok: dict[int, int] = {}
     want_lp, top_n = obj.logprobs is not None, obj.logprobs or 0
     completion_tokens = 0
+    cached = 0  # prompt tokens served from the prefix cache (first samples)
     include_usage, continuous = _stream_usage(obj)
     framing = _Framing(head, "text", continuous)
 
@@ -431,6 +432,7 @@ async def _completion_stream(
             c: Completion | None = ev.completion
             if c is not None:
                 completion_tokens += len(c.token_ids)
+                cached += c.meta.get("cached_tokens", 0) if c.index == 0 else 0
                 ntok[index] = len(c.token_ids)
                 yield framing.finish(index, ts.finish(c), c, usage_of(i, index), _routed(state, c))
                 continue
@@ -449,7 +451,8 @@ async def _completion_stream(
     else:
         if include_usage:
             prompt_tokens = sum(len(r.prompt_ids) for r in requests)
-            yield sse({**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
+            usage = _usage(prompt_tokens, completion_tokens, cached)
+            yield sse({**head, "choices": [], "usage": usage})
     yield sse("[DONE]")
 
 
@@ -465,6 +468,7 @@ async def _chat_stream(
     streams = {i: TextStream(state.decode(), req.params.stop) for i in range(req.params.n)}
     top_n = req.params.top_logprobs
     completion_tokens = 0
+    cached = 0  # prompt tokens served from the prefix cache (first samples)
     ntok = dict.fromkeys(range(req.params.n), 0)
     include_usage, continuous = _stream_usage(obj)
     framing = _Framing(head, "delta", continuous)
@@ -482,6 +486,7 @@ async def _chat_stream(
             c = ev.completion
             if c is not None:
                 completion_tokens += len(c.token_ids)
+                cached += c.meta.get("cached_tokens", 0) if c.index == 0 else 0
                 ntok[ev.index] = len(c.token_ids)
                 yield framing.finish(ev.index, ts.finish(c), c, usage_of(ev.index),
                                      _routed(state, c))  # fmt: skip
@@ -503,6 +508,6 @@ async def _chat_stream(
         yield sse(error_body(500, f"engine error: {e}"))
     else:
         if include_usage:
-            usage = _usage(len(req.prompt_ids), completion_tokens)
+            usage = _usage(len(req.prompt_ids), completion_tokens, cached)
             yield sse({**head, "choices": [], "usage": usage})
     yield sse("[DONE]")

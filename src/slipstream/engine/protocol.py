@@ -8,6 +8,12 @@ finish reasons from managers/schedule_batch.py `FINISH_*.to_json()`; logprob tup
 slipstream does not implement are accepted at their neutral value and rejected otherwise. Every
 number is bounded here (and again by `SamplingParams`), floats must be finite.
 
+Logprobs: `output_token_logprobs` are the processed (behaviour) logprobs of the sampled tokens
+(after temperature and filters; 0.0 for greedy); `output_top_logprobs` / `input_*` are the raw
+distribution's (log_softmax of the logits), as SGLang reports `top_logprobs_num`.
+`meta_info.weight_version` is a string label over slipstream's integer versions
+(`weight_versions.py`); `meta_info.cached_tokens` counts the prefix cache's hit.
+
 slipstream additions: `meta_info.output_token_versions` (policy version of each output token)
 and `meta_info.routed_experts_layout` ({shape: [rows, num_hidden_layers, k], moe_layers,
 num_experts}: what a client needs to decode `routed_experts` without the model's config).
