@@ -80,6 +80,23 @@ def test_streaming_and_stream_options(served, client):
     for opts in ({"include_usage": True}, {"continuous_usage_stats": True}):
         with pytest.raises(openai.BadRequestError):
             client.completions.create(stream=False, stream_options=opts, **kw)
+    # vLLM test_parallel_streaming: n choices, each finishing once; test_batch_completions_streaming
+    n, texts, finished = 3, {}, {}
+    for chunk in client.completions.create(model=served.name, prompt=PROMPT, max_tokens=10, n=n,
+                                           temperature=1.0, seed=2, stream=True):  # fmt: skip
+        c = chunk.choices[0]
+        texts[c.index] = texts.get(c.index, "") + c.text
+        finished[c.index] = finished.get(c.index, 0) + (c.finish_reason is not None)
+    assert sorted(texts) == [0, 1, 2] and finished == dict.fromkeys(range(n), 1)
+    assert len(set(texts.values())) == n
+    batch = {}
+    for chunk in client.completions.create(model=served.name, prompt=[[1, 5, 6, 7]] * 2,
+                                           max_tokens=5, temperature=0.0, stream=True):  # fmt: skip
+        assert len(chunk.choices) == 1
+        batch[chunk.choices[0].index] = (
+            batch.get(chunk.choices[0].index, "") + chunk.choices[0].text
+        )
+    assert batch[0] == batch[1]
 
 
 @covers("echo", "completion_logprobs")
