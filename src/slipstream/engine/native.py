@@ -21,13 +21,13 @@ handful of tensor ops (sampling, bookkeeping) and one host sync to the model for
   dtypes, finite) on the caller's thread before the engine thread copies it in (`weights.py`):
   a bad source fails its caller and the old weights keep serving.
 - Optional outputs, computed only for rows that ask (the default path adds no work): top-n
-  alternatives per token (of the raw distribution, `sampling.raw_top_logprobs`), prompt logprobs (from the admission forward's logits, which cover every
-  prompt position), MoE routing (`routing.py`: the blocks' sinks are set only for forwards with a
-  row that records), and per-token streaming (`GenerateRequest.stream`).
+  alternatives per token (of the raw distribution: `sampling.raw_top_logprobs`), prompt logprobs
+  (from the admission forward's logits, which cover every prompt position), MoE routing
+  (`routing.py`: the blocks' sinks are set only for forwards with a row that records), and
+  per-token streaming (`GenerateRequest.stream`).
 - Failure isolation: a step that raises fails the requests in flight and the engine keeps
   serving; `error` is set (and `healthy` False) only when the engine can no longer serve (its
   thread ended, or a weight copy failed part-way).
-
 - Prefix cache across requests (`engine.prefix_cache_tokens` > 0, `prefix_cache.py`): an
   admitted prompt's cached leading blocks are copied into its slot and only the rest is
   prefilled (a `Part` starting past 0); a finished row's sequence (and each admitted prompt) is
@@ -130,16 +130,11 @@ class NativeEngine:
         # Counters for benchmarks and profiles: mean decode batch = decode_rows / decode_steps;
         # forward_s / step_s = share of engine-thread time spent inside model forwards.
         self.stats: dict[str, float] = dict.fromkeys(
-            (
-                "decode_steps",
-                "decode_rows",
-                "prefill_tokens",
-                "forward_s",
-                "step_s",
-                "prefix_cache_query_tokens",
-                "prefix_cache_hit_tokens",
-            ),
-            0,
+            ("decode_steps", "decode_rows", "prefill_tokens", "forward_s", "step_s"), 0
+        )
+        # Prompt tokens looked up in the prefix cache / served from it (hit rate = hit / query).
+        self.stats.update(
+            dict.fromkeys(("prefix_cache_query_tokens", "prefix_cache_hit_tokens"), 0)
         )
         self._thread = threading.Thread(target=self._loop, name="slipstream-engine", daemon=True)
         self._thread.start()
@@ -536,16 +531,14 @@ class NativeEngine:
         hit, blocks = pc.lookup(g.prompt_ids)
         pc.load(blocks, slot)
         g.cached_tokens = hit
-        self.stats["prefix_cache_query_tokens"] = pc.query_tokens
-        self.stats["prefix_cache_hit_tokens"] = pc.hit_tokens
+        self.stats["prefix_cache_query_tokens"] += len(g.prompt_ids)
+        self.stats["prefix_cache_hit_tokens"] += hit
         return hit
 
     def _wait_for_prefix(self, g: Group, admitted: list[Group]) -> bool:
         """Hold `g` one step when a group admitted now shares its first prefix-cache block."""
-        pc = self.prefix_cache
-        if pc is None or not admitted or g.params.prompt_logprobs is not None:
-            return False
-        if g.params.return_routed_experts:
+        pc, p = self.prefix_cache, g.params
+        if pc is None or not admitted or p.prompt_logprobs is not None or p.return_routed_experts:
             return False
         return pc.worth_waiting(g.prompt_ids, [a.prompt_ids for a in admitted])
 

@@ -301,9 +301,9 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
                 "token_ids": c.token_ids, "token_versions": c.versions, **_routed(state, c),
             })  # fmt: skip
         usage = _usage(len(ids), sum(len(c.token_ids) for c in group), _cached([group]))
+        prompt_lps = _vllm_prompt_logprobs(group[0], obj.prompt_logprobs, state)
         return {**head, "object": "chat.completion", "choices": choices, "usage": usage,
-                "metadata": _metadata(state, [group]),
-                "prompt_logprobs": _vllm_prompt_logprobs(group[0], obj.prompt_logprobs, state)}  # fmt: skip
+                "metadata": _metadata(state, [group]), "prompt_logprobs": prompt_lps}  # fmt: skip
 
 
 class _Framing:
