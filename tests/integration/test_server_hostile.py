@@ -248,7 +248,8 @@ def test_weight_urls_outside_the_allowed_schemes_are_not_fetched(site, expected)
 def test_admin_endpoints_need_the_api_key(site, model, expected):
     _, keyed, engine, ckpt = site
     admin = [("/update_weights_from_disk", {"model_path": str(ckpt)}),
-             ("/abort_request", {"abort_all": True}), ("/flush_cache", {})]  # fmt: skip
+             ("/abort_request", {"abort_all": True}), ("/flush_cache", {}),
+             ("/update_weight_version", {"new_version": "x", "abort_all_requests": True})]  # fmt: skip
     with InFlight(keyed, model):  # abort_all without the key must not touch it
         for path, body in admin:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
@@ -262,6 +263,10 @@ def test_admin_endpoints_need_the_api_key(site, model, expected):
                       headers=auth, timeout=60)  # fmt: skip
     assert resp.status_code == 200 and engine.version == before + 1
     assert httpx.post(keyed + "/flush_cache", headers=auth).status_code == 200
+    resp = httpx.post(keyed + "/update_weight_version", headers=auth,
+                      json={"new_version": "keyed", "abort_all_requests": False})  # fmt: skip
+    assert resp.status_code == 200 and httpx.get(keyed + "/get_weight_version").json() == {
+        "weight_version": "keyed"}  # fmt: skip
     assert_serving(keyed, expected)  # generation and health stay open with scope "admin"
 
 
