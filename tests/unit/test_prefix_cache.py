@@ -125,3 +125,22 @@ def test_lru_eviction_within_the_budget():
     assert pc.lookup(b[:8]) == (4, blocks[:1])  # at least one token is left to prefill
     with pytest.raises(ValueError, match="prefix_cache_tokens"):
         PrefixCache(slots, num_tokens=3, block_tokens=4)
+
+
+def test_bench_engine_prefix_cache_meets_its_multi_turn_goal(tmp_path, capsys):
+    """`bench engine --prefix-cache` on a small run: the multi-turn ratio is within its goal,
+    outputs equal the run without the cache, and the JSON carries provenance."""
+    import argparse
+    import json
+
+    from slipstream.bench.engine_prefix import run_prefix_cache
+
+    args = argparse.Namespace(models="quickstart", vocab=40, seed=0, episodes=4, group=3, turns=4,
+                              max_new_tokens=16, max_batch_size=8, device="cpu", threads=1,
+                              prefix_cache_tokens=2048, out=str(tmp_path / "engine.json"))  # fmt: skip
+    assert run_prefix_cache(args) == 0
+    result = json.loads((tmp_path / "engine_prefix_cache.json").read_text())
+    grpo, multi = result["results"]
+    assert grpo["same_outputs"] and multi["same_outputs"]
+    assert multi["ratio"] <= 0.5 and multi["with_cache"]["hit_rate"] > 0.5
+    assert result["provenance"]["cpu_model"] is not None and "ratio" in capsys.readouterr().out
