@@ -331,7 +331,7 @@ FEATURES: list[Feature] = [
         "vLLM validation: `stop_token_ids` beyond the vocabulary, prompt + `max_tokens` over the context -> 400 naming the field",
         C,
         "yes (`/v1`; `/generate` caps at the context)",
-        "caps",
+        "400 (`--allow-auto-truncate`: caps)",
         "yes",
         peer_test="vLLM test_max_tokens / errors",
     ),
