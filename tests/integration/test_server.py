@@ -151,7 +151,8 @@ def test_sglang_response_shape(served):
         assert o["text"] == CharTokenizer().decode(o["output_ids"])
     single = httpx.post(
         server.url + "/generate",
-        json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 3}},
+        # ignore_eos: an unseeded sample hits EOS within 3 tokens ~1.5% of the time (measured)
+        json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}},
         timeout=30,
     ).json()
     assert isinstance(single, dict) and "output_token_logprobs" not in single["meta_info"]
