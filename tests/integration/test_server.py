@@ -151,7 +151,8 @@ def test_sglang_response_shape(served):
         assert o["text"] == CharTokenizer().decode(o["output_ids"])
     single = httpx.post(
         server.url + "/generate",
-        json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 3}},
+        # ignore_eos: an unseeded sample hits EOS within 3 tokens ~1.5% of the time (measured)
+        json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}},
         timeout=30,
     ).json()
     assert isinstance(single, dict) and "output_token_logprobs" not in single["meta_info"]
@@ -251,6 +252,82 @@ def test_http_hot_swap_from_disk(served, tmp_path):
         assert httpx.get(server.url + "/get_model_info").json()["weight_version"] == "7"
     finally:
         client.update_weights(8, str(ckpt))  # restore for other tests (versions only go up)
+
+
+def test_sglang_weight_version_labels_and_model_path_flow(served, tmp_path):
+    """SGLang's test_weight_version and update-and-revert flow: free-form string versions
+    (our integer versions kept underneath), /get_weight_version, /update_weight_version,
+    meta_info / OpenAI metadata weight_version, and /get_model_info.model_path following
+    /update_weights_from_disk (the served name loads the served directory back)."""
+    server, _, engine, ckpt = served
+    url = server.url
+
+    def label() -> str:
+        got = httpx.get(url + "/get_weight_version").json()["weight_version"]
+        assert httpx.get(url + "/get_model_info").json()["weight_version"] == got
+        return got
+
+    def generated() -> dict:
+        body = {"text": "1+1=", "sampling_params": {"temperature": 0, "max_new_tokens": 2}}
+        return httpx.post(url + "/generate", json=body, timeout=60).json()["meta_info"]
+
+    assert label() == str(engine.version)
+    before = engine.version
+    resp = httpx.post(
+        url + "/update_weight_version",
+        json={"new_version": "updated_version_2.0", "abort_all_requests": False},
+    )
+    assert resp.json() == {
+        "success": True,
+        "new_version": "updated_version_2.0",
+        "message": "Weight version updated to updated_version_2.0",
+    }
+    assert label() == "updated_version_2.0" and engine.version == before
+    meta = generated()
+    assert meta["weight_version"] == "updated_version_2.0"
+    assert meta["output_token_versions"] == [before] * 2  # the integers stay
+    chat = httpx.post(
+        url + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "1+1="}], "max_tokens": 2, "temperature": 0},
+        timeout=60,
+    )
+    cmpl = httpx.post(url + "/v1/completions", json={"prompt": "1+1=", "max_tokens": 2},
+                      timeout=60)  # fmt: skip
+    assert chat.json()["metadata"]["weight_version"] == "updated_version_2.0"
+    assert cmpl.json()["metadata"]["weight_version"] == "updated_version_2.0"
+    bad = httpx.post(url + "/update_weight_version", json={"new_version": "  "})
+    assert bad.status_code == 400 and "new_version" in bad.json()["error"]["message"]
+
+    # the served name (not the server's directory) loads the directory it started from
+    served_name = httpx.post(
+        url + "/update_weights_from_disk",
+        json={"model_path": ckpt.name, "weight_version": "base"},
+        timeout=60,
+    )
+    assert served_name.status_code == 200, served_name.text
+    before = engine.version
+    origin = httpx.get(url + "/get_model_info").json()["model_path"]
+    assert origin == ckpt.name and label() == "base"
+    other = tmp_path / "other"
+    save_pretrained(checks.tiny_model(), other)
+    resp = httpx.post(
+        url + "/update_weights_from_disk",
+        json={
+            "model_path": str(other),
+            "load_format": "auto",
+            "weight_version": "disk_update_v2.0.0",
+        },
+        timeout=60,
+    )
+    assert resp.status_code == 200, resp.text
+    assert label() == "disk_update_v2.0.0" and engine.version == before + 1
+    assert httpx.get(url + "/get_model_info").json()["model_path"] == str(other)
+    assert generated()["output_token_versions"] == [before + 1] * 2
+    resp = httpx.post(url + "/update_weights_from_disk", json={"model_path": origin},
+                      timeout=60)  # fmt: skip
+    assert resp.status_code == 200, resp.text
+    assert httpx.get(url + "/get_model_info").json()["model_path"] == origin
+    assert label() == str(before + 2)  # no label given: the integer
 
 
 def test_client_retries_5xx_with_backoff_but_not_4xx():
@@ -422,3 +499,28 @@ def test_sglang_routed_experts_wire_format(served, model):
     plain = httpx.post(server.url + "/generate", json={**body, "return_routed_experts": False},
                        timeout=30).json()  # fmt: skip
     assert "routed_experts" not in plain["meta_info"]
+
+
+def test_prefix_cache_is_reported_and_flushed(model):
+    """meta_info.cached_tokens, OpenAI usage.prompt_tokens_details.cached_tokens, the hit rate
+    on /metrics, and /flush_cache emptying the cache."""
+    from slipstream.engine.server import create_app
+
+    cfg = EngineConfig(kv_cache_tokens=4 * 128, max_seq_len=128, max_batch_size=4,
+                       prefix_cache_tokens=1024)  # fmt: skip
+    prompt = [5 + i % 20 for i in range(40)]
+    body = {"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 3}}
+    with NativeEngine(model, cfg, tokenizer=CharTokenizer()) as engine:
+        with Server(create_app(engine, CharTokenizer(), "m")) as server:
+            metas = [httpx.post(server.url + "/generate", json=body, timeout=30).json()["meta_info"]
+                     for _ in range(2)]  # fmt: skip
+            assert [m["cached_tokens"] for m in metas] == [0, 32]
+            out = httpx.post(server.url + "/v1/completions", json={"prompt": prompt,
+                             "max_tokens": 2}, timeout=30).json()  # fmt: skip
+            assert out["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+            metrics = httpx.get(server.url + "/metrics").text
+            assert "slipstream_engine_prefix_cache_hit_tokens_total 64.0" in metrics
+            assert "slipstream_engine_prefix_cache_query_tokens_total 120.0" in metrics
+            assert httpx.post(server.url + "/flush_cache").status_code == 200
+            again = httpx.post(server.url + "/generate", json=body, timeout=30).json()
+            assert again["meta_info"]["cached_tokens"] == 0

@@ -79,7 +79,9 @@ def test_routing_int16_for_many_experts():
 
 
 @torch.no_grad()
-def test_top_logprobs_are_the_sampled_distribution(engine, model):
+def test_top_logprobs_are_the_raw_distribution(engine, model):
+    """Top-n is the model's raw top-n (as SGLang top_logprobs_num / vLLM raw_logprobs) at any
+    temperature and filter; the sampled token's own logprob stays the processed one."""
     params = SamplingParams(temperature=0.8, top_k=6, max_new_tokens=6, seed=5, top_logprobs=4)
     greedy = SamplingParams(temperature=0, max_new_tokens=4, top_logprobs=3)
     p1, p2 = prompts(2, seed=9)
@@ -88,17 +90,17 @@ def test_top_logprobs_are_the_sampled_distribution(engine, model):
         assert c.top_logprobs is not None and len(c.top_logprobs) == len(c.token_ids)
         logits = model(torch.tensor([c.prompt_ids + c.token_ids])).logits_BTV[0]
         for i, (tok, alts) in enumerate(zip(c.token_ids, c.top_logprobs, strict=True)):
-            ref = processed_logprobs(logits[len(c.prompt_ids) - 1 + i][None],
-                                     RowParams.build([sp], model.config.vocab_size))[0]  # fmt: skip
-            finite = ref[torch.isfinite(ref)]
-            want = min(sp.top_logprobs, finite.numel())
-            assert len(alts) == want
-            assert [t for t, _ in alts] == ref.topk(want).indices.tolist()
-            assert all(abs(lp - float(ref[t])) < 1e-4 for t, lp in alts)
-            assert tok in {t for t, _ in alts} or want == sp.top_logprobs
-        if sp.greedy:
-            assert all(alts == [(tok, 0.0)] for tok, alts in zip(c.token_ids, c.top_logprobs,
-                                                                    strict=True))  # fmt: skip
+            pos_V = logits[len(c.prompt_ids) - 1 + i]
+            raw = torch.log_softmax(pos_V.float(), dim=-1)
+            assert len(alts) == sp.top_logprobs
+            assert [t for t, _ in alts] == raw.topk(sp.top_logprobs).indices.tolist()
+            assert all(abs(lp - float(raw[t])) < 1e-4 for t, lp in alts)
+            processed = processed_logprobs(pos_V[None],
+                                           RowParams.build([sp], model.config.vocab_size))[0]  # fmt: skip
+            assert c.logprobs[i] == pytest.approx(0.0 if sp.greedy else float(processed[tok]),
+                                                  abs=1e-4)  # fmt: skip
+            if sp.greedy:  # the argmax is the raw top-1
+                assert alts[0][0] == tok and alts[0][1] < 0.0
 
 
 @torch.no_grad()

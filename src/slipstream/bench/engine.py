@@ -60,6 +60,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--repeats", type=int, default=3, help="interleaved repeats; the best of each is reported"
     )
     p.add_argument("--out", default="benchmarks/results/engine.json", help="JSON output path")
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="instead: the prefix cache across requests, GRPO groups and multi-turn "
+                   "episodes with vs without it (bench/engine_prefix.py)")  # fmt: skip
+    p.add_argument("--prefix-cache-tokens", type=int, default=16384,
+                   help="--prefix-cache: engine.prefix_cache_tokens of the run with it")  # fmt: skip
+    p.add_argument("--episodes", type=int, default=16, help="--prefix-cache: prompts / episodes")
+    p.add_argument("--group", type=int, default=8, help="--prefix-cache: GRPO requests per prompt")
+    p.add_argument("--turns", type=int, default=4, help="--prefix-cache: turns per episode")
     p.set_defaults(func=run)
 
 
@@ -218,6 +226,11 @@ def _best(samples: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     import torch
+
+    if args.prefix_cache:
+        from slipstream.bench.engine_prefix import run_prefix_cache
+
+        return run_prefix_cache(args)
 
     from slipstream.bench.limits import measure_limits
     from slipstream.observe.provenance import collect_provenance, write_result

@@ -23,7 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="serve a model over HTTP (SGLang native API + OpenAI /v1 completions and chat)",
         description="Serve an HF-format model directory with slipstream's native engine. Endpoints: "
         "/generate, /update_weights_from_disk, /flush_cache, /abort_request, /get_model_info, "
-        "/health, /health_generate, /v1/completions, /v1/chat/completions, /v1/models.",
+        "/get_weight_version, /update_weight_version, /health, /health_generate, /metrics, "
+        "/v1/completions, /v1/chat/completions, /v1/models.",
     )
     p.add_argument("--model", required=True, metavar="DIR", help="HF-format model directory")
     p.add_argument(
@@ -73,6 +74,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="accept a weight_version below the served one (e.g. a job resumed from an older "
         "checkpoint against this long-lived server)",
+    )
+    p.add_argument(
+        "--weight-version",
+        default=None,
+        metavar="LABEL",
+        help="SGLang's --weight-version: the label the served weights report (weight_version, "
+        "/get_weight_version) until an update; default: the integer version (0)",
     )
     p.add_argument("--log-level", default="warning")
     add_config_args(p)
@@ -130,7 +138,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tok_spec = args.model
     tokenizer = load_tokenizer(tok_spec) if tok_spec is not None else None
     engine = NativeEngine(model, cfg.engine, tokenizer=tokenizer)
-    app = create_app(engine, tokenizer, model_path=str(args.model), options=options)
+    app = create_app(engine, tokenizer, model_path=str(args.model), options=options,
+                     weight_version=args.weight_version)  # fmt: skip
     auth = f"API key on {options.api_key_scope} endpoints" if options.api_key else "no API key"
     print(
         f"slipstream serve: {options.served_model_name} on http://{args.host}:{args.port} "

@@ -33,6 +33,11 @@ class EngineConfig(Section):
     """Slot length in tokens (prompt + completion) for the native engine; 0 = the model's
     max_position_embeddings. The engine runs min(max_batch_size, kv_cache_tokens // max_seq_len)
     sequences at once."""
+    prefix_cache_tokens: int = Field(default=0, ge=0, le=2**24)
+    """Native engine: tokens of KV kept across requests (engine/prefix_cache.py), so a prompt
+    that starts with a sequence computed before (a GRPO prompt sent again, a multi-turn history
+    resent) prefills only its new suffix; 0 = off. Memory: this many tokens of K and V for every
+    layer, beside kv_cache_tokens. Cleared on every weight update."""
     weight_update_policy: Literal["finish_old", "continue_new", "abort"] = "continue_new"
     """Requests in flight during update_weights: `finish_old` finishes them on the old weights
     (new requests wait), `continue_new` continues them on the new weights (their cached prefix

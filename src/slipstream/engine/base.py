@@ -6,8 +6,9 @@ the same prompt. `generate` returns one `Completion` per sample, in request orde
 index order. Every completion carries the behaviour log-probability of each sampled token under
 the distribution it was actually sampled from (after temperature, top-k, top-p and min-p), the
 finish reason, and the policy version that produced each token. On request it also carries the
-top-n alternatives of each token (same distribution), the prompt's logprobs (the model's own
-distribution: log_softmax of the logits, no temperature or filters; nothing was sampled there),
+top-n alternatives of each token and the prompt's logprobs, both under the model's raw
+distribution (log_softmax of the logits, no temperature or filters: what SGLang's
+`top_logprobs_num` and vLLM's default `raw_logprobs` mode report),
 and the MoE routing of every input position (`routed_experts`). A request may stream: its
 `stream` hook gets a `StreamEvent` per token and one per finished sample.
 
@@ -83,8 +84,8 @@ class SamplingParams:
     before the stop string, the token ids keep the token that completed it.
 
     Optional outputs (off by default; the default path computes none of them):
-    `top_logprobs` (0..20) alternatives per sampled token from the distribution it was sampled
-    from (filtered-out tokens omitted, so a greedy token lists only itself); `prompt_logprobs`
+    `top_logprobs` (0..20) most likely tokens at each sampled position under the model's raw
+    distribution (no temperature or filters, so a greedy request still sees n); `prompt_logprobs`
     (None: none; 0: each prompt token's logprob; n: plus n alternatives) under the model's own
     distribution; `return_routed_experts`: the MoE routing of every input position (see
     `Completion.routed_experts`). With any of these, max_new_tokens = 0 still runs the prefill."""

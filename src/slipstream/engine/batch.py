@@ -45,6 +45,7 @@ class Group:
     prompt_routing_PLk: torch.Tensor | None = None  # prefill routing, shared by the n samples
     prompt_logprobs: list[float | None] | None = None  # prompt_logprobs[j]: logp of prompt[j]
     prompt_top: list[list[tuple[int, float]] | None] | None = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (engine/prefix_cache.py)
 
 
 @dataclass

@@ -2,7 +2,7 @@
 request-size limits, weight sources and versions, and the one error shape every endpoint uses.
 
 - Authentication (optional, as SGLang's and vLLM's `--api-key`): with `api_key` set, the admin
-  endpoints (weight updates, abort, cache flush) need `Authorization: Bearer <key>`; with
+  endpoints (weight updates and version labels, abort, cache flush) need `Authorization: Bearer <key>`; with
   `api_key_scope = "all"` every endpoint but the health checks does. Keys are compared in
   constant time. Without a key nothing is authenticated (`serve` warns when it binds beyond
   loopback).
@@ -34,7 +34,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from slipstream.engine.base import MAX_VERSION
 
 ADMIN_PATHS = frozenset(
-    {"/update_weights_from_disk", "/abort_request", "/flush_cache", "/update_weights"}
+    {
+        "/update_weights_from_disk",
+        "/abort_request",
+        "/flush_cache",
+        "/update_weights",
+        "/update_weight_version",
+    }
 )
 PUBLIC_PATHS = frozenset({"/health", "/health_generate"})
 _ERROR_TYPES = {

@@ -21,14 +21,20 @@ handful of tensor ops (sampling, bookkeeping) and one host sync to the model for
   dtypes, finite) on the caller's thread before the engine thread copies it in (`weights.py`):
   a bad source fails its caller and the old weights keep serving.
 - Optional outputs, computed only for rows that ask (the default path adds no work): top-n
-  alternatives per token, prompt logprobs (from the admission forward's logits, which cover every
-  prompt position), MoE routing (`routing.py`: the blocks' sinks are set only for forwards with a
-  row that records), and per-token streaming (`GenerateRequest.stream`).
+  alternatives per token (of the raw distribution: `sampling.raw_top_logprobs`), prompt logprobs
+  (from the admission forward's logits, which cover every prompt position), MoE routing
+  (`routing.py`: the blocks' sinks are set only for forwards with a row that records), and
+  per-token streaming (`GenerateRequest.stream`).
 - Failure isolation: a step that raises fails the requests in flight and the engine keeps
   serving; `error` is set (and `healthy` False) only when the engine can no longer serve (its
   thread ended, or a weight copy failed part-way).
+- Prefix cache across requests (`engine.prefix_cache_tokens` > 0, `prefix_cache.py`): an
+  admitted prompt's cached leading blocks are copied into its slot and only the rest is
+  prefilled (a `Part` starting past 0); a finished row's sequence (and each admitted prompt) is
+  stored when all its KV came from the weights now serving; cleared on every weight update.
+  Requests asking for prompt logprobs or routing prefill in full (they need every position).
 
-Not covered: chunked prefill, prefix caching across requests, preemption, tensor parallelism.
+Not covered: chunked prefill, preemption, tensor parallelism.
 """
 
 from __future__ import annotations
@@ -56,8 +62,9 @@ from slipstream.engine.base import (
 from slipstream.engine.batch import Group, Row, RunningBatch
 from slipstream.engine.kv_cache import Part, SlotKVCache
 from slipstream.engine.outputs import completion_routing, set_prompt_logprobs, stream_events
+from slipstream.engine.prefix_cache import PrefixCache
 from slipstream.engine.routing import RoutingRecorder
-from slipstream.engine.sampling import processed_logprobs, sample
+from slipstream.engine.sampling import raw_top_logprobs, sample
 from slipstream.engine.weights import WeightSource, apply_weights, prepare_weights
 
 log = logging.getLogger(__name__)
@@ -103,6 +110,8 @@ class NativeEngine:
             dtype=dtype, device=self.device,
         )  # fmt: skip
         self.batch = RunningBatch(cache, cfg.vocab_size, self.device)
+        tokens = self.config.prefix_cache_tokens
+        self.prefix_cache = PrefixCache(cache, tokens) if tokens else None
         if eos_token_ids is None:
             eos_token_ids = [tokenizer.eos_id] if tokenizer is not None else []
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
@@ -122,6 +131,10 @@ class NativeEngine:
         # forward_s / step_s = share of engine-thread time spent inside model forwards.
         self.stats: dict[str, float] = dict.fromkeys(
             ("decode_steps", "decode_rows", "prefill_tokens", "forward_s", "step_s"), 0
+        )
+        # Prompt tokens looked up in the prefix cache / served from it (hit rate = hit / query).
+        self.stats.update(
+            dict.fromkeys(("prefix_cache_query_tokens", "prefix_cache_hit_tokens"), 0)
         )
         self._thread = threading.Thread(target=self._loop, name="slipstream-engine", daemon=True)
         self._thread.start()
@@ -281,7 +294,9 @@ class NativeEngine:
             raise RuntimeError(f"native engine is not serving: {self.error or 'closed'}")
 
     def flush_cache(self) -> bool:
-        """Nothing is cached across requests (slots are freed when rows finish): always True."""
+        """Drop the prefix cache (at the engine thread's next use); True."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.request_clear()
         return True
 
     def close(self) -> None:
@@ -349,7 +364,9 @@ class NativeEngine:
 
     def _schedule(self) -> list[Group]:
         """Under the lock: apply a weight update when its policy allows, drop aborted rows, and
-        pick the waiting groups that fit in the free slots (FIFO, no overtaking)."""
+        pick the waiting groups that fit in the free slots (FIFO, no overtaking, except that a
+        group whose prompt starts like one admitted now waits one step for its prefix to be
+        cached: `_wait_for_prefix`)."""
         if self._pending_update is not None:
             policy = self.config.weight_update_policy
             if policy == "abort":
@@ -366,10 +383,15 @@ class NativeEngine:
             self._aborted.clear()
         admitted: list[Group] = []
         free = self.batch.free_slots
+        held: list[Group] = []  # wait one step for a prefix admitted now (keep their order)
         while self._waiting and self._waiting[0].params.n <= free:
             g = self._waiting.popleft()
+            if self._wait_for_prefix(g, admitted):
+                held.append(g)
+                continue
             free -= g.params.n
             admitted.append(g)
+        self._waiting.extendleft(reversed(held))
         return admitted
 
     def _apply_update(self) -> None:
@@ -387,6 +409,8 @@ class NativeEngine:
             self._fail_all(self.error)
             return
         self._version = version
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()  # KV of the old weights
         future.set_result(None)
 
     def _step(self, admitted: list[Group]) -> None:
@@ -417,14 +441,9 @@ class NativeEngine:
         batch = self.batch
         rp = batch.params()
         u_R = batch.uniforms(len(batch))
-        top = None
-        if batch.top_width:
-            lp_RV = processed_logprobs(logits_RV, rp)
-            values, ids = lp_RV.topk(batch.top_width, dim=-1)
-            top = (ids, values)
-            tokens_R, logprobs_R = sample(logits_RV, rp, u_R, lp_BV=lp_RV)
-        else:
-            tokens_R, logprobs_R = sample(logits_RV, rp, u_R)
+        # Top-n alternatives: the raw distribution (see sampling.py), not the sampled one.
+        top = raw_top_logprobs(logits_RV, batch.top_width) if batch.top_width else None
+        tokens_R, logprobs_R = sample(logits_RV, rp, u_R)
         batch.record(0, tokens_R, logprobs_R, self._version, top)
         return tokens_R, logprobs_R, top
 
@@ -459,8 +478,9 @@ class NativeEngine:
                 frozenset() if g.params.ignore_eos else self.eos_token_ids
             )
             rows = [batch.add(Row(g, i, stop_ids), len(g.prompt_ids)) for i in range(g.params.n)]
-            parts.append(Part(rows[0], offset, len(g.prompt_ids)))
-            offset += len(g.prompt_ids)
+            hit = self._load_prefix(g, rows[0])
+            parts.append(Part(rows[0], offset, len(g.prompt_ids) - hit, hit))
+            offset += len(g.prompt_ids) - hit
             if g.params.top_logprobs:
                 batch.ensure_top(g.params.top_logprobs)
             if g.params.return_routed_experts:
@@ -468,9 +488,9 @@ class NativeEngine:
         batch.params()
         pos_B = batch.pos_N[:num_running]
         ids = [batch.last_N[:num_running]] + [
-            torch.tensor(g.prompt_ids, device=dev) for g in groups
+            torch.tensor(g.prompt_ids[g.cached_tokens :], device=dev) for g in groups
         ]
-        pos = [pos_B] + [torch.arange(part.length, device=dev) for part in parts]
+        pos = [pos_B] + [torch.arange(p.start, p.start + p.length, device=dev) for p in parts]
         max_pos = int(pos_B.max()) if num_running else -1
         batch.cache.begin_mixed(pos_B, max_pos, parts)
         logits_1TV, route_TLk = self._forward(
@@ -487,8 +507,10 @@ class NativeEngine:
         pick = list(range(num_running))
         for g, (first, off, length, _) in zip(groups, parts, strict=True):
             batch.cache.copy_prefix(
-                first, torch.arange(first + 1, first + g.params.n, device=dev), length
+                first, torch.arange(first + 1, first + g.params.n, device=dev), len(g.prompt_ids)
             )
+            if self.prefix_cache is not None:
+                self.prefix_cache.store(g.prompt_ids, first, len(g.prompt_ids))
             pick += [off + length - 1] * g.params.n
             if g.params.return_routed_experts and route_TLk is not None:
                 g.prompt_routing_PLk = route_TLk[off : off + length].clone()
@@ -499,6 +521,40 @@ class NativeEngine:
         tokens_R, logprobs_R, _ = self._sample(logits_RV)
         self._stream_tokens(tokens_R, logprobs_R)
         self._finish_done(0, tokens_R)
+
+    def _load_prefix(self, g: Group, slot: int) -> int:
+        """Copy the prompt's cached leading blocks into `slot`; the tokens served from cache
+        (0 without a prefix cache, or for requests that need every prompt position)."""
+        pc = self.prefix_cache
+        if pc is None or g.params.prompt_logprobs is not None or g.params.return_routed_experts:
+            return 0
+        hit, blocks = pc.lookup(g.prompt_ids)
+        pc.load(blocks, slot)
+        g.cached_tokens = hit
+        self.stats["prefix_cache_query_tokens"] += len(g.prompt_ids)
+        self.stats["prefix_cache_hit_tokens"] += hit
+        return hit
+
+    def _wait_for_prefix(self, g: Group, admitted: list[Group]) -> bool:
+        """Hold `g` one step when a group admitted now shares its first prefix-cache block."""
+        pc, p = self.prefix_cache, g.params
+        if pc is None or not admitted or p.prompt_logprobs is not None or p.return_routed_experts:
+            return False
+        return pc.worth_waiting(g.prompt_ids, [a.prompt_ids for a in admitted])
+
+    def _store_prefix(self, i: int) -> None:
+        """Cache row i's sequence (prompt + tokens whose KV is in its slot) when all of its KV
+        came from the weights now serving (versions only grow, so its tokens' versions say)."""
+        pc, batch = self.prefix_cache, self.batch
+        if pc is None:
+            return
+        n = int(batch.gen_N[i])
+        if n == 0 or bool((batch.out_ver_NS[i, :n] != self._version).any()):
+            return
+        g = batch.rows[i].group
+        length = int(batch.pos_N[i])
+        pc.store(g.prompt_ids + batch.out_tok_NS[i, : length - len(g.prompt_ids)].tolist(), i,
+                 length)  # fmt: skip
 
     def _stream_tokens(self, tokens_B: torch.Tensor, logprobs_B: torch.Tensor) -> None:
         """A StreamEvent per streaming row for the token it just sampled (rows [0, B))."""
@@ -543,6 +599,7 @@ class NativeEngine:
         """Build completions for rows and free their slots. reason None: derive stop/length."""
         matched = matched or {}
         for i in indices:
+            self._store_prefix(i)
             out = self.batch.take(i)
             row, g = out.row, out.row.group
             tokens, logprobs, versions, top = out.tokens, out.logprobs, out.versions, out.top
@@ -580,6 +637,7 @@ class NativeEngine:
 
     def _deliver(self, group: Group, c: Completion) -> None:
         c.meta["e2e_latency_s"] = time.perf_counter() - group.start_s
+        c.meta["cached_tokens"] = group.cached_tokens
         self._emit(group, StreamEvent(c.index, completion=c))
         group.results[c.index] = c
         group.remaining -= 1

@@ -6,11 +6,16 @@ min_p, stop_token_ids, ignore_eos, vLLM's return_tokens_as_token_ids and add_gen
 Fields OpenAI defines but slipstream does not implement are accepted at their neutral value and
 refused otherwise with a 400 naming them; unknown fields are refused too.
 
-Logprob semantics: a generated token's logprob (and its top alternatives) is under the
-distribution it was sampled from (after temperature, top-k, top-p, min-p: the behaviour logprob
-the RL trainer uses); filtered-out alternatives are omitted, so a greedy (temperature 0) token
-reports itself with 0.0. Echoed prompt tokens' logprobs are the model's own distribution (no
-temperature or filters: nothing was sampled there); the first prompt token has none.
+Logprob semantics (raw vs processed): a generated token's own logprob (`token_logprobs`, chat
+`logprob`) is *processed*: under the distribution it was sampled from (after temperature, top-k,
+top-p, min-p: the behaviour logprob the RL trainer uses), so a greedy token has 0.0. Its top
+alternatives (`top_logprobs`) are *raw*: the model's n most likely tokens (log_softmax of the
+logits, no temperature or filters), as vLLM's default `logprobs_mode="raw_logprobs"` and SGLang's
+`top_logprobs_num`, so temperature 0 with logprobs = 5 lists 5 tokens. Completions'
+`top_logprobs` also hold the position's own token when it is not among the n (n or n + 1
+entries; `logprobs = 0` gives one per token, as vLLM), at its `token_logprobs` value. Echoed
+prompt tokens' logprobs and alternatives are raw (nothing was sampled there), each prompt
+position lists the prompt token itself; the first prompt token has none (None).
 """
 
 from __future__ import annotations
@@ -51,6 +56,14 @@ class _Sampling(Strict):
     min_p: float = 0.0
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
+    return_tokens_as_token_ids: bool = False
+    """vLLM extension: logprobs tokens as "token_id:N" strings."""
+    return_routed_experts: bool = False
+    """slipstream extension (SGLang's /generate field): the MoE routing of every input position
+    on each choice (`routed_experts`, `routed_experts_layout`)."""
+    prompt_logprobs: TopN | None = None
+    """vLLM extension: each prompt token's logprob and n raw alternatives (`prompt_logprobs`
+    of the choice, completions; of the response, chat)."""
 
     def unsupported(self) -> list[str]:
         """Names of fields set to something slipstream does not implement."""
@@ -79,8 +92,6 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: Annotated[int, Field(ge=1, le=MAX_SAMPLES)] | None = None
-    return_tokens_as_token_ids: bool = False
-    """vLLM extension: logprobs tokens as "token_id:N" strings."""
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()

@@ -8,6 +8,12 @@ finish reasons from managers/schedule_batch.py `FINISH_*.to_json()`; logprob tup
 slipstream does not implement are accepted at their neutral value and rejected otherwise. Every
 number is bounded here (and again by `SamplingParams`), floats must be finite.
 
+Logprobs: `output_token_logprobs` are the processed (behaviour) logprobs of the sampled tokens
+(after temperature and filters; 0.0 for greedy); `output_top_logprobs` / `input_*` are the raw
+distribution's (log_softmax of the logits), as SGLang reports `top_logprobs_num`.
+`meta_info.weight_version` is a string label over slipstream's integer versions
+(`weight_versions.py`); `meta_info.cached_tokens` counts the prefix cache's hit.
+
 slipstream additions: `meta_info.output_token_versions` (policy version of each output token)
 and `meta_info.routed_experts_layout` ({shape: [rows, num_hidden_layers, k], moe_layers,
 num_experts}: what a client needs to decode `routed_experts` without the model's config).
@@ -130,19 +136,28 @@ class GenerateReqInput(Strict):
 
 
 class UpdateWeightFromDiskReqInput(Strict):
-    """SGLang `POST /update_weights_from_disk` body. `weight_version` must be a decimal integer
-    here (slipstream versions are integers); absent, the version is incremented."""
+    """SGLang `POST /update_weights_from_disk` body. `weight_version`: decimal digits set the
+    integer version; any other string is a label of the next integer version; absent, the
+    version is incremented (`weight_versions.py`)."""
 
     model_path: Annotated[str, Field(min_length=1, max_length=4096)]
     load_format: str | None = None
     abort_all_requests: bool = False
-    weight_version: str | None = None
+    weight_version: Annotated[str, Field(max_length=4096)] | None = None
     flush_cache: bool = True
     is_async: bool = False
     torch_empty_cache: bool = False
     keep_pause: bool = False
     recapture_cuda_graph: bool = False
     token_step: Count = 0
+
+
+class UpdateWeightVersionReqInput(Strict):
+    """SGLang `POST /update_weight_version` body: relabel the served weights. SGLang's default
+    aborts the requests in flight."""
+
+    new_version: Annotated[str, Field(max_length=4096)]
+    abort_all_requests: bool = True
 
 
 class AbortReqInput(Strict):
@@ -186,8 +201,10 @@ def generate_output(
     current_version: int,
     routed_experts: str | None = None,
     routed_layout: dict[str, Any] | None = None,
+    version_label: Callable[[int], str] = str,
 ) -> dict[str, Any]:
-    """One SGLang `/generate` output object for one sample."""
+    """One SGLang `/generate` output object for one sample. `version_label`: the string
+    `meta_info.weight_version` reports for an integer version (`weight_versions.py`)."""
     version = c.versions[-1] if c.versions else current_version
     text_fn = token_text if obj.return_text_in_logprobs else None
     meta: dict[str, Any] = {
@@ -195,9 +212,10 @@ def generate_output(
         "finish_reason": finish_reason_json(c),
         "prompt_tokens": len(c.prompt_ids),
         "completion_tokens": len(c.token_ids),
-        # Samples after the first of a group reuse the group's prefill.
-        "cached_tokens": len(c.prompt_ids) if c.index > 0 else 0,
-        "weight_version": str(version),
+        # Prompt tokens not prefilled for this sample: the prefix cache's hit (engine meta),
+        # and all of them for samples after the first of a group (they copy its prefill).
+        "cached_tokens": len(c.prompt_ids) if c.index > 0 else c.meta.get("cached_tokens", 0),
+        "weight_version": version_label(version),
         "e2e_latency": c.meta.get("e2e_latency_s", 0.0),
         "output_token_versions": c.versions,
     }

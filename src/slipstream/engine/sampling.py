@@ -10,6 +10,11 @@ are renormalised. `processed_logprobs` returns log of that renormalised distribu
 behaviour logprob of a sampled token is exactly what a trainer recomputes from the same logits and
 parameters. Greedy rows (temperature 0) take the argmax with logprob 0.0 (top_k = 1, as SGLang).
 
+Top-n alternatives (`raw_top_logprobs`) are the model's raw distribution (log_softmax of the
+logits: no temperature, no filters), as SGLang's `top_logprobs_num` and vLLM's default
+`logprobs_mode="raw_logprobs"` define them, so a greedy or low-temperature request still sees
+the n most likely tokens; the sampled token's own logprob stays the processed (behaviour) one.
+
 Randomness: instead of a stateful torch.Generator per request, each draw is a pure function of
 (seed, sample index, token index) through an integer hash, which gives the same guarantee (same
 seed, same output, whatever the batch composition or arrival order) without a Python call per row.
@@ -146,3 +151,11 @@ def sample(
     if rp.any_greedy:
         logprob_B = torch.where(rp.greedy_B, torch.zeros_like(logprob_B), logprob_B)
     return token_B, logprob_B
+
+
+def raw_top_logprobs(logits_BV: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `width` most likely tokens of each row under the model's raw distribution
+    (log_softmax of the logits, whatever the row's temperature and filters), best first:
+    (ids [B, width] int64, logprobs [B, width] float32). Computed on the logits' device."""
+    values_BW, ids_BW = torch.log_softmax(logits_BV.float(), dim=-1).topk(width, dim=-1)
+    return ids_BW, values_BW

@@ -2,7 +2,9 @@
 completions and models endpoints (`openai_api.py`).
 
 SGLang endpoints: POST /generate (streaming too), POST /update_weights_from_disk, POST|GET
-/flush_cache, POST /abort_request, GET /get_model_info, GET /health, GET /health_generate; and
+/flush_cache, POST /abort_request, GET /get_model_info, GET /get_weight_version, POST
+/update_weight_version (string labels over integer versions: `weight_versions.py`), GET /health,
+GET /health_generate; and
 GET /metrics (Prometheus: requests, latency, engine health and counters; observe/prometheus.py).
 Concurrent requests share the engine's running batch (continuous batching).
 
@@ -38,7 +40,6 @@ from slipstream.engine.guard import (
     check_weight_source,
     error_body,
     error_response,
-    parse_version,
 )
 from slipstream.engine.native import NativeEngine
 from slipstream.engine.protocol import (
@@ -46,10 +47,12 @@ from slipstream.engine.protocol import (
     GenerateReqInput,
     SGLSamplingParams,
     UpdateWeightFromDiskReqInput,
+    UpdateWeightVersionReqInput,
     generate_output,
 )
 from slipstream.engine.server_state import ServerState
 from slipstream.engine.streaming import ClientGone, TextStream, sse
+from slipstream.engine.weight_versions import check_label
 from slipstream.observe.prometheus import RequestMetrics, ServeMetrics
 
 
@@ -71,9 +74,11 @@ def create_app(
     tokenizer: Any = None,
     model_path: str = "",
     options: ServeOptions | None = None,
+    weight_version: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine`. `tokenizer` encodes text prompts and chat messages and
-    decodes texts. `options` default: served name = the model directory's name."""
+    decodes texts. `options` default: served name = the model directory's name.
+    `weight_version`: the label of the weights served at start (SGLang's --weight-version)."""
     from slipstream.engine.openai_api import add_openai_routes
 
     if options is None:
@@ -83,6 +88,8 @@ def create_app(
     metrics = ServeMetrics(engine, endpoints=ADMIN_PATHS | PUBLIC_PATHS | METRICS_ENDPOINTS)
     app.add_middleware(RequestMetrics, metrics=metrics)  # outermost: counts refused ones too
     state = ServerState(engine, tokenizer, model_path, options)
+    if weight_version is not None:
+        state.versions.set(engine.version, check_label("weight_version", weight_version))
     app.state.slipstream = state
 
     @app.exception_handler(RequestValidationError)
@@ -137,12 +144,27 @@ def create_app(
     @app.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:
         return {
-            "model_path": options.served_model_name,
+            "model_path": state.reported_model_path,
             "tokenizer_path": options.served_model_name,
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": str(engine.version),
+            "weight_version": state.versions.label(engine.version),
         }
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> dict[str, Any]:
+        return {"weight_version": state.versions.label(engine.version)}
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(obj: UpdateWeightVersionReqInput) -> dict[str, Any]:
+        """SGLang's relabel of the served weights (no weight change, same integer version)."""
+        label = check_label("new_version", obj.new_version)
+        async with state.update_lock:
+            if obj.abort_all_requests:
+                engine.abort_all()
+            state.versions.set(engine.version, label)
+        return {"success": True, "message": f"Weight version updated to {label}",
+                "new_version": label}  # fmt: skip
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
@@ -167,19 +189,23 @@ def create_app(
             return failed(400, f"load_format {obj.load_format!r} is not supported (safetensors)")
         async with state.update_lock:  # one load at a time; the others wait their turn
             try:
-                version = parse_version(obj.weight_version, engine.version, options)
-                check_weight_source(obj.model_path, options)
+                version, label = state.versions.resolve(obj.weight_version, engine.version,
+                                                        options)  # fmt: skip
+                source = state.weight_source(obj.model_path)
+                check_weight_source(source, options)
             except ValueError as e:
                 return failed(400, str(e))
             if obj.abort_all_requests:
                 engine.abort_all()
             try:
-                await asyncio.to_thread(engine.update_weights, version, obj.model_path)
+                await asyncio.to_thread(engine.update_weights, version, source)
             except (ValueError, OSError) as e:
                 return failed(400, f"update failed, version {engine.version} still serving: {e}")
             except RuntimeError as e:
                 return failed(503, f"update failed: {e}")
-        message = f"Succeeded to update model weights (version {version})."
+            state.versions.set(version, label)
+            state.reported_model_path = obj.model_path
+        message = f"Succeeded to update model weights (version {state.versions.label(version)})."
         return JSONResponse({"success": True, "message": message, "num_paused_requests": 0})
 
     @app.post("/generate")
@@ -216,7 +242,8 @@ def create_app(
             sample_rid = rids[i] if group_n == 1 else f"{rids[i]}_{c.index}"  # as SGLang
             routed, shape = state.routed(c, obj.routed_experts_start_len)
             return generate_output(c, sample_rid, obj, want_lp[i], state.token_text,
-                                   engine.version, routed, shape)  # fmt: skip
+                                   engine.version, routed, shape,
+                                   state.versions.label)  # fmt: skip
 
         if obj.stream:
             return StreamingResponse(_sglang_stream(state, requests, output),

@@ -70,7 +70,7 @@ class Tokenizer(Protocol):
     @property
     def pad_id(self) -> int: ...
     def encode(self, text: str) -> list[int]: ...
-    def decode(self, ids: Sequence[int]) -> str: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
     def encode_prompt(self, text: str) -> list[int]: ...
     def chat_prompt(
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
@@ -116,9 +116,11 @@ class CharTokenizer:
                 f"CharTokenizer: character {e.args[0]!r} is not in the vocabulary"
             ) from None
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """Characters of `ids`; special tokens and ids outside the vocabulary are dropped."""
-        return "".join(self._id_to_char.get(int(i), "") for i in ids)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Characters of `ids`; ids outside the vocabulary are dropped, special tokens too
+        unless `skip_special_tokens` is False (then "<bos>" etc., as transformers writes them)."""
+        specials = {} if skip_special_tokens else dict(enumerate(self.specials))
+        return "".join(self._id_to_char.get(int(i), specials.get(int(i), "")) for i in ids)
 
     def encode_with_specials(self, text: str) -> list[int]:
         """`encode`, except that the special-token strings "<pad>", "<bos>", "<eos>" in the text
@@ -289,8 +291,8 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def encode_prompt(self, text: str) -> list[int]:
         """The file's own behaviour: added/special tokens in the text parsed, then its

@@ -372,6 +372,10 @@ class _EngineCollector:
             ("decode_steps", "engine_decode_steps", "decode forwards"),
             ("forward_s", "engine_forward_seconds", "time inside model forwards"),
             ("step_s", "engine_step_seconds", "time inside engine steps"),
+            ("prefix_cache_query_tokens", "engine_prefix_cache_query_tokens",
+             "prompt tokens looked up in the prefix cache"),
+            ("prefix_cache_hit_tokens", "engine_prefix_cache_hit_tokens",
+             "prompt tokens served from the prefix cache (hit rate = hit / query)"),
         ):  # fmt: skip
             if key in s:
                 yield core.CounterMetricFamily(PREFIX + name, doc, value=float(s[key]))

@@ -1,0 +1,190 @@
+"""A prefix cache across requests for the native engine: KV of token sequences the engine has
+already computed, kept in a block pool so a later prompt that starts with them (the same GRPO
+prompt sent again, a multi-turn episode resending its history) prefills only its new suffix.
+
+Layout: `k_LBKtD` / `v_LBKtD`, a pool of `num_blocks` blocks of `block_tokens` positions each
+(`engine.prefix_cache_tokens` // block_tokens blocks), beside the slot cache. A block is keyed by
+(its parent block, its tokens): a chain of blocks is one cached prefix, and prefixes that share
+their beginning share its blocks (a radix tree over block-sized edges, as SGLang's radix cache or
+vLLM's block hashes, here with exact token keys instead of hashes). Only whole blocks are cached;
+a lookup leaves at least one prompt token to prefill (its logits sample the first token).
+
+- `lookup(prompt)` -> number of leading tokens cached (a multiple of block_tokens) and the
+  blocks; `load` copies them into a slot of the slot cache (positions [0, hit)).
+- `store(tokens, cache, slot, length)` copies the whole blocks of a slot's first `length`
+  positions in, reusing the blocks already cached.
+- Eviction: least recently used block first (a lookup touches its whole chain, so a parent is
+  never older than its children); evicting a block drops its descendants (unreachable then).
+- `worth_waiting(prompt, admitted)`: the scheduler holds a prompt back one step when one
+  admitted in this step starts with the same block (identical prompts arriving together would
+  otherwise all prefill in full).
+- `clear()` on every weight update (KV of other weights would be wrong); `request_clear()` from
+  another thread (HTTP /flush_cache) is applied at the engine thread's next use.
+- Counters: `query_tokens` (prompt tokens looked up), `hit_tokens` (of them, served from cache).
+
+Only the engine thread calls lookup/load/store/clear.
+
+Legend: L layers, B blocks, K kv heads, t block_tokens, D head dim, N slots, S slot length.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from slipstream.engine.kv_cache import SlotKVCache
+
+
+@dataclass
+class _Block:
+    key: tuple[int, tuple[int, ...]]  # (parent block id or -1, tokens)
+    children: set[int] = field(default_factory=set)
+
+
+class PrefixCache:
+    """See the module docstring."""
+
+    def __init__(self, slots: SlotKVCache, num_tokens: int, block_tokens: int = 16) -> None:
+        if block_tokens < 1:
+            raise ValueError(f"prefix cache block_tokens must be >= 1, got {block_tokens}")
+        num_blocks = num_tokens // block_tokens
+        if num_blocks < 1:
+            raise ValueError(
+                f"engine.prefix_cache_tokens={num_tokens} holds no block of {block_tokens} tokens"
+            )
+        num_layers, _, heads, _, head_dim = slots.k_LNKSD.shape
+        shape = (num_layers, num_blocks, heads, block_tokens, head_dim)
+        dtype, device = slots.k_LNKSD.dtype, slots.k_LNKSD.device
+        self.k_LBKtD = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_LBKtD = torch.zeros(shape, dtype=dtype, device=device)
+        self.slots = slots
+        self.block_tokens = block_tokens
+        self.num_blocks = num_blocks
+        self._blocks: dict[int, _Block] = {}
+        self._by_key: dict[tuple[int, tuple[int, ...]], int] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._clear_flag = threading.Event()
+        self.query_tokens = 0
+        self.hit_tokens = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.k_LBKtD.nbytes + self.v_LBKtD.nbytes
+
+    @property
+    def cached_blocks(self) -> int:
+        return len(self._blocks)
+
+    def request_clear(self) -> None:
+        """Drop everything at the engine thread's next use (safe from any thread)."""
+        self._clear_flag.set()
+
+    def clear(self) -> None:
+        self._blocks.clear()
+        self._by_key.clear()
+        self._lru.clear()
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+        self._clear_flag.clear()
+
+    def _pending_clear(self) -> None:
+        if self._clear_flag.is_set():
+            self.clear()
+
+    def _chunks(self, tokens: list[int], limit: int) -> list[tuple[int, ...]]:
+        t = self.block_tokens
+        return [tuple(tokens[i : i + t]) for i in range(0, limit - limit % t, t)]
+
+    def lookup(self, prompt: list[int]) -> tuple[int, list[int]]:
+        """(cached leading tokens, their blocks); leaves >= 1 prompt token uncached."""
+        self._pending_clear()
+        self.query_tokens += len(prompt)
+        parent, found = -1, []
+        for chunk in self._chunks(prompt, len(prompt) - 1):
+            block = self._by_key.get((parent, chunk))
+            if block is None:
+                break
+            found.append(block)
+            parent = block
+        for block in found:
+            self._lru.move_to_end(block)
+        hit = len(found) * self.block_tokens
+        self.hit_tokens += hit
+        return hit, found
+
+    def worth_waiting(self, prompt: list[int], admitted: list[list[int]]) -> bool:
+        """Whether `prompt` should wait one step because a prompt admitted in this step shares
+        at least its first whole block: that prefill is stored right after the step, so the
+        copies of a GRPO prompt sent as separate requests then prefill only their tail."""
+        t = self.block_tokens
+        if len(prompt) <= t:
+            return False
+        head = prompt[:t]
+        return any(p[:t] == head for p in admitted)
+
+    def load(self, blocks: list[int], slot: int) -> None:
+        """Copy cached blocks into positions [0, len(blocks) * block_tokens) of `slot`."""
+        if not blocks:
+            return
+        n, t = len(blocks), self.block_tokens
+        index = torch.tensor(blocks, device=self.k_LBKtD.device)
+        for pool, dst in ((self.k_LBKtD, self.slots.k_LNKSD), (self.v_LBKtD, self.slots.v_LNKSD)):
+            layers, _, heads, _, dim = pool.shape
+            blocks_LKnD = pool[:, index].permute(0, 2, 1, 3, 4).reshape(layers, heads, n * t, dim)
+            dst[:, slot, :, : n * t] = blocks_LKnD
+
+    def store(self, tokens: list[int], slot: int, length: int) -> int:
+        """Cache the whole blocks of `tokens[:length]`, whose KV is positions [0, length) of
+        `slot`; returns the blocks newly written."""
+        self._pending_clear()
+        parent, written = -1, 0
+        t = self.block_tokens
+        for i, chunk in enumerate(self._chunks(tokens, min(length, len(tokens)))):
+            key = (parent, chunk)
+            block = self._by_key.get(key)
+            if block is None:
+                block = self._allocate(protect=parent)
+                if block is None:
+                    break  # everything else is this chain's own ancestry: stop here
+                self._blocks[block] = _Block(key)
+                self._by_key[key] = block
+                if parent >= 0:
+                    self._blocks[parent].children.add(block)
+                for pool, src in ((self.k_LBKtD, self.slots.k_LNKSD),
+                                  (self.v_LBKtD, self.slots.v_LNKSD)):  # fmt: skip
+                    pool[:, block] = src[:, slot, :, i * t : (i + 1) * t]
+                written += 1
+            self._lru[block] = None
+            self._lru.move_to_end(block)
+            parent = block
+        return written
+
+    def _allocate(self, protect: int) -> int | None:
+        """A free block, evicting the least recently used (never `protect` or its ancestors:
+        the chain being stored)."""
+        if self._free:
+            return self._free.pop()
+        keep = set()
+        b = protect
+        while b >= 0:
+            keep.add(b)
+            b = self._blocks[b].key[0]
+        victim = next((b for b in self._lru if b not in keep), None)
+        if victim is None:
+            return None
+        self._evict(victim)
+        return self._free.pop()
+
+    def _evict(self, block: int) -> None:
+        meta = self._blocks.pop(block)
+        for child in list(meta.children):
+            self._evict(child)
+        del self._by_key[meta.key]
+        self._lru.pop(block, None)
+        parent = meta.key[0]
+        if parent >= 0 and parent in self._blocks:
+            self._blocks[parent].children.discard(block)
+        self._free.append(block)
