@@ -45,6 +45,6 @@ class SandboxConfig(Section):
     memory_reserve_mib: int = Field(default=256, ge=0)
     """Admission: MemAvailable must exceed a new sandbox's memory_mib by this much."""
     state_dir: str | None = None
-    """Journal of live sandboxes (crash recovery) and work dirs (default: $XDG_RUNTIME_DIR or /tmp, per user)."""
+    """Journal of live sandboxes (crash recovery) and work dirs (default: /run/slipstream/sandbox for root, else $XDG_RUNTIME_DIR/slipstream/sandbox or ~/.cache/slipstream/run/sandbox); must be owned by this user and not writable by others."""
     verify_in_sandbox: Literal["auto", "always", "never"] = "auto"
     """RL rollout verification through a per-worker SandboxPool: auto (when the task set has a sandboxed verifier, i.e. it executes model output: `code`), always (fail if the task has none), never (the task's verifier in-process)."""
