@@ -427,6 +427,64 @@ def test_oversized_batches_get_413(site, expected):
     assert_serving(url, expected)
 
 
+def _ping_health(url: str, done: threading.Event, out: list[tuple[int, float]]) -> None:
+    while not done.is_set() or not out:
+        t = time.monotonic()
+        status = httpx.get(url + "/health", timeout=30).status_code
+        out.append((status, time.monotonic() - t))
+
+
+def test_millions_of_tiny_prompts_are_refused_by_their_count_before_any_work(site, expected):
+    """Issue 32: 2M one-char prompts in an 8 MB body cost ~24 CPU-s on the event loop (every
+    prompt tokenized and built before the 1,024-sample check) and stalled /health up to 29 s.
+    The list's length is now checked on the raw JSON: the default server (8 MiB bodies, 1,024
+    samples) answers 400 or 413 at once and /health keeps answering meanwhile."""
+    from slipstream.engine.server import create_app
+
+    _, _, engine, ckpt = site
+    app = create_app(engine, CharTokenizer(), str(ckpt), ServeOptions(served_model_name="m"))
+    bodies = {  # each under the 8 MiB body limit
+        "/generate": [{"text": [""] * 2_000_000}, {"input_ids": [[5]] * 2_000_000},
+                      {"text": ["a"] * 5000}],
+        "/v1/completions": [{"prompt": [""] * 2_000_000}, {"prompt": [[5]] * 2_000_000},
+                            {"prompt": ["a"] * 5000}],
+    }  # fmt: skip
+    with Server(app) as srv:
+        for path, cases in bodies.items():
+            for body in cases:
+                raw = json.dumps(body, separators=(",", ":")).encode()
+                assert len(raw) < 8 * 2**20
+                health: list[tuple[int, float]] = []  # (status, seconds) of each /health
+                done = threading.Event()
+                pinger = threading.Thread(target=_ping_health, args=(srv.url, done, health))
+                pinger.start()
+                t0 = time.monotonic()
+                resp = httpx.post(srv.url + path, content=raw, timeout=60,
+                                  headers={"content-type": "application/json"})  # fmt: skip
+                took_s = time.monotonic() - t0
+                done.set()
+                pinger.join(timeout=60)
+                assert resp.status_code in (400, 413), resp.text
+                msg = resp.json()["error"]["message"]
+                assert any(
+                    m in msg
+                    for m in (
+                        "at most 65536 per request",
+                        "at least 5000 samples",
+                        "JSON arrays and objects; the limit is",
+                    )
+                ), msg
+                assert len(msg) < 400, msg  # the input is not echoed back whole
+                # generous bounds (the old cost was 24 s and 29 s): a loaded 2-vCPU machine
+                assert took_s < 10, (path, took_s)
+                assert health and all(st == 200 and t < 5 for st, t in health), (path, health)
+        deep = b'{"text":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        resp = httpx.post(srv.url + "/generate", content=deep, timeout=60,
+                          headers={"content-type": "application/json"})  # fmt: skip
+        assert_error(resp, 400, "nested too deeply")
+        assert_serving(srv.url, expected)
+
+
 def test_a_rid_in_flight_cannot_be_reused_or_aborted_by_another_request(site, model, expected):
     url = site[0]
     holder: dict[str, httpx.Response] = {}

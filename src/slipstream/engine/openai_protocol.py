@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from slipstream.engine.base import ALL_TOKENS, MAX_INT32, MAX_SAMPLES
-from slipstream.engine.protocol import Count, Seed, Strict, TokenId, TopN
+from slipstream.engine.protocol import Count, Seed, Strict, TokenId, TopN, refuse_long_lists
 
 Stop = str | list[str] | None
 
@@ -81,6 +81,11 @@ class CompletionRequest(_Sampling):
     best_of: Annotated[int, Field(ge=1, le=MAX_SAMPLES)] | None = None
     return_tokens_as_token_ids: bool = False
     """vLLM extension: logprobs tokens as "token_id:N" strings."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded(cls, data: Any) -> Any:
+        return refuse_long_lists(data, ("prompt",))
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()

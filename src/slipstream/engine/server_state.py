@@ -63,6 +63,13 @@ class ServerState:
             raise HTTPException(413, f"request asks for {total} samples (prompts x n); the "
                                      f"limit is {self.options.max_batch_samples}")  # fmt: skip
 
+    def check_prompt_count(self, num_prompts: int) -> None:
+        """413 before anything is tokenized or built: each prompt is at least one sample, so
+        more prompts than the sample limit can be refused by the raw list's length alone."""
+        if num_prompts > self.options.max_batch_samples:
+            raise HTTPException(413, f"request asks for at least {num_prompts} samples (one per "
+                                     f"prompt); the limit is {self.options.max_batch_samples}")  # fmt: skip
+
     def routed(self, c: Completion, start: int) -> tuple[str | None, dict[str, Any] | None]:
         """SGLang's base64 routing of rows [start, P + C - 1) and slipstream's layout extra."""
         if c.routed_experts is None:
