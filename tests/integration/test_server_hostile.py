@@ -194,6 +194,53 @@ def test_bad_weight_sources_leave_the_old_weights_serving(site, model, expected,
     assert_serving(url, expected)
 
 
+def _bytes_written() -> int:
+    """This process's write() bytes so far (/proc/self/io wchar: every thread, any filesystem)."""
+    for line in open("/proc/self/io").read().splitlines():
+        if line.startswith("wchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no wchar in /proc/self/io")
+
+
+def test_weight_sources_read_only_the_named_files_within_a_size_bound(site, model, expected,
+                                                                      tmp_path):  # fmt: skip
+    """Issue 32: file:// and s3:// sources copied every *.safetensors of the directory before
+    validation (a 1 GiB junk file beside a 7 MB model: 1.06 GB written). Now only the index's
+    files (or model.safetensors) are copied, and a named file beyond the bound is refused on the
+    listing, before a byte of it is read."""
+    from slipstream.engine.weights import read_weights
+    from slipstream.model.checkpoint import INDEX_FILE, SINGLE_FILE
+
+    url, _, engine, _ = site
+    src = tmp_path / "with-junk"
+    save_pretrained(model, src)
+    with open(src / "junk.safetensors", "wb") as f:
+        f.truncate(1 << 30)  # sparse: 1 GiB that takes no disk unless someone copies it
+    model_bytes = (src / SINGLE_FILE).stat().st_size
+    before, written = engine.version, _bytes_written()
+    resp = httpx.post(url + "/update_weights_from_disk", json={"model_path": f"file://{src}"},
+                      timeout=120)  # fmt: skip
+    assert resp.status_code == 200 and resp.json()["success"] is True, resp.text
+    assert engine.version == before + 1
+    assert _bytes_written() - written < model_bytes + (16 << 20)  # the model, not the junk
+    assert_serving(url, expected)
+    with pytest.raises(ValueError, match=f"more than the limit of {model_bytes - 1} "
+                                         r"\(engine.max_weight_source_bytes\)"):  # fmt: skip
+        read_weights(f"file://{src}", max_bytes=model_bytes - 1)
+    # an index that names the junk: refused by the default bound (4 x the model + 64 MiB)
+    names = list(read_weights(str(src), max_bytes=model_bytes))
+    index = {"weight_map": {n: SINGLE_FILE for n in names[1:]} | {names[0]: "junk.safetensors"}}
+    (src / INDEX_FILE).write_text(json.dumps(index))
+    for path in (str(src), f"file://{src}"):
+        written = _bytes_written()
+        resp = httpx.post(url + "/update_weights_from_disk", json={"model_path": path},
+                          timeout=120)  # fmt: skip
+        assert_error(resp, 400, "engine.max_weight_source_bytes")
+        assert _bytes_written() - written < 16 << 20
+    assert engine.version == before + 1 and engine.healthy
+    assert_serving(url, expected)
+
+
 @pytest.mark.parametrize(
     "version,needle",
     [("-5", "non-negative decimal"), ("99999999999999999999", "non-negative decimal"),
