@@ -14,7 +14,7 @@ class SandboxConfig(Section):
     """Guest image directory for qemu/firecracker (default: the image `slipstream sandbox build-image` builds)."""
     vcpus: int = Field(default=1, ge=1)
     """vCPUs per sandbox (CPU quota, and the CPUs a pinning policy reserves)."""
-    memory_mib: int = Field(default=512, ge=16)
+    memory_mib: int = Field(default=512, ge=16, le=1 << 20)  # 1 TiB: cgroup limit / VM RAM
     """Memory limit per sandbox (cgroup memory + swap; the VM's RAM for VM backends)."""
     pinning: Literal["none", "core", "thread", "l3"] = "none"
     """CPU pinning policy: none, core (whole physical cores incl. SMT siblings, exclusive), thread (logical CPUs), l3 (pack within one L3 domain)."""
@@ -30,7 +30,7 @@ class SandboxConfig(Section):
     """How long creating a sandbox (until its guest agent says hello) may take."""
     output_cap_bytes: int = Field(default=1 << 20, ge=1024)
     """Per-stream cap on captured stdout/stderr; the rest is dropped and flagged as truncated."""
-    workdir_mib: int = Field(default=256, ge=1)
+    workdir_mib: int = Field(default=256, ge=1, le=1 << 20)  # a tmpfs size, counted in memory
     """Size of the sandbox's private writable tmpfs (bwrap); counts against memory_mib."""
     min_idle: int = Field(default=2, ge=0)
     """Warm pool: keep at least this many idle sandboxes ready."""
