@@ -187,3 +187,22 @@ def test_squatted_rootfs_cache_is_restaged_and_a_foreign_cache_refused(public_tm
     os.chown(cache, NOBODY, NOBODY)
     with pytest.raises(BackendUnavailable, match=f"{cache}.*owned by uid {NOBODY}"):
         BwrapBackend(state_dir=public_tmp / "state", rootfs_cache=cache)
+
+
+@needs_root
+def test_host_agent_refuses_a_state_dir_made_first_by_another_user(tmp_path):
+    """The agent's flock file and journal live in its state dir: one made by uid nobody is
+    refused before anything is created in it (the lock file was opened following links)."""
+    import sys
+
+    state = tmp_path / "agent-state"
+    state.mkdir()
+    os.chown(state, NOBODY, NOBODY)
+    code = ("from slipstream.cli import main; raise SystemExit(main(['sandbox', 'serve', "
+            f"'--socket', '{tmp_path}/agent.sock', '--sandbox.state_dir={state}', "
+            "'--sandbox.backend=process', '--sandbox.min_idle=0']))")  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})  # fmt: skip
+    assert r.returncode == 1, r
+    assert "Traceback" not in r.stderr and f"owned by uid {NOBODY}" in r.stderr, r.stderr
+    assert list(state.iterdir()) == [] and not (tmp_path / "agent.sock").exists()
