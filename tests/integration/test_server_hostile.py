@@ -241,6 +241,34 @@ def test_weight_sources_read_only_the_named_files_within_a_size_bound(site, mode
     assert_serving(url, expected)
 
 
+def test_s3_weight_source_copies_only_the_named_files(model, moto, tmp_path, monkeypatch):
+    """The s3:// half of the above, against a real moto server: a junk object beside the model
+    is never fetched, and a bound below the model's size refuses before any fetch."""
+    import s3fs
+
+    from s3util import make_bucket, s3_options
+    from slipstream.engine.weights import read_weights
+    from slipstream.model.checkpoint import SINGLE_FILE
+
+    make_bucket(moto)
+    src = tmp_path / "m"
+    save_pretrained(model, src)
+    fs = s3fs.S3FileSystem(**s3_options(moto))
+    fs.put(str(src / SINGLE_FILE), f"bucket/m/{SINGLE_FILE}")
+    fs.pipe_file("bucket/m/junk.safetensors", b"\0" * (8 << 20))
+    for name, value in (("AWS_ENDPOINT_URL", f"http://127.0.0.1:{moto}"),
+                        ("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
+                        ("AWS_DEFAULT_REGION", "us-west-2")):  # fmt: skip
+        monkeypatch.setenv(name, value)
+    model_bytes = (src / SINGLE_FILE).stat().st_size
+    written = _bytes_written()
+    state = read_weights("s3://bucket/m", max_bytes=4 * model_bytes)
+    assert torch.equal(state[sorted(state)[0]], read_weights(str(src))[sorted(state)[0]])
+    assert _bytes_written() - written < model_bytes + (2 << 20)  # the model, not 8 MiB of junk
+    with pytest.raises(ValueError, match="engine.max_weight_source_bytes"):
+        read_weights("s3://bucket/m", max_bytes=model_bytes - 1)
+
+
 @pytest.mark.parametrize(
     "version,needle",
     [("-5", "non-negative decimal"), ("99999999999999999999", "non-negative decimal"),
