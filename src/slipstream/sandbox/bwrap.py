@@ -120,6 +120,7 @@ class BwrapBackend(Backend):
             private_dir(cache, mode=0o755)
         except UnsafeDirError as e:
             raise BackendUnavailable(f"bwrap rootfs cache: {e}") from None
+        os.chmod(cache, 0o755)  # ours (checked): the sandbox uid must search it
         for parent in Path(os.path.realpath(cache)).parents:
             if not os.stat(parent).st_mode & 0o001:
                 raise BackendUnavailable(

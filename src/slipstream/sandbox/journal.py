@@ -11,13 +11,17 @@ and the journal are private runtime directories (`slipstream.rundir`: owned by u
 others, no symlinks; a directory someone else made first is refused, naming it), every file is
 opened relative to the checked directory fd with O_NOFOLLOW, and each record carries an HMAC-SHA256
 under a random per-journal key (`.key`, mode 0600, in the 0700 journal dir): a record without a
-valid MAC (planted, edited, or from before this check) is logged and removed, never acted on. `reap_orphans()` reaps every record
-whose owner is dead: kills the recorded process (only if its start time still matches, so a recycled
-pid is never hit), kills and removes its cgroups, deletes its dirs, and lets the backend remove
-anything else (VMs: sockets, images, jailer dirs) through `Backend.reap`.
+valid MAC (planted, edited, or from before this check) is logged and removed, never acted on.
+
+`reap_orphans()` reaps every record whose owner is dead: kills the recorded process (only if
+its start time still matches, so a recycled pid is never hit), kills and removes its cgroups,
+deletes its dirs, and lets the backend remove anything else (VMs: sockets, images, jailer dirs)
+through `Backend.reap`.
 
 Not covered: processes of the `process` backend that left the agent's cgroup-less process tree
-(that backend is not isolation and has no cgroup), a journal on a filesystem shared by hosts.
+(that backend is not isolation and has no cgroup), a journal on a filesystem shared by hosts,
+records of a version before the MAC (removed unreaped: reap with that version before upgrading),
+journals in the old default dir /tmp/slipstream-sandbox-<uid> (no longer read).
 """
 
 from __future__ import annotations
@@ -104,9 +108,8 @@ class Journal:
     private to this user."""
 
     def __init__(self, state_dir: str | Path) -> None:
-        private_dir(
-            state_dir, mode=0o755
-        )  # work/ and jailer/ live here too: searchable, not writable
+        # work/ and jailer/ live in the state dir too: searchable by others, not writable
+        private_dir(state_dir, mode=0o755)
         self.dir = private_dir(Path(state_dir) / "journal", mode=0o700)
         self._fd = open_dir(self.dir)
         weakref.finalize(self, os.close, self._fd)
@@ -130,7 +133,7 @@ class Journal:
         unlink_at(self._fd, f"{sandbox_id}.json")
 
     def entries(self) -> list[dict[str, Any]]:
-        """Records this user's journal wrote (MAC checked); anything else is removed, unread."""
+        """Records this user's journal wrote (MAC checked); anything else is logged and removed."""
         out = []
         for name in list_at(self._fd):
             if not name.endswith(".json") or name.startswith("."):
