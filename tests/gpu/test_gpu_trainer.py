@@ -3,7 +3,7 @@
 1-GPU NCCL process group runs the collectives the trainer and the EP dispatchers issue.
 
 What one GPU can show about NCCL: the trainer's all_reduce (SUM and MAX, float32 gradients and
-float64 metrics, `Trainer._reduce_metrics`), the data-parallel batch broadcast
+float64 metrics, `Trainer.ranks.reduce_metrics`), the data-parallel batch broadcast
 (broadcast_object_list) and the EP all_to_all_single (padded, exact and hierarchical
 dispatchers equal the local expert computation) on CUDA tensors, world size 1. A Trainer step
 with the NCCL group initialised runs too, but at world size 1 it issues no collective; several
@@ -83,7 +83,9 @@ def _nccl_rank(rank: int, init_file: str, out_dir: str, on_cpu: bool) -> None:
     trainer = Trainer(tiny_model().to(device), TrainerConfig(lr=1e-2), pad_id=0, device=device)
     metrics = trainer.step(make_batch())
     out["step_loss"] = metrics["loss"]
-    out["reduced"] = trainer._reduce_metrics({"loss": 1.5, "num_tokens": 10.0, "ratio_max": 2.0})
+    out["reduced"] = trainer.ranks.reduce_metrics(  # what Trainer.step reduces its metrics with
+        {"loss": 1.5, "num_tokens": 10.0, "ratio_max": 2.0}, summed=("num_tokens",)
+    )
     # EP all_to_all_single over NCCL: every dispatcher equals the local experts
     group = EPGroup.create(1, 1, 4)
     block = _block(16, 4, 2, 8, seed=0).to(device)

@@ -194,6 +194,81 @@ def test_bad_weight_sources_leave_the_old_weights_serving(site, model, expected,
     assert_serving(url, expected)
 
 
+def _bytes_written() -> int:
+    """This process's write() bytes so far (/proc/self/io wchar: every thread, any filesystem)."""
+    for line in open("/proc/self/io").read().splitlines():
+        if line.startswith("wchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no wchar in /proc/self/io")
+
+
+def test_weight_sources_read_only_the_named_files_within_a_size_bound(site, model, expected,
+                                                                      tmp_path):  # fmt: skip
+    """Issue 32: file:// and s3:// sources copied every *.safetensors of the directory before
+    validation (a 1 GiB junk file beside a 7 MB model: 1.06 GB written). Now only the index's
+    files (or model.safetensors) are copied, and a named file beyond the bound is refused on the
+    listing, before a byte of it is read."""
+    from slipstream.engine.weights import read_weights
+    from slipstream.model.checkpoint import INDEX_FILE, SINGLE_FILE
+
+    url, _, engine, _ = site
+    src = tmp_path / "with-junk"
+    save_pretrained(model, src)
+    with open(src / "junk.safetensors", "wb") as f:
+        f.truncate(1 << 30)  # sparse: 1 GiB that takes no disk unless someone copies it
+    model_bytes = (src / SINGLE_FILE).stat().st_size
+    before, written = engine.version, _bytes_written()
+    resp = httpx.post(url + "/update_weights_from_disk", json={"model_path": f"file://{src}"},
+                      timeout=120)  # fmt: skip
+    assert resp.status_code == 200 and resp.json()["success"] is True, resp.text
+    assert engine.version == before + 1
+    assert _bytes_written() - written < model_bytes + (16 << 20)  # the model, not the junk
+    assert_serving(url, expected)
+    with pytest.raises(ValueError, match=f"more than the limit of {model_bytes - 1} "
+                                         r"\(engine.max_weight_source_bytes\)"):  # fmt: skip
+        read_weights(f"file://{src}", max_bytes=model_bytes - 1)
+    # an index that names the junk: refused by the default bound (4 x the model + 64 MiB)
+    names = list(read_weights(str(src), max_bytes=model_bytes))
+    index = {"weight_map": {n: SINGLE_FILE for n in names[1:]} | {names[0]: "junk.safetensors"}}
+    (src / INDEX_FILE).write_text(json.dumps(index))
+    for path in (str(src), f"file://{src}"):
+        written = _bytes_written()
+        resp = httpx.post(url + "/update_weights_from_disk", json={"model_path": path},
+                          timeout=120)  # fmt: skip
+        assert_error(resp, 400, "engine.max_weight_source_bytes")
+        assert _bytes_written() - written < 16 << 20
+    assert engine.version == before + 1 and engine.healthy
+    assert_serving(url, expected)
+
+
+def test_s3_weight_source_copies_only_the_named_files(model, moto, tmp_path, monkeypatch):
+    """The s3:// half of the above, against a real moto server: a junk object beside the model
+    is never fetched, and a bound below the model's size refuses before any fetch."""
+    import s3fs
+
+    from s3util import make_bucket, s3_options
+    from slipstream.engine.weights import read_weights
+    from slipstream.model.checkpoint import SINGLE_FILE
+
+    make_bucket(moto)
+    src = tmp_path / "m"
+    save_pretrained(model, src)
+    fs = s3fs.S3FileSystem(**s3_options(moto))
+    fs.put(str(src / SINGLE_FILE), f"bucket/m/{SINGLE_FILE}")
+    fs.pipe_file("bucket/m/junk.safetensors", b"\0" * (8 << 20))
+    for name, value in (("AWS_ENDPOINT_URL", f"http://127.0.0.1:{moto}"),
+                        ("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
+                        ("AWS_DEFAULT_REGION", "us-west-2")):  # fmt: skip
+        monkeypatch.setenv(name, value)
+    model_bytes = (src / SINGLE_FILE).stat().st_size
+    written = _bytes_written()
+    state = read_weights("s3://bucket/m", max_bytes=4 * model_bytes)
+    assert torch.equal(state[sorted(state)[0]], read_weights(str(src))[sorted(state)[0]])
+    assert _bytes_written() - written < model_bytes + (2 << 20)  # the model, not 8 MiB of junk
+    with pytest.raises(ValueError, match="engine.max_weight_source_bytes"):
+        read_weights("s3://bucket/m", max_bytes=model_bytes - 1)
+
+
 @pytest.mark.parametrize(
     "version,needle",
     [("99999999999999999999", "non-negative decimal"), ("4294967296", "exceeds the maximum"),
@@ -430,6 +505,64 @@ def test_oversized_batches_get_413(site, expected):
     resp = httpx.post(url + "/v1/completions", json={"prompt": [PROMPT] * 20, "n": 4}, timeout=30)
     assert_error(resp, 413, "samples")
     assert_serving(url, expected)
+
+
+def _ping_health(url: str, done: threading.Event, out: list[tuple[int, float]]) -> None:
+    while not done.is_set() or not out:
+        t = time.monotonic()
+        status = httpx.get(url + "/health", timeout=30).status_code
+        out.append((status, time.monotonic() - t))
+
+
+def test_millions_of_tiny_prompts_are_refused_by_their_count_before_any_work(site, expected):
+    """Issue 32: 2M one-char prompts in an 8 MB body cost ~24 CPU-s on the event loop (every
+    prompt tokenized and built before the 1,024-sample check) and stalled /health up to 29 s.
+    The list's length is now checked on the raw JSON: the default server (8 MiB bodies, 1,024
+    samples) answers 400 or 413 at once and /health keeps answering meanwhile."""
+    from slipstream.engine.server import create_app
+
+    _, _, engine, ckpt = site
+    app = create_app(engine, CharTokenizer(), str(ckpt), ServeOptions(served_model_name="m"))
+    bodies = {  # each under the 8 MiB body limit
+        "/generate": [{"text": [""] * 2_000_000}, {"input_ids": [[5]] * 2_000_000},
+                      {"text": ["a"] * 5000}],
+        "/v1/completions": [{"prompt": [""] * 2_000_000}, {"prompt": [[5]] * 2_000_000},
+                            {"prompt": ["a"] * 5000}],
+    }  # fmt: skip
+    with Server(app) as srv:
+        for path, cases in bodies.items():
+            for body in cases:
+                raw = json.dumps(body, separators=(",", ":")).encode()
+                assert len(raw) < 8 * 2**20
+                health: list[tuple[int, float]] = []  # (status, seconds) of each /health
+                done = threading.Event()
+                pinger = threading.Thread(target=_ping_health, args=(srv.url, done, health))
+                pinger.start()
+                t0 = time.monotonic()
+                resp = httpx.post(srv.url + path, content=raw, timeout=60,
+                                  headers={"content-type": "application/json"})  # fmt: skip
+                took_s = time.monotonic() - t0
+                done.set()
+                pinger.join(timeout=60)
+                assert resp.status_code in (400, 413), resp.text
+                msg = resp.json()["error"]["message"]
+                assert any(
+                    m in msg
+                    for m in (
+                        "at most 65536 per request",
+                        "at least 5000 samples",
+                        "JSON arrays and objects; the limit is",
+                    )
+                ), msg
+                assert len(msg) < 400, msg  # the input is not echoed back whole
+                # generous bounds (the old cost was 24 s and 29 s): a loaded 2-vCPU machine
+                assert took_s < 10, (path, took_s)
+                assert health and all(st == 200 and t < 5 for st, t in health), (path, health)
+        deep = b'{"text":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        resp = httpx.post(srv.url + "/generate", content=deep, timeout=60,
+                          headers={"content-type": "application/json"})  # fmt: skip
+        assert_error(resp, 400, "nested too deeply")
+        assert_serving(srv.url, expected)
 
 
 def test_a_rid_in_flight_cannot_be_reused_or_aborted_by_another_request(site, model, expected):

@@ -537,6 +537,35 @@ def test_planted_symlinks_and_fifos_are_not_followed(tmp_path: Path) -> None:
     assert store.versions() == [5, 6]
 
 
+def test_symlinked_weights_and_ckpt_dirs_are_refused_before_anything_is_deleted(
+    tmp_path: Path,
+) -> None:
+    """Issue 32: a store writer replaces weights/ and ckpt/ with links to another store's; a
+    resume (remove_after), a save (which first clears its step dir) and retention must refuse,
+    naming the link, and leave the target's v00000099 and step_00000099 in place."""
+    other = tmp_path / "other"
+    WeightStore(str(other)).publish(99, sd(99))
+    CheckpointStore(BlobStore(str(other))).save(99, {"step": 99, "w": sd(99)}, {"queue": []})
+    before = sorted(str(p.relative_to(other)) for p in other.rglob("*"))
+    store = tmp_path / "s"
+    store.mkdir()
+    (store / "weights").symlink_to(other / "weights")
+    (store / "ckpt").symlink_to(other / "ckpt")
+    weights, ckpts = WeightStore(str(store)), CheckpointStore(BlobStore(str(store)))
+    with pytest.raises(InvalidEntry, match=f"{store}/weights: a symlink inside the store; "
+                                           "refusing to delete through it"):  # fmt: skip
+        weights.remove_after(5)
+    with pytest.raises(InvalidEntry, match=f"{store}/ckpt: a symlink inside the store"):
+        ckpts.remove_after(5)
+    with pytest.raises(InvalidEntry, match=f"{store}/ckpt: a symlink inside the store"):
+        ckpts.save(99, {"step": 99, "w": sd(1)}, {"queue": []})
+    with pytest.raises(InvalidEntry, match=f"{store}/weights: a symlink inside the store"):
+        weights.publish(100, sd(100))
+    assert sorted(str(p.relative_to(other)) for p in other.rglob("*")) == before
+    assert WeightStore(str(other)).versions() == [99]
+    assert CheckpointStore(BlobStore(str(other))).latest_valid().step == 99
+
+
 # ---- one writer per store -------------------------------------------------------------------
 
 

@@ -153,6 +153,46 @@ def test_missing_eval_checkpoint_and_serve_model(tmp_path: Path, capsys) -> None
     assert str(missing) in err
 
 
+@pytest.mark.parametrize("flag,value", [("--port", "99999"), ("--port", "0"),
+                                        ("--max-batch-samples", "0"),
+                                        ("--max-batch-samples", "65537"),
+                                        ("--max-request-bytes", "100")])  # fmt: skip
+def test_serve_numeric_flags_out_of_range_are_one_line(flag: str, value: str, tmp_path: Path,
+                                                       capsys) -> None:  # fmt: skip
+    """Issue 32: `serve --port 99999` ended in a traceback (after loading the model). (Negative,
+    non-finite and huge values of every numeric flag are usage errors: test_config_bounds.)"""
+    err = _one_line(capsys, main(["serve", "--model", str(tmp_path), flag, value]),
+                    expected_rc=(2,))  # fmt: skip
+    assert f"{flag} {int(value)}: must be in [" in err
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "1e308"])
+def test_plan_sweep_budget_out_of_range_is_a_usage_error(value: str, tmp_path: Path,
+                                                         capsys) -> None:  # fmt: skip
+    """Issue 32: `plan sweep --budget-per-hour nan` ended in a traceback. Nothing is written."""
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "sweep", "-c", "configs/plan/p5en-48.toml", "--budget-per-hour", value,
+              "--out", str(tmp_path / "out")])  # fmt: skip
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err, err
+    assert "error: argument --budget-per-hour" in err.strip().split("\n")[-1], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_plan_sweep_writes_under_runs_by_default_not_over_tracked_files(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """Issue 32: the default output was the tracked benchmarks/plan-p5en-48/frontier.json."""
+    config = Path("configs/plan/p5en-48.toml").resolve()
+    tracked = Path("benchmarks/plan-p5en-48/frontier.json").resolve()
+    before = tracked.read_bytes()
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "sweep", "-c", str(config)]) == 0
+    assert (tmp_path / "runs" / "plan-p5en-48" / "frontier.json").is_file()
+    assert tracked.read_bytes() == before
+    assert "runs/plan-p5en-48/frontier.json" in capsys.readouterr().out
+
+
 def test_ckpt_export_errors(tmp_path: Path, capsys) -> None:
     import torch
 

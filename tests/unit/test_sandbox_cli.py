@@ -72,3 +72,23 @@ def test_doctor_says_why_not(monkeypatch):
 def test_reap_command(capsys, tmp_path):
     assert main(["sandbox", "reap", f"--sandbox.state_dir={tmp_path}"]) == 0
     assert "reaped 0 orphaned" in capsys.readouterr().out
+
+
+def test_kvm_probe_returns_when_qemu_exits_instead_of_waiting_out_its_timeout(tmp_path):
+    """Issue 32: `sandbox doctor` took ~15 s where KVM refuses the guest (QEMU aborts at once:
+    "failed to set MSR"): the probe waited for a connection until its timeout. A VMM that exits
+    at once (/bin/false, a real process) must be reported as such, long before the timeout."""
+    import time
+
+    from slipstream.sandbox.image import ImagePaths
+    from slipstream.sandbox.kvm import kvm_device_usable, probe_kvm
+
+    usable, why = kvm_device_usable()
+    if not usable or os.environ.get("SLIPSTREAM_KVM") in ("0", "1"):
+        pytest.skip(f"the probe does not boot here: {why}")
+    image = ImagePaths(tmp_path / "vmlinuz", tmp_path / "initramfs.cpio.gz", tmp_path / "m.json")
+    t0 = time.monotonic()
+    ok, reason = probe_kvm(image, qemu_binary="/bin/false", timeout_s=120, cache_dir=tmp_path,
+                           use_cache=False)  # fmt: skip
+    assert not ok and "QEMU exited with 1" in reason, reason
+    assert time.monotonic() - t0 < 60  # not the 120 s timeout

@@ -66,7 +66,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     register_modules(sub, "slipstream.cli", SUBCOMMANDS)
+    bound_numeric_flags(parser)
     return parser
+
+
+def bound_numeric_flags(parser: argparse.ArgumentParser) -> None:
+    """Every int/float flag of every subcommand is a count, size, rate or duration: it must be
+    finite and in [0, ceiling], with the config's ceilings (config/base.py: int32, 1e9 s for
+    `*_s` flags, float32), or it is a usage error (rc 2) before the command runs: `-1`, `nan` or
+    `1e308` used to reach the commands and end in tracebacks or nonsense runs."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                bound_numeric_flags(child)
+        elif action.type in (int, float):
+            action.type = _bounded(action.type, action.dest.endswith("_s"))
+
+
+def _bounded(kind: type, seconds: bool):  # noqa: ANN202 - an argparse type
+    from slipstream.config.base import MAX_FLOAT, MAX_INT, MAX_SECONDS
+
+    ceiling = MAX_INT if kind is int else MAX_SECONDS if seconds else MAX_FLOAT
+
+    def parse(text: str) -> int | float:
+        value = kind(text)
+        if not (value == value and 0 <= value <= ceiling):  # NaN fails value == value
+            raise argparse.ArgumentTypeError(
+                f"{text[:40]!r} is out of range: must be in [0, {ceiling:,}]"
+            )
+        return value
+
+    parse.__name__ = kind.__name__  # argparse says "invalid int value" for what int() refuses
+    parse.kind = kind  # type: ignore[attr-defined]
+    return parse
 
 
 def register_modules(sub: argparse._SubParsersAction, package: str, names: list[str]) -> None:

@@ -46,7 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument(
         "--out",
         default=None,
-        help="directory for frontier.png / frontier.json (default benchmarks/plan-NAME)",
+        help="directory for frontier.png / frontier.json (default runs/plan-NAME)",
     )
     w.set_defaults(func=cmd_sweep)
 
@@ -119,13 +119,17 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from slipstream.plan.report import print_sweep
     from slipstream.plan.search import run_sweep
 
-    plan = load_rates(args.config, args.overrides)
+    # the flags are config overrides, so the rates file's bounds (finite, >= 0) check them too
+    overrides = list(args.overrides)
     if args.budget_per_hour is not None:
-        plan.sweep.budget_per_hour = args.budget_per_hour
+        overrides.append(f"sweep.budget_per_hour={args.budget_per_hour!r}")
     if args.target_samples_per_s is not None:
-        plan.sweep.target_samples_per_s = args.target_samples_per_s
+        overrides.append(f"sweep.target_samples_per_s={args.target_samples_per_s!r}")
+    plan = load_rates(args.config, overrides)
     name = plan.name or (Path(args.config).stem if args.config else "plan")
-    out = Path(args.out or f"benchmarks/plan-{name}")
+    # generated output goes under runs/ (not tracked): the default once overwrote the committed
+    # benchmarks/plan-p5en-48/frontier.json; pass --out to publish a frontier there on purpose
+    out = Path(args.out or f"runs/plan-{name}")
     result = run_sweep(plan, out)
     print_sweep(_console(), plan, result)
     return 0

@@ -308,7 +308,7 @@ def cmd_build_image(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         paths = build_image(args.cache_dir, force=args.force)
-    except RuntimeError as e:  # a missing input (kernel, busybox, guest python) or SandboxError
+    except (RuntimeError, PermissionError) as e:  # a missing input, SandboxError, UnsafeDirError
         return sandbox_failure(e)
     print(paths)
     return 0
@@ -321,7 +321,10 @@ def cmd_reap(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     cfg = load_config(args.config, args.overrides).sandbox
-    journal = Journal(cfg.state_dir or default_state_dir())
+    try:
+        journal = Journal(cfg.state_dir or default_state_dir())
+    except PermissionError as e:  # rundir.UnsafeDirError: a state dir another user controls
+        return sandbox_failure(e)
     n = journal.reap_orphans(_reaper_for)
     live = len(journal.entries())
     print(f"reaped {n} orphaned sandboxes; {live} live sandboxes belong to running owners")

@@ -101,12 +101,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from slipstream.engine.base import MAX_SAMPLES
     from slipstream.engine.guard import ServeOptions
     from slipstream.engine.native import NativeEngine
     from slipstream.engine.server import create_app
     from slipstream.model import load_pretrained
     from slipstream.model.tokenizer import TOKENIZER_FILE, load_tokenizer
 
+    for flag, value, lo, hi in (("--port", args.port, 1, 65535),
+                                ("--max-request-bytes", args.max_request_bytes, 1024, 1 << 30),
+                                ("--max-batch-samples", args.max_batch_samples, 1, MAX_SAMPLES)):  # fmt: skip
+        if not lo <= value <= hi:  # what a TCP port / the request guard can take
+            print(f"slipstream serve: {flag} {value}: must be in [{lo}, {hi}]", file=sys.stderr)
+            return 2
     logging.basicConfig(level=args.log_level.upper())
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():

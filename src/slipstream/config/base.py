@@ -10,9 +10,31 @@ import tomllib
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from annotated_types import Le, Lt
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 
 M = TypeVar("M", bound=BaseModel)
+
+MAX_INT = 2**31 - 1
+"""Default ceiling of an integer key without a bound of its own: counts, sizes and steps go into
+int32 tensors, cgroup files and C `int` arguments (torch.set_num_threads, sysconf); 1e20 used to
+load and then fail late with a traceback."""
+MAX_FLOAT = 3.4e38
+"""Default ceiling of a float key: the largest float32 (coefficients, rates and temperatures end
+up in float32 tensors, where anything larger is inf)."""
+MAX_SECONDS = 1e9
+"""Default ceiling of a `*_s` key (~31 years): waits take at most threading.TIMEOUT_MAX (~9.2e9 s)
+and asyncio timers overflow beyond it."""
+
+
+def _beyond(value: Any, ceiling: float) -> Any:
+    """The first number in `value` (a number, list or dict of them) outside [-ceiling, ceiling]."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return value if abs(value) > ceiling else None
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return next((b for v in items if (b := _beyond(v, ceiling)) is not None), None)
 
 
 class Section(BaseModel):
@@ -29,6 +51,33 @@ class Section(BaseModel):
         frozen=False,
         allow_inf_nan=False,
     )
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _bounded(cls, value: Any, info: ValidationInfo) -> Any:
+        """Every numeric key is bounded: by its own `le`/`lt` when it has one (a bound of what
+        the code can do, e.g. sandbox.memory_mib), else by MAX_INT, MAX_SECONDS (`*_s` keys) or
+        MAX_FLOAT, in either direction. The error names the key (pydantic adds it)."""
+        field = cls.model_fields.get(info.field_name or "")
+        if value is None or field is None or any(isinstance(m, Le | Lt) for m in field.metadata):
+            return value
+        name = info.field_name or ""
+        ceiling = MAX_SECONDS if name.endswith("_s") else MAX_FLOAT
+        limit = MAX_INT if _all_ints(value) else ceiling
+        if (bad := _beyond(value, limit)) is not None:
+            raise ValueError(f"{_short(repr(bad))} is out of range: at most {limit:,} in magnitude")
+        return value
+
+
+def _all_ints(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return True
+    items = (
+        value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+    )
+    return items is not None and all(_all_ints(v) for v in items) and bool(items)
 
 
 class ConfigError(ValueError):
@@ -76,17 +125,22 @@ def _lookup(data: Any, loc: tuple[Any, ...]) -> Any:
     return data
 
 
+def _short(text: str, limit: int = 80) -> str:
+    """A value as an error shows it: a 400-digit or 10,000-character one is cut, not echoed."""
+    return text if len(text) <= limit else f"{text[: limit - 20]}...({len(text)} chars)"
+
+
 def format_validation_error(err: ValidationError, data: dict[str, Any], origin: str) -> str:
     lines = [f"invalid config ({origin}):"]
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
         value = e.get("input", _lookup(data, e["loc"]))
         if e["type"] == "extra_forbidden":
-            lines.append(f"  {key} = {value!r}: unknown key")
+            lines.append(f"  {key} = {_short(repr(value))}: unknown key")
         elif isinstance(value, dict):  # a section's own check: its message names the keys
             lines.append(f"  {key or 'config'}: {e['msg'].removeprefix('Value error, ')}")
         else:
-            lines.append(f"  {key} = {value!r}: {e['msg']}")
+            lines.append(f"  {key} = {_short(repr(value))}: {e['msg']}")
     return "\n".join(lines)
 
 
@@ -116,7 +170,8 @@ def load_model(
     data = read_toml(path) if path is not None else {}
     origin = str(path) if path is not None else "built-in defaults"
     if overrides:
-        origin += " + command-line overrides " + " ".join(overrides)
+        # repr without its quotes: a newline or U+2028 in a value does not break the line
+        origin += " + command-line overrides " + " ".join(_short(repr(o)[1:-1]) for o in overrides)
         apply_overrides(data, overrides)
     try:
         return model_cls.model_validate(data)

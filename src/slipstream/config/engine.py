@@ -44,6 +44,11 @@ class EngineConfig(Section):
     stays from the old ones), `abort` ends them with finish_reason "abort"."""
     device: str = "cpu"
     """Torch device of the native engine's model and KV cache."""
+    max_weight_source_bytes: int | None = Field(default=None, ge=1 << 20, le=1 << 41)
+    """Native engine weight loads: most bytes read from a source (the files its shard index
+    names, together), checked on the listing before any is copied or read; unset = 4 x the model's
+    parameter bytes + 64 MiB (an fp32 checkpoint of a bf16 model fits). At most 2 TiB: every
+    tensor is held in host memory before the swap."""
     request_timeout_s: float = Field(default=600.0, gt=0)
     """HTTP client: timeout of one request."""
     max_concurrency: int = Field(default=64, ge=1)

@@ -10,11 +10,11 @@ class EvalConfig(Section):
     """HF-format checkpoint directory to evaluate; empty means <run.output_dir>/sft/checkpoint."""
     num_prompts: int = Field(default=200, ge=1)
     """Held-out prompts to evaluate (at most task.num_heldout)."""
-    k: int = Field(default=8, ge=1)
+    k: int = Field(default=8, ge=1, le=2**16)  # = engine.base.MAX_SAMPLES (n per prompt)
     """k of pass@k (sampled)."""
     num_samples: int = Field(default=0, ge=0)
     """Samples per prompt for the unbiased pass@k estimate; 0 means k. Must be >= k."""
-    temperature: float = Field(default=1.0, gt=0)
+    temperature: float = Field(default=1.0, gt=0, le=1e6)  # = engine.base.MAX_TEMPERATURE
     """Sampling temperature for pass@k (pass@1 is greedy)."""
     max_new_tokens: int = Field(default=32, ge=1)
     """Completion length cap."""

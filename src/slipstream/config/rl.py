@@ -13,7 +13,7 @@ class RolloutConfig(Section):
     """Rollout worker processes."""
     group_size: int = Field(default=8, ge=1)
     """G: samples per task (GRPO group)."""
-    temperature: float = Field(default=1.0, ge=0)
+    temperature: float = Field(default=1.0, ge=0, le=1e6)  # = engine.base.MAX_TEMPERATURE
     """Sampling temperature for rollouts."""
     max_new_tokens: int = Field(default=0, ge=0)
     """Completion length cap for rollouts; 0 = engine.max_new_tokens."""

@@ -16,7 +16,7 @@ class RunConfig(Section):
     """Torch device. `auto` picks CUDA when available, else CPU."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter/compute dtype for the policy model."""
-    num_threads: int = Field(default=0, ge=0)
+    num_threads: int = Field(default=0, ge=0, le=4096)  # a C int in torch; no host has more
     """torch intra-op threads; 0 leaves torch's default."""
     launcher: Literal["local", "ray", "torchx"] = "local"
     """Where rollout workers run: `local` = processes on this machine (launch/local.py); `ray` =

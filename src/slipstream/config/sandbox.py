@@ -14,7 +14,7 @@ class SandboxConfig(Section):
     """Guest image directory for qemu/firecracker (default: the image `slipstream sandbox build-image` builds)."""
     vcpus: int = Field(default=1, ge=1)
     """vCPUs per sandbox (CPU quota, and the CPUs a pinning policy reserves)."""
-    memory_mib: int = Field(default=512, ge=16)
+    memory_mib: int = Field(default=512, ge=16, le=1 << 20)  # 1 TiB: cgroup limit / VM RAM
     """Memory limit per sandbox (cgroup memory + swap; the VM's RAM for VM backends)."""
     pinning: Literal["none", "core", "thread", "l3"] = "none"
     """CPU pinning policy: none, core (whole physical cores incl. SMT siblings, exclusive), thread (logical CPUs), l3 (pack within one L3 domain)."""
@@ -30,7 +30,7 @@ class SandboxConfig(Section):
     """How long creating a sandbox (until its guest agent says hello) may take."""
     output_cap_bytes: int = Field(default=1 << 20, ge=1024)
     """Per-stream cap on captured stdout/stderr; the rest is dropped and flagged as truncated."""
-    workdir_mib: int = Field(default=256, ge=1)
+    workdir_mib: int = Field(default=256, ge=1, le=1 << 20)  # a tmpfs size, counted in memory
     """Size of the sandbox's private writable tmpfs (bwrap); counts against memory_mib."""
     min_idle: int = Field(default=2, ge=0)
     """Warm pool: keep at least this many idle sandboxes ready."""
@@ -45,6 +45,6 @@ class SandboxConfig(Section):
     memory_reserve_mib: int = Field(default=256, ge=0)
     """Admission: MemAvailable must exceed a new sandbox's memory_mib by this much."""
     state_dir: str | None = None
-    """Journal of live sandboxes (crash recovery) and work dirs (default: $XDG_RUNTIME_DIR or /tmp, per user)."""
+    """Journal of live sandboxes (crash recovery) and work dirs (default: /run/slipstream/sandbox for root, else $XDG_RUNTIME_DIR/slipstream/sandbox or ~/.cache/slipstream/run/sandbox); must be owned by this user and not writable by others."""
     verify_in_sandbox: Literal["auto", "always", "never"] = "auto"
     """RL rollout verification through a per-worker SandboxPool: auto (when the task set has a sandboxed verifier, i.e. it executes model output: `code`), always (fail if the task has none), never (the task's verifier in-process)."""

@@ -273,7 +273,7 @@ class NativeEngine:
         [0, MAX_VERSION]; ordering rules (monotonic versions) are the caller's (the server's)."""
         version = check_int("weight version", version, 0, MAX_VERSION)
         self._check_serving()
-        prepared = prepare_weights(self.model, source)
+        prepared = prepare_weights(self.model, source, self.config.max_weight_source_bytes)
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self._check_serving()

@@ -23,10 +23,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from slipstream.engine.base import ALL_TOKENS, MAX_INT32, MAX_SAMPLES
-from slipstream.engine.protocol import Count, Seed, Strict, TokenId, TopN
+from slipstream.engine.protocol import Count, Seed, Strict, TokenId, TopN, refuse_long_lists
 
 Stop = str | list[str] | None
 
@@ -92,6 +92,11 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: Annotated[int, Field(ge=1, le=MAX_SAMPLES)] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded(cls, data: Any) -> Any:
+        return refuse_long_lists(data, ("prompt",))
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()

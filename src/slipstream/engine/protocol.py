@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from slipstream.engine.base import (
     ALL_TOKENS,
@@ -44,6 +44,26 @@ TopN = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+MAX_BATCH_PROMPTS = MAX_SAMPLES
+"""Most list items (prompts, per-prompt params, rids) one request can carry: the ceiling of every
+server's sample limit (`--max-batch-samples`), since each prompt is at least one sample."""
+
+
+def refuse_long_lists(data: Any, fields: tuple[str, ...]) -> Any:
+    """A `mode="before"` check on the raw JSON: a list field longer than MAX_BATCH_PROMPTS is
+    refused by its length before a single item is validated (one prompt's token ids are not a
+    batch: the context limit bounds them later) (validating 2M nested token lists
+    takes seconds on the event loop; tokenizing 2M text prompts took ~24 CPU-s)."""
+    if isinstance(data, dict):
+        for name in fields:
+            value = data.get(name)
+            one_prompt = bool(value) and isinstance(value, list) and isinstance(value[0], int)
+            if isinstance(value, list) and len(value) > MAX_BATCH_PROMPTS and not one_prompt:
+                raise ValueError(f"{name}: {len(value)} items; at most {MAX_BATCH_PROMPTS} "
+                                 "per request")  # fmt: skip
+    return data
 
 
 # SGLang sampling fields slipstream does not implement, with the value that means "off".
@@ -133,6 +153,12 @@ class GenerateReqInput(Strict):
     return_routed_experts: bool = False
     routed_experts_start_len: Count = 0
     stream: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded(cls, data: Any) -> Any:
+        return refuse_long_lists(data, ("text", "input_ids", "sampling_params", "rid",
+                                        "return_logprob"))  # fmt: skip
 
 
 class UpdateWeightFromDiskReqInput(Strict):

@@ -22,6 +22,7 @@ multimodal inputs, TLS.
 from __future__ import annotations
 
 import asyncio
+import reprlib
 import uuid
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from slipstream.engine.base import Completion, GenerateRequest, SamplingParams
 from slipstream.engine.guard import (
     ADMIN_PATHS,
     PUBLIC_PATHS,
+    GuardedRoute,
     GuardMiddleware,
     ServeOptions,
     check_weight_source,
@@ -84,6 +86,7 @@ def create_app(
     if options is None:
         options = ServeOptions(served_model_name=Path(model_path).name or "slipstream")
     app = FastAPI(title="slipstream engine server")
+    app.router.route_class = GuardedRoute  # JSON bodies parsed by guard.parse_json_body
     app.add_middleware(GuardMiddleware, options=options)
     metrics = ServeMetrics(engine, endpoints=ADMIN_PATHS | PUBLIC_PATHS | METRICS_ENDPOINTS)
     app.add_middleware(RequestMetrics, metrics=metrics)  # outermost: counts refused ones too
@@ -98,7 +101,7 @@ def create_app(
         for e in exc.errors():
             loc = ".".join(str(p) for p in e["loc"] if p != "body")
             param = param or loc
-            shown = repr(e.get("input"))
+            shown = reprlib.repr(e.get("input"))  # bounded: the input may be a 2M-item list
             shown = shown if len(shown) <= 60 else shown[:57] + "..."
             parts.append(f"{loc}: {e['msg']} (got {shown})")
         return error_response(400, "invalid request: " + "; ".join(parts[:5]), param)
@@ -212,6 +215,8 @@ def create_app(
     async def generate(obj: GenerateReqInput, request: Request) -> Any:
         if (obj.text is None) == (obj.input_ids is None):
             raise ValueError("give exactly one of text or input_ids")
+        raw = obj.text if obj.text is not None else obj.input_ids
+        state.check_prompt_count(len(raw) if raw and isinstance(raw[0], (str, list)) else 1)
         if obj.text is not None:
             batched = isinstance(obj.text, list)
             prompts = [state.encode(t) for t in (obj.text if batched else [obj.text])]

@@ -111,6 +111,12 @@ class ServerState:
             bad = [t for t in r.params.stop_token_ids if t >= vocab]
             if bad:
                 raise ValueError(f"stop_token_ids: {bad[:5]} outside the vocabulary [0, {vocab})")
+    def check_prompt_count(self, num_prompts: int) -> None:
+        """413 before anything is tokenized or built: each prompt is at least one sample, so
+        more prompts than the sample limit can be refused by the raw list's length alone."""
+        if num_prompts > self.options.max_batch_samples:
+            raise HTTPException(413, f"request asks for at least {num_prompts} samples (one per "
+                                     f"prompt); the limit is {self.options.max_batch_samples}")  # fmt: skip
 
     def routed(self, c: Completion, start: int) -> tuple[str | None, dict[str, Any] | None]:
         """SGLang's base64 routing of rows [start, P + C - 1) and slipstream's layout extra."""

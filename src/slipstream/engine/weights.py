@@ -26,15 +26,19 @@ WeightSource = Mapping[str, torch.Tensor] | str | Path
 HF-format directory (safetensors, single file or sharded), or the URL of one that fsspec can read
 (s3://bucket/ckpt, file:///path, ...)."""
 
-# What a checkpoint directory must provide for the weights; config/tokenizer files are not needed.
-_WEIGHT_FILES = (".safetensors", ".safetensors.index.json")
+
+INDEX_MAX_BYTES = 64 << 20
+"""A shard index names each tensor once (~100 bytes a name): 64 MiB is far beyond any model."""
 
 
-def read_weights(source: WeightSource) -> dict[str, torch.Tensor]:
+def read_weights(source: WeightSource, max_bytes: int | None = None) -> dict[str, torch.Tensor]:
     """The tensors of a source. A truncated or malformed safetensors file, or a shard index
     that is not JSON, names missing files or files outside the directory, or maps a tensor to
     a file that lacks it, is a ValueError naming it. With an index, its weight_map is the
-    checkpoint: exactly the tensors it lists are read (so an incomplete map is incomplete)."""
+    checkpoint: exactly the tensors it lists are read (so an incomplete map is incomplete).
+    Only the files the index names (or the single model.safetensors) are read or, for a URL,
+    copied, and their sizes together must stay within `max_bytes` (checked on the listing first).
+    """
     from safetensors import SafetensorError
 
     if not isinstance(source, str | Path):
@@ -42,46 +46,76 @@ def read_weights(source: WeightSource) -> dict[str, torch.Tensor]:
     try:
         if isinstance(source, str) and "://" in source:
             with tempfile.TemporaryDirectory(prefix="slipstream-weights-") as tmp:
-                _download(source, Path(tmp))
-                return _read_dir(Path(tmp))
+                _download(source, Path(tmp), max_bytes)
+                return _read_dir(Path(tmp), max_bytes)
         if not Path(source).is_dir():
             raise ValueError(f"update_weights: {source} is not a directory")
-        return _read_dir(Path(source))
+        return _read_dir(Path(source), max_bytes)
     except SafetensorError as e:
         raise ValueError(f"update_weights: {source}: unreadable safetensors: {e}") from None
 
 
-def _read_dir(directory: Path) -> dict[str, torch.Tensor]:
+def _files_named(where: str, index_text: str | None) -> dict[str, list[str]]:
+    """file name -> tensor names it must hold, from a shard index (None: no index, then the
+    single file, all its tensors). ValueError naming `where` for a bad index."""
+    from slipstream.model.checkpoint import SINGLE_FILE
+
+    if index_text is None:
+        return {SINGLE_FILE: []}  # every tensor of the file
+    try:
+        weight_map = json.loads(index_text)["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"update_weights: {where}: bad shard index: {e!r}") from None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise ValueError(f"update_weights: {where}: bad shard index: weight_map must "
+                         "map tensor names to file names")  # fmt: skip
+    by_file: dict[str, list[str]] = {}
+    for name, fname in weight_map.items():
+        if Path(fname).name != fname or not fname.endswith(".safetensors"):
+            raise ValueError(f"update_weights: {where}: bad shard index: file "
+                             f"{fname[:80]!r} is not a .safetensors file in the directory")  # fmt: skip
+        by_file.setdefault(fname, []).append(name)
+    return by_file
+
+
+def _check_total(where: str, sizes: dict[str, int], max_bytes: int | None) -> None:
+    total = sum(sizes.values())
+    if max_bytes is not None and total > max_bytes:
+        raise ValueError(f"update_weights: {where}: the files the index names hold {total} "
+                         f"bytes, more than the limit of {max_bytes} "
+                         "(engine.max_weight_source_bytes)")  # fmt: skip
+
+
+def _read_dir(directory: Path, max_bytes: int | None = None) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
     from slipstream.model.checkpoint import INDEX_FILE, SINGLE_FILE
 
     index_path = directory / INDEX_FILE
     if index_path.is_file():
+        if index_path.stat().st_size > INDEX_MAX_BYTES:
+            raise ValueError(f"update_weights: {index_path}: larger than {INDEX_MAX_BYTES} bytes")
         try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+            index_text = index_path.read_text()
+        except UnicodeDecodeError as e:
             raise ValueError(f"update_weights: {index_path}: bad shard index: {e!r}") from None
-        if not isinstance(weight_map, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-        ):
-            raise ValueError(f"update_weights: {index_path}: bad shard index: weight_map must "
-                             "map tensor names to file names")  # fmt: skip
-        by_file: dict[str, list[str]] = {}
-        for name, fname in weight_map.items():
-            if Path(fname).name != fname or not fname.endswith(".safetensors"):
-                raise ValueError(f"update_weights: {index_path}: bad shard index: file "
-                                 f"{fname[:80]!r} is not a .safetensors file in the directory")  # fmt: skip
-            by_file.setdefault(fname, []).append(name)
+        by_file = _files_named(str(index_path), index_text)
     elif (directory / SINGLE_FILE).is_file():
-        by_file = {SINGLE_FILE: []}  # every tensor of the file
+        by_file = _files_named(str(directory), None)
     else:
         raise FileNotFoundError(f"{directory}: neither {SINGLE_FILE} nor {INDEX_FILE}")
-    state: dict[str, torch.Tensor] = {}
-    for fname, names in sorted(by_file.items()):
+    sizes = {}
+    for fname in by_file:
         path = directory / fname
         if not path.is_file():
             raise FileNotFoundError(f"No such file: {path} (named by {INDEX_FILE})")
+        sizes[fname] = path.stat().st_size
+    _check_total(str(directory), sizes, max_bytes)
+    state: dict[str, torch.Tensor] = {}
+    for fname, names in sorted(by_file.items()):
+        path = directory / fname
         with safe_open(str(path), framework="pt", device="cpu") as f:
             present = set(f.keys())
             wanted = names or sorted(present)
@@ -93,12 +127,22 @@ def _read_dir(directory: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def prepare_weights(model: torch.nn.Module, source: WeightSource) -> dict[str, torch.Tensor]:
+def default_max_source_bytes(model: torch.nn.Module) -> int:
+    """4 x the model's parameter bytes + 64 MiB: an fp32 checkpoint of a bf16 model, with its
+    headers, fits; anything much larger is not a checkpoint of this model."""
+    params = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return 4 * params + (64 << 20)
+
+
+def prepare_weights(
+    model: torch.nn.Module, source: WeightSource, max_bytes: int | None = None
+) -> dict[str, torch.Tensor]:
     """Read `source` and check it against `model` (see the module docstring); returns the
-    internal (stacked-experts) state dict on the model's device and in its dtypes."""
+    internal (stacked-experts) state dict on the model's device and in its dtypes. `max_bytes`
+    bounds the source's files (default: `default_max_source_bytes(model)`)."""
     from slipstream.model.checkpoint import hf_to_internal
 
-    state = read_weights(source)
+    state = read_weights(source, max_bytes or default_max_source_bytes(model))
     bad_type = [k for k, v in state.items() if not isinstance(v, torch.Tensor)]
     if bad_type:
         raise ValueError(f"update_weights: entries that are not tensors: {bad_type[:5]}")
@@ -148,15 +192,35 @@ def load_weights_into(model: torch.nn.Module, source: WeightSource) -> None:
     apply_weights(model, prepare_weights(model, source))
 
 
-def _download(url: str, directory: Path) -> None:
-    """Copy the safetensors files (and shard index) of a checkpoint URL into `directory`."""
+def _download(url: str, directory: Path, max_bytes: int | None) -> None:
+    """Copy the shard index and the files it names (or the single model.safetensors) of a
+    checkpoint URL into `directory`; nothing else in the source is copied, and the named files'
+    listed sizes must fit `max_bytes` before the first byte of them is fetched."""
     import fsspec
+
+    from slipstream.model.checkpoint import INDEX_FILE, SINGLE_FILE
 
     fs, root = fsspec.core.url_to_fs(url)
     if not fs.isdir(root):
         raise ValueError(f"update_weights: {url} is not a directory")
-    names = [p for p in fs.ls(root, detail=False) if p.endswith(_WEIGHT_FILES)]
-    if not names:
-        raise ValueError(f"update_weights: {url} holds no .safetensors files")
-    for remote in names:
-        fs.get(remote, str(directory / Path(remote).name))
+    listed = {Path(p["name"]).name: int(p.get("size") or 0)
+              for p in fs.ls(root, detail=True) if p.get("type") == "file"}  # fmt: skip
+    root = root.rstrip("/")
+    if INDEX_FILE in listed:
+        if listed[INDEX_FILE] > INDEX_MAX_BYTES:
+            raise ValueError(
+                f"update_weights: {url}/{INDEX_FILE}: larger than {INDEX_MAX_BYTES} bytes"
+            )
+        index_bytes = fs.cat_file(f"{root}/{INDEX_FILE}")
+        (directory / INDEX_FILE).write_bytes(index_bytes)
+        by_file = _files_named(f"{url}/{INDEX_FILE}", index_bytes.decode(errors="replace"))
+    elif SINGLE_FILE in listed:
+        by_file = _files_named(url, None)
+    else:
+        raise ValueError(f"update_weights: {url} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
+    missing = sorted(set(by_file) - set(listed))
+    if missing:
+        raise FileNotFoundError(f"No such file: {url}/{missing[0]} (named by {INDEX_FILE})")
+    _check_total(url, {f: listed[f] for f in by_file}, max_bytes)
+    for fname in sorted(by_file):
+        fs.get(f"{root}/{fname}", str(directory / fname))

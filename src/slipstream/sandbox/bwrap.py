@@ -32,9 +32,11 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
+from slipstream.rundir import UnsafeDirError, private_dir, runtime_root
 from slipstream.sandbox.agent_client import agent_source_path
 from slipstream.sandbox.base import Backend, SandboxTemplate
 from slipstream.sandbox.cgroups import CgroupLimits, CgroupManager
@@ -86,7 +88,7 @@ class BwrapBackend(Backend):
         uid: int = NOBODY,
         bwrap: str = "/usr/bin/bwrap",
         python: str = "/usr/bin/python3",
-        rootfs_cache: str | Path = "/tmp/slipstream-bwrap-rootfs",
+        rootfs_cache: str | Path | None = None,
         **_: object,
     ) -> None:
         for exe in (bwrap, python, SH, SETPRIV, TASKSET):
@@ -105,45 +107,51 @@ class BwrapBackend(Backend):
             self.seccomp_program = build_filter()
         except NotImplementedError as e:
             raise BackendUnavailable(f"bwrap backend: {e}") from None
-        self.rootfs = self._stage(Path(rootfs_cache))
+        self.rootfs = self._stage(Path(rootfs_cache or runtime_root() / "bwrap-rootfs"))
         self._fixed_args = self._static_args()
 
     def _stage(self, cache: Path) -> Path:
-        """Agent copy + minimal /etc in a dir the sandbox uid can reach, keyed by content (a shared
-        read-only cache: it outlives sandboxes, holds no per-sandbox state)."""
-        agent = Path(agent_source_path()).read_bytes()
-        key = hashlib.sha256(agent + repr(sorted(ETC_FILES.items())).encode()).hexdigest()[:12]
-        root = cache / f"rootfs-{key}"
-        if (root / "ready").exists():
-            return root
-        cache.mkdir(parents=True, exist_ok=True)
-        os.chmod(cache, 0o755)
-        for parent in cache.parents:
+        """Agent copy + minimal /etc in a dir the sandbox uid can reach: a cache that outlives
+        sandboxes, holds no per-sandbox state, and is content-addressed. It lives in a private
+        runtime dir (rundir: ours, not writable by others), and an existing entry is used only
+        when the hash of what it contains (every path, mode, byte and link target) equals the
+        hash of what we would stage; otherwise it is removed and staged again."""
+        try:
+            private_dir(cache, mode=0o755)
+        except UnsafeDirError as e:
+            raise BackendUnavailable(f"bwrap rootfs cache: {e}") from None
+        os.chmod(cache, 0o755)  # ours (checked): the sandbox uid must search it
+        for parent in Path(os.path.realpath(cache)).parents:
             if not os.stat(parent).st_mode & 0o001:
                 raise BackendUnavailable(
                     f"bwrap rootfs cache {cache}: {parent} is not searchable by uid {self.uid}"
                 )
+        want = rootfs_entries(Path(agent_source_path()).read_bytes())
+        digest = tree_digest(want)
+        root = cache / f"rootfs-{digest[:16]}"
+        if os.path.lexists(root):
+            try:
+                got = tree_digest(read_tree(root))
+            except (OSError, ValueError) as e:
+                got = f"unreadable ({e})"
+            if got == digest:
+                return root
+            log.warning("bwrap rootfs cache %s does not hold what its name says (%s); restaging",
+                        root, got if got.startswith("unreadable") else "content hash differs")  # fmt: skip
+            if os.path.isdir(root) and not os.path.islink(root):
+                shutil.rmtree(root)
+            else:
+                os.unlink(root)
         tmp = Path(tempfile.mkdtemp(prefix=".rootfs-", dir=cache))
-        (tmp / "etc").mkdir()
-        for name, text in ETC_FILES.items():
-            (tmp / "etc" / name).write_text(text)
-        for name in ETC_COPIED:
-            src = Path("/etc") / name
-            if src.is_symlink():
-                os.symlink(os.readlink(src), tmp / "etc" / name)
-            elif src.is_dir():
-                shutil.copytree(src, tmp / "etc" / name, symlinks=True)
-            elif src.is_file():
-                shutil.copy(src, tmp / "etc" / name)
-        (tmp / "agent.py").write_bytes(agent)
-        (tmp / "ready").write_text("")
-        for p in [tmp, *tmp.rglob("*")]:
-            if not p.is_symlink():
-                os.chmod(p, 0o755 if p.is_dir() else 0o644)
         try:
+            write_tree(tmp, want)
+            os.chmod(tmp, 0o755)
             os.rename(tmp, root)
-        except OSError:  # another process staged it first
+        except OSError:  # another process staged it first: verify theirs like any other entry
             shutil.rmtree(tmp, ignore_errors=True)
+            if tree_digest(read_tree(root)) != digest:
+                raise BackendUnavailable(f"bwrap rootfs cache {root}: staged by another process "
+                                         "with other contents") from None  # fmt: skip
         return root
 
     def _static_args(self) -> list[str]:
@@ -269,6 +277,90 @@ class BwrapBackend(Backend):
         if self.journal:
             self.journal.write(sb.record())
         return sb
+
+
+# A tree as {relative path: (kind, mode, data)}: kind "d" (dir, data b""), "f" (file, its bytes)
+# or "l" (symlink, its target). What `rootfs_entries` wants, `write_tree` makes and `read_tree`
+# reads back, so a cache entry is verified by what it holds, not by its name.
+Tree = dict[str, tuple[str, int, bytes]]
+ROOTFS_FILE_MAX_BYTES = 64 << 20
+"""A staged /etc file larger than this is not one we wrote (ld.so.cache is ~100 KB)."""
+
+
+def rootfs_entries(agent: bytes) -> Tree:
+    tree: Tree = {"etc": ("d", 0o755, b""), "agent.py": ("f", 0o644, agent)}
+    for name, text in ETC_FILES.items():
+        tree[f"etc/{name}"] = ("f", 0o644, text.encode())
+    for name in ETC_COPIED:
+        src = Path("/etc") / name
+        if src.is_symlink():
+            tree[f"etc/{name}"] = ("l", 0, os.readlink(src).encode())
+        elif src.is_dir():
+            tree[f"etc/{name}"] = ("d", 0o755, b"")
+            for dirpath, dirnames, filenames in os.walk(src):
+                for n in dirnames + filenames:
+                    p = Path(dirpath) / n
+                    rel = f"etc/{p.relative_to('/etc')}"
+                    if p.is_symlink():
+                        tree[rel] = ("l", 0, os.readlink(p).encode())
+                    elif p.is_dir():
+                        tree[rel] = ("d", 0o755, b"")
+                    elif p.is_file():
+                        tree[rel] = ("f", 0o644, p.read_bytes())
+        elif src.is_file():
+            tree[f"etc/{name}"] = ("f", 0o644, src.read_bytes())
+    return tree
+
+
+def tree_digest(tree: Tree) -> str:
+    h = hashlib.sha256()
+    for rel in sorted(tree):
+        kind, mode, data = tree[rel]
+        h.update(f"{rel}\0{kind}\0{mode:o}\0{len(data)}\0".encode())
+        h.update(data)
+    return h.hexdigest()
+
+
+def write_tree(root: Path, tree: Tree) -> None:
+    for rel in sorted(tree):  # parents sort before their children
+        kind, mode, data = tree[rel]
+        p = root / rel
+        if kind == "d":
+            p.mkdir()
+        elif kind == "l":
+            os.symlink(data.decode(), p)
+        else:
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+        if kind != "l":
+            os.chmod(p, mode)
+
+
+def read_tree(root: Path) -> Tree:
+    """What `root` holds, links not followed; ValueError for anything we never write (a file
+    of another owner, a device, a FIFO, a file too big)."""
+    tree: Tree = {}
+    euid = os.geteuid()
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames + filenames:
+            p = Path(dirpath) / n
+            rel = str(p.relative_to(root))
+            st = os.lstat(p)
+            if st.st_uid != euid:
+                raise ValueError(f"{p} is owned by uid {st.st_uid}")
+            mode = stat.S_IMODE(st.st_mode)
+            if stat.S_ISLNK(st.st_mode):
+                tree[rel] = ("l", 0, os.readlink(p).encode())
+            elif stat.S_ISDIR(st.st_mode):
+                tree[rel] = ("d", mode, b"")
+            elif stat.S_ISREG(st.st_mode) and st.st_size <= ROOTFS_FILE_MAX_BYTES:
+                fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+                with os.fdopen(fd, "rb") as f:
+                    tree[rel] = ("f", mode, f.read())
+            else:
+                raise ValueError(f"{p} is not a directory, link or small regular file")
+    return tree
 
 
 def launch_argv(procs_files: list[str], *, uid: int, cpus: tuple[int, ...] | None) -> list[str]:

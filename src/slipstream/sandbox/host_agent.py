@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from slipstream.rundir import private_dir
 from slipstream.sandbox.base import AgentSandbox, Backend, SandboxTemplate
 from slipstream.sandbox.errors import (
     AdmissionTimeout,
@@ -154,7 +155,7 @@ class HostAgent:
     # ------------------------------------------------------------ lifecycle
 
     async def start(self, ready_timeout_s: float | None = None) -> HostAgent:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.state_dir, mode=0o755)  # ours, not writable by others (rundir)
         self._lock_fd = take_state_lock(self.state_dir)
         try:
             check_socket_free(self.socket_path)

@@ -27,7 +27,7 @@ from slipstream.sandbox.errors import SandboxError
 def take_state_lock(state_dir: Path) -> int:
     """The lock's fd (close it to release); SandboxError naming the holder when taken."""
     path = state_dir / "agent.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from slipstream.rundir import private_dir
+
 log = logging.getLogger(__name__)
 
 BUILDER_VERSION = "2"
@@ -497,7 +499,9 @@ def build_image(cache_dir: Path | str | None = None, force: bool = False) -> Ima
     several processes at once (a lock file serialises builds). Raises RuntimeError naming the
     missing input when a kernel, busybox-static or the guest Python cannot be found."""
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    cache.mkdir(parents=True, exist_ok=True)
+    # ours and not writable by others (rundir): a directory another user made first is refused;
+    # 0o755 because unprivileged VMMs (the Firecracker jail uid) read the image
+    private_dir(cache, mode=0o755)
     with open(cache / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         inp = _inputs(cache)

@@ -3,27 +3,54 @@
 The journal is a directory (`<state_dir>/journal/`) with one JSON file per live sandbox, written
 atomically (temp file + rename) *before* the sandbox's processes start (cgroup paths and dirs are
 known then) and updated with the pid once it runs; the file goes away after the sandbox is
-destroyed. Each file names its owner (pid + /proc start time). `reap_orphans()` reaps every record
-whose owner is dead: kills the recorded process (only if its start time still matches, so a recycled
-pid is never hit), kills and removes its cgroups, deletes its dirs, and lets the backend remove
-anything else (VMs: sockets, images, jailer dirs) through `Backend.reap`.
+destroyed. Each file names its owner (pid + /proc start time).
+
+Trust: reaping kills processes and removes cgroups and directories named in the records, as
+whoever runs it (often root), so a record is acted on only when this user wrote it. The state dir
+and the journal are private runtime directories (`slipstream.rundir`: owned by us, not writable by
+others, no symlinks; a directory someone else made first is refused, naming it), every file is
+opened relative to the checked directory fd with O_NOFOLLOW, and each record carries an HMAC-SHA256
+under a random per-journal key (`.key`, mode 0600, in the 0700 journal dir): a record without a
+valid MAC (planted, edited, or from before this check) is logged and removed, never acted on.
+
+`reap_orphans()` reaps every record whose owner is dead: kills the recorded process (only if
+its start time still matches, so a recycled pid is never hit), kills and removes its cgroups,
+deletes its dirs, and lets the backend remove anything else (VMs: sockets, images, jailer dirs)
+through `Backend.reap`.
 
 Not covered: processes of the `process` backend that left the agent's cgroup-less process tree
-(that backend is not isolation and has no cgroup), a journal on a filesystem shared by hosts.
+(that backend is not isolation and has no cgroup), a journal on a filesystem shared by hosts,
+records of a version before the MAC (removed unreaped: reap with that version before upgrading),
+journals in the old default dir /tmp/slipstream-sandbox-<uid> (no longer read).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from slipstream.rundir import (
+    UnsafeDirError,
+    create_once_at,
+    list_at,
+    open_dir,
+    private_dir,
+    read_at,
+    runtime_root,
+    unlink_at,
+    write_at,
+)
 from slipstream.sandbox.cgroups import remove_cgroup_dirs
 
 log = logging.getLogger(__name__)
@@ -61,39 +88,69 @@ def process_alive(pid: int | None, start_ticks: int | None) -> bool:
 
 
 def default_state_dir() -> Path:
-    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
-    return Path(base) / f"slipstream-sandbox-{os.getuid()}"
+    """This user's sandbox state dir: `<rundir.runtime_root()>/sandbox` (never a shared /tmp name)."""
+    return runtime_root() / "sandbox"
+
+
+RECORD_MAX_BYTES = 1 << 20
+"""A record names a few paths and cgroups; anything bigger is not one of ours."""
+KEY_FILE = ".key"
+
+
+def _mac(key: bytes, data: dict[str, Any]) -> str:
+    body = json.dumps({k: v for k, v in data.items() if k != "mac"}, sort_keys=True)
+    return hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
 
 
 class Journal:
-    """One JSON file per live sandbox under `<state_dir>/journal`. Owned by this process."""
+    """One JSON file per live sandbox under `<state_dir>/journal`. Owned by this process.
+    Raises rundir.UnsafeDirError (naming the directory) when the state dir or the journal is not
+    private to this user."""
 
     def __init__(self, state_dir: str | Path) -> None:
-        self.dir = Path(state_dir) / "journal"
-        self.dir.mkdir(parents=True, exist_ok=True)
+        # work/ and jailer/ live in the state dir too: searchable by others, not writable
+        private_dir(state_dir, mode=0o755)
+        self.dir = private_dir(Path(state_dir) / "journal", mode=0o700)
+        self._fd = open_dir(self.dir)
+        weakref.finalize(self, os.close, self._fd)
+        create_once_at(self._fd, KEY_FILE, secrets.token_bytes(32))
+        self._key = read_at(self._fd, KEY_FILE, max_bytes=64)
+        if len(self._key) != 32:
+            raise UnsafeDirError(f"journal key {self.dir / KEY_FILE} is not 32 bytes; remove it")
         self.owner_pid = os.getpid()
         self.owner_start = process_start_ticks(self.owner_pid)
 
-    def _path(self, sandbox_id: str) -> Path:
-        return self.dir / f"{sandbox_id}.json"
-
     def write(self, record: SandboxRecord) -> None:
-        data = {"owner_pid": self.owner_pid, "owner_start": self.owner_start, **asdict(record)}
-        tmp = self.dir / f".{record.sandbox_id}.tmp"
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, self._path(record.sandbox_id))
+        data: dict[str, Any] = {
+            "owner_pid": self.owner_pid,
+            "owner_start": self.owner_start,
+            **asdict(record),
+        }
+        data["mac"] = _mac(self._key, data)
+        write_at(self._fd, f"{record.sandbox_id}.json", json.dumps(data).encode())
 
     def remove(self, sandbox_id: str) -> None:
-        self._path(sandbox_id).unlink(missing_ok=True)
+        unlink_at(self._fd, f"{sandbox_id}.json")
 
     def entries(self) -> list[dict[str, Any]]:
+        """Records this user's journal wrote (MAC checked); anything else is logged and removed."""
         out = []
-        for p in sorted(self.dir.glob("*.json")):
+        for name in list_at(self._fd):
+            if not name.endswith(".json") or name.startswith("."):
+                continue
             try:
-                out.append(json.loads(p.read_text()))
-            except (json.JSONDecodeError, FileNotFoundError) as e:
-                log.warning("journal entry %s unreadable (%s); removing it", p, e)
-                p.unlink(missing_ok=True)
+                data = json.loads(read_at(self._fd, name, RECORD_MAX_BYTES))
+                if not isinstance(data, dict) or not hmac.compare_digest(
+                    str(data.get("mac", "")), _mac(self._key, data)
+                ):
+                    raise ValueError("no valid MAC: not written by this user's journal")
+            except FileNotFoundError:
+                continue  # removed by its owner while we listed
+            except (ValueError, UnsafeDirError, OSError) as e:
+                log.warning("journal entry %s ignored and removed: %s", self.dir / name, e)
+                unlink_at(self._fd, name)
+                continue
+            out.append({k: v for k, v in data.items() if k != "mac"})
         return out
 
     def orphans(self) -> list[dict[str, Any]]:

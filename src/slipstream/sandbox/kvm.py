@@ -102,14 +102,24 @@ def _test_boot(image: ImagePaths, qemu_binary: str, timeout_s: float) -> tuple[b
     try:
         listener.bind(str(run_dir / "ctl.sock"))
         listener.listen(1)
-        listener.settimeout(timeout_s)
         argv = qemu_argv(image, run_dir, memory_mib=256, vcpus=1, accel="kvm",
                          name="slipstream-kvm-probe", qemu_binary=qemu_binary)  # fmt: skip
         with open(run_dir / "qemu.log", "wb") as qemu_log:
             proc = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=qemu_log, stderr=qemu_log
             )
-        conn, _ = listener.accept()
+        # wait for the guest's connection, but not for a QEMU that already exited (a host whose
+        # KVM refuses the guest's MSRs aborts in ~0.1 s: the probe used to sit out timeout_s)
+        listener.settimeout(0.1)
+        while True:
+            try:
+                conn, _ = listener.accept()
+                break
+            except TimeoutError:
+                if proc.poll() is not None:
+                    raise ConnectionError("QEMU exited before the guest connected") from None
+                if time.perf_counter() - t0 > timeout_s:
+                    raise
         with conn:
             conn.settimeout(max(timeout_s - (time.perf_counter() - t0), 0.1))
             header = conn.recv(4, socket.MSG_WAITALL)
@@ -127,9 +137,10 @@ def _test_boot(image: ImagePaths, qemu_binary: str, timeout_s: float) -> tuple[b
             proc.wait()
         lines = (run_dir / "qemu.log").read_text(errors="replace").strip().splitlines()
         if proc is not None and proc.returncode not in (None, -9):
-            why = f"QEMU exited with {proc.returncode}: {lines[0] if lines else 'no message'}"
-        else:
-            why = f"the guest hung ({type(e).__name__}: {e})"
+            first = lines[0] if lines else "no message"
+            return False, (f"a KVM test boot failed after {time.perf_counter() - t0:.1f} s: "
+                           f"QEMU exited with {proc.returncode}: {first}")  # fmt: skip
+        why = f"the guest hung ({type(e).__name__}: {e})"
         return False, f"a KVM test boot did not reach the guest agent within {timeout_s} s: {why}"
     finally:
         if proc is not None and proc.poll() is None:

@@ -30,6 +30,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from slipstream.rundir import private_dir
 from slipstream.sandbox.agent_client import AgentConnection, agent_source_path
 from slipstream.sandbox.base import AgentSandbox, Backend, SandboxTemplate
 from slipstream.sandbox.cgroups import Cgroup
@@ -274,9 +275,7 @@ class ProcessBackend(Backend):
         return sb
 
     def _work_root(self) -> Path:
-        root = self.state_dir / "work"
-        root.mkdir(parents=True, exist_ok=True)
-        return root
+        return private_dir(self.state_dir / "work", mode=0o700)  # ours alone: see rundir
 
 
 __all__ = ["Cgroup", "ProcessBackend", "SubprocessSandbox", "start_agent_subprocess"]

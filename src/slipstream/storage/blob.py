@@ -127,6 +127,22 @@ def _local_dirs(root: str, rel_dir: str) -> None:
             raise InvalidEntry(f"{path}: {kind} inside the store; refusing to write through it")
 
 
+def _refuse_links_on_the_way(root: str, rel: str, doing: str) -> None:
+    """Every directory between the store root and `rel` must be a real directory: a symlinked
+    `weights/` or `ckpt/` planted in the store would make a delete (or write) act in the link's
+    target, outside the store. Checked before the destructive step, not after it."""
+    path = root
+    for part in [p for p in rel.split("/") if p][:-1]:
+        path = f"{path}/{part}"
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return  # nothing below it to act on
+        if not stat.S_ISDIR(st.st_mode):
+            kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
+            raise InvalidEntry(f"{path}: {kind} inside the store; refusing to {doing} through it")
+
+
 class BlobStore:
     """A URL root on an fsspec filesystem with the few operations the store and checkpoints need.
     `storage_options` go to fsspec (e.g. {"client_kwargs": {"endpoint_url": ...}} for S3)."""
@@ -223,9 +239,11 @@ class BlobStore:
     def rm(self, rel: str) -> None:
         self._fence()
         try:
-            if self.local and os.path.islink(self.path(rel)):
-                os.unlink(self.path(rel))  # the link, never what it points to
-                return
+            if self.local:
+                _refuse_links_on_the_way(self.root, rel, "delete")
+                if os.path.islink(self.path(rel)):
+                    os.unlink(self.path(rel))  # the link, never what it points to
+                    return
             self.fs.rm(self.path(rel), recursive=True)
         except FileNotFoundError:
             pass
