@@ -111,6 +111,7 @@ class ServerState:
             bad = [t for t in r.params.stop_token_ids if t >= vocab]
             if bad:
                 raise ValueError(f"stop_token_ids: {bad[:5]} outside the vocabulary [0, {vocab})")
+
     def check_prompt_count(self, num_prompts: int) -> None:
         """413 before anything is tokenized or built: each prompt is at least one sample, so
         more prompts than the sample limit can be refused by the raw list's length alone."""
