@@ -1,0 +1,225 @@
+"""The native engine's decode step: forward, sampling and bookkeeping of every running row as one
+callable over the running batch's static buffers, with one device-to-host copy per step.
+
+`DecodeStep(num_rows)` runs, on the device and without reading anything back:
+1. the model over rows [0, B) of the slot cache (`SlotKVCache.begin_decode` with a key span the
+   host knows from its own mirror of the rows' positions, so nothing waits for the device), the
+   MoE blocks on their static expert path (`static_moe`: no host split sizes),
+2. sampling (`sample_rows`: temperature, top-k/top-p/min-p, counter-based per-row seeds, top-n
+   alternatives; `sampling.py`),
+3. bookkeeping: the token, behaviour logprob and policy version (a device tensor, so a captured
+   graph reads the current one) stored at each row's next output index, positions advanced, MoE
+   routing recorded for rows that asked (R3), finish flags (stop token, token limit, slot end),
+then copies (tokens, logprobs, finish flags) to the host in one transfer.
+
+CUDA graphs (`engine.cuda_graphs`, CUDA only): the device part is captured per batch bucket
+(1, 2, 4, ..., num_slots rows, the live rows padded up to the bucket) and per sampling variant
+(the host flags that pick its code path: all-greedy, filters, top-n width, routing), with the key
+span fixed at the slot length, and replayed; captured lazily at first use of a key (the rows'
+small state is restored after the capture's warm-up runs, so a capture can happen while rows are
+live). Weights are updated in place (`weights.apply_weights`), so graphs stay valid across
+hot-swaps; `weights_updated` refreshes the attention's fused q/k/v copies in place. Padding rows
+of a bucket are free slots whose state `RunningBatch.remove` resets, so they write only into
+their own (free) slot. On CPU, or with graphs off, the same function runs eagerly at the exact
+row count and key span.
+
+Legend: B live rows, P bucket rows (B <= P), V vocabulary, L MoE layers, k experts per token.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from slipstream.engine.batch import RunningBatch
+from slipstream.engine.routing import RoutingRecorder
+from slipstream.engine.sampling import RowParams, processed_logprobs, sample
+from slipstream.model.layers import Attention
+from slipstream.model.moe import SparseMoeBlock
+
+log = logging.getLogger(__name__)
+
+
+@contextmanager
+def static_moe(blocks: list[SparseMoeBlock]) -> Iterator[None]:
+    """Within the block, the MoE blocks run the static expert path (`moe.static_experts`: no host
+    sync, static shapes) whatever their configured `moe_impl`; restored after (the model may
+    also be trained, whose path is its own)."""
+    impls = [b.impl for b in blocks]
+    for b in blocks:
+        b.impl = "static"
+    try:
+        yield
+    finally:
+        for b, impl in zip(blocks, impls, strict=True):
+            b.impl = impl
+
+
+def sample_rows(
+    batch: RunningBatch, logits_RV: torch.Tensor, rp: RowParams, num_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token for rows [0, R) and record it in the batch (token, logprob, version,
+    top-n alternatives when some row wants them; advances gen and the fed-back token).
+    -> (tokens [R], logprobs [R]). No host sync."""
+    u_R = batch.uniforms(num_rows)
+    top = None
+    if batch.top_width:
+        lp_RV = processed_logprobs(logits_RV, rp)
+        values, ids = lp_RV.topk(batch.top_width, dim=-1)
+        top = (ids, values)
+        tokens_R, logprobs_R = sample(logits_RV, rp, u_R, lp_BV=lp_RV)
+    else:
+        tokens_R, logprobs_R = sample(logits_RV, rp, u_R)
+    batch.record(0, tokens_R, logprobs_R, batch.version_1, top)
+    return tokens_R, logprobs_R
+
+
+@dataclass
+class StepOutput:
+    """One step on the host: per row (of the B live rows) its sampled token and behaviour
+    logprob, and the rows that finished."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    done: list[int]
+
+
+def to_host(tokens_R: torch.Tensor, logprobs_R: torch.Tensor, done_R: torch.Tensor) -> StepOutput:
+    """The step's one device-to-host copy: tokens (exact in float64 below 2**53), logprobs (float32
+    values, exact in float64) and finish flags packed in one tensor."""
+    packed_3R = torch.stack((tokens_R.double(), logprobs_R.double(), done_R.double()))
+    return unpack(packed_3R.cpu())
+
+
+def unpack(host_3R: torch.Tensor) -> StepOutput:
+    tokens, logprobs, done = host_3R.tolist()
+    return StepOutput([int(t) for t in tokens], logprobs, [i for i, d in enumerate(done) if d])
+
+
+class DecodeStep:
+    """See the module docstring. `forward_s` accumulates the time of the device part (on CUDA
+    its launch or replay time; the copy after it waits for the device)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        batch: RunningBatch,
+        routing: RoutingRecorder,
+        cuda_graphs: bool,
+    ) -> None:
+        self.model, self.batch, self.routing = model, batch, routing
+        cache = batch.cache
+        self.buckets = _buckets(cache.num_slots)
+        self.cuda_graphs = cuda_graphs
+        self._graphs: dict[tuple, tuple[Any, torch.Tensor]] = {}
+        self._pool: Any = None
+        self._layout_version = batch.layout_version
+        self.graph_fallback: str | None = None
+        """Why graphs were turned off at run time (logged once), None while they serve."""
+
+    # ---- device part ---------------------------------------------------------------------
+
+    def device_step(self, rows: int, max_pos: int) -> torch.Tensor:
+        """Forward + sampling + bookkeeping of rows [0, rows) on the device, no host sync.
+        -> packed [3, rows] float64 (tokens, logprobs, finish flags)."""
+        batch = self.batch
+        pos_R = batch.pos_N[:rows]
+        batch.cache.begin_decode(pos_R, max_pos)
+        ids_R1 = batch.last_N[:rows, None]
+        route_RLk = None
+        with static_moe(self.routing.blocks):
+            if batch.any_routing:
+                with self.routing.capture() as ids:
+                    out = self.model(ids_R1, position_ids_BT=pos_R[:, None], cache=batch.cache)
+                route_RLk = self.routing.stack(ids)
+            else:
+                out = self.model(ids_R1, position_ids_BT=pos_R[:, None], cache=batch.cache)
+        pos_R += 1
+        if route_RLk is not None:
+            batch.record_routing(route_RLk)
+        rp = batch.params_for(rows)
+        tokens_R, logprobs_R = sample_rows(batch, out.logits_BTV[:, -1], rp, rows)
+        done_R = batch.done_mask(0, tokens_R)
+        return torch.stack((tokens_R.double(), logprobs_R.double(), done_R.double()))
+
+    # ---- host part -----------------------------------------------------------------------
+
+    def __call__(self, num_rows: int) -> StepOutput:
+        """One decode step of the B = num_rows live rows (the batch's rows [0, B))."""
+        batch = self.batch
+        batch.params()  # refresh the composition-derived flags (routing, top-n, streaming)
+        if self.cuda_graphs and self.graph_fallback is None:
+            try:
+                packed = self._replay(num_rows)
+            except RuntimeError as e:  # a capture that fails: serve eagerly, say so once
+                self.graph_fallback = f"CUDA graph capture failed, decoding eagerly: {e}"
+                log.error("%s", self.graph_fallback)
+                self._graphs.clear()
+                packed = self.device_step(num_rows, batch.max_pos(num_rows))
+        else:
+            packed = self.device_step(num_rows, batch.max_pos(num_rows))
+        batch.advance_host(num_rows)
+        return unpack(packed[:, :num_rows].cpu())  # the one device-to-host copy
+
+    # ---- CUDA graphs ---------------------------------------------------------------------
+
+    def _replay(self, num_rows: int) -> torch.Tensor:
+        batch = self.batch
+        if batch.layout_version != self._layout_version:  # a buffer was reallocated
+            self._graphs.clear()
+            self._layout_version = batch.layout_version
+        rows = next(b for b in self.buckets if b >= num_rows)
+        rp = batch.params()
+        key = (rows, rp.all_greedy, rp.any_greedy, rp.needs_filter, batch.top_width,
+               batch.any_routing)  # fmt: skip
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._capture(rows)
+            self._graphs[key] = entry
+        graph, out = entry
+        graph.replay()
+        return out
+
+    def _capture(self, rows: int) -> tuple[Any, torch.Tensor]:
+        """Capture `device_step(rows)` with the key span fixed at the slot length. The warm-up
+        runs (needed before capture) really execute: the rows' small state is saved and put
+        back, so the live rows see no step; what they wrote (KV at each row's next position,
+        outputs at its next index) is rewritten by the real step."""
+        batch = self.batch
+        max_pos = batch.cache.slot_len - 1
+        saved = [t.clone() for t in batch.step_state()]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.device_step(rows, max_pos)
+        torch.cuda.current_stream().wait_stream(stream)
+        for t, s in zip(batch.step_state(), saved, strict=True):
+            t.copy_(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self.device_step(rows, max_pos)
+        self._pool = graph.pool()
+        return graph, out
+
+    def weights_updated(self) -> None:
+        """After an in-place weight copy: refresh what the model derives from its weights
+        (the attention's fused q/k/v copies, rebuilt into the same storage, so captured graphs
+        read the new weights)."""
+        for m in self.model.modules():
+            if isinstance(m, Attention):
+                m.refresh_inference_weights()
+
+
+def _buckets(num_slots: int) -> list[int]:
+    """1, 2, 4, ... below num_slots, then num_slots."""
+    out, b = [], 1
+    while b < num_slots:
+        out.append(b)
+        b *= 2
+    return [*out, num_slots]
