@@ -148,3 +148,43 @@ def test_decode_step_matches_the_engine():
                 for i, p in enumerate(prompts)
             ])  # fmt: skip
         assert got == [c.token_ids[:5] for c in done], params
+
+
+def test_padded_bucket_at_the_full_key_span_equals_the_exact_step():
+    """What a captured graph computes (the live rows padded up to the bucket with free slots,
+    the key span fixed at the slot length), run eagerly: the live rows get the same tokens,
+    logprobs and finish flags as the exact-size step, and the padding stays in its slots."""
+    cfg = ModelConfig(vocab_size=50, max_position_embeddings=64, hidden_size=32,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=16)  # fmt: skip
+    torch.manual_seed(2)
+    model = MoEForCausalLM(cfg).eval()
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    params = SamplingParams(temperature=1.0, top_k=20, max_new_tokens=5, seed=3)
+    with torch.inference_mode():
+        exact = _prefilled_batch(model, prompts, params, slot_len=12)
+        padded = _prefilled_batch(model, prompts, params, slot_len=12)
+        # the same rows in a 4-slot batch: slot 3 pads the bucket of 4
+        big = SlotKVCache.for_model(model, 4, 12)
+        big.k_LNKSD[:, :3], big.v_LNKSD[:, :3] = padded.cache.k_LNKSD, padded.cache.v_LNKSD
+        wide = RunningBatch(big, cfg.vocab_size, "cpu")
+        for i, row in enumerate(padded.rows):
+            wide.add(row, len(prompts[i]))
+        for name in ("pos_N", "gen_N", "last_N", "out_tok_NS", "out_lp_NS", "u_NS"):
+            getattr(wide, name)[:3] = getattr(padded, name)[:3]
+        ref = DecodeStep(model, exact, RoutingRecorder(model), cuda_graphs=False)
+        step = DecodeStep(model, wide, RoutingRecorder(model), cuda_graphs=False)
+        wide.pos_N[3], wide.gen_N[3] = 11, 9  # stale state of a freed slot
+        for _ in range(4):
+            want = ref(3)
+            step.reset_padding(3, 4)
+            wide.params()
+            got = step.device_step(4, big.slot_len - 1)
+            wide.advance_host(3)
+            tokens, logprobs, done = got[:, :3].tolist()
+            assert [int(t) for t in tokens] == want.tokens
+            torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want.logprobs),
+                                       atol=1e-5, rtol=0)  # fmt: skip
+            assert [i for i, d in enumerate(done) if d] == want.done
+            assert (wide.pos_N[3].item(), wide.gen_N[3].item()) == (1, 1)  # reset, then one step

@@ -19,8 +19,8 @@ span fixed at the slot length, and replayed; captured lazily at first use of a k
 small state is restored after the capture's warm-up runs, so a capture can happen while rows are
 live). Weights are updated in place (`weights.apply_weights`), so graphs stay valid across
 hot-swaps; `weights_updated` refreshes the attention's fused q/k/v copies in place. Padding rows
-of a bucket are free slots whose state `RunningBatch.remove` resets, so they write only into
-their own (free) slot. On CPU, or with graphs off, the same function runs eagerly at the exact
+of a bucket are free slots whose position and counters are reset before every replay, so they
+write only into their own (free) slot. On CPU, or with graphs off, the same function runs eagerly at the exact
 row count and key span.
 
 Legend: B live rows, P bucket rows (B <= P), V vocabulary, L MoE layers, k experts per token.
@@ -29,6 +29,7 @@ Legend: B live rows, P bucket rows (B <= P), V vocabulary, L MoE layers, k exper
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -102,8 +103,9 @@ def unpack(host_3R: torch.Tensor) -> StepOutput:
 
 
 class DecodeStep:
-    """See the module docstring. `forward_s` accumulates the time of the device part (on CUDA
-    its launch or replay time; the copy after it waits for the device)."""
+    """See the module docstring. `forward_s` accumulates the time inside model forwards (eager:
+    the model call, on CUDA its launch time; a replayed graph: the replay and the host copy that
+    waits for it, sampling included)."""
 
     def __init__(
         self,
@@ -119,6 +121,7 @@ class DecodeStep:
         self._graphs: dict[tuple, tuple[Any, torch.Tensor]] = {}
         self._pool: Any = None
         self._layout_version = batch.layout_version
+        self.forward_s = 0.0
         self.graph_fallback: str | None = None
         """Why graphs were turned off at run time (logged once), None while they serve."""
 
@@ -132,6 +135,7 @@ class DecodeStep:
         batch.cache.begin_decode(pos_R, max_pos)
         ids_R1 = batch.last_N[:rows, None]
         route_RLk = None
+        t0 = time.perf_counter()
         with static_moe(self.routing.blocks):
             if batch.any_routing:
                 with self.routing.capture() as ids:
@@ -139,6 +143,7 @@ class DecodeStep:
                 route_RLk = self.routing.stack(ids)
             else:
                 out = self.model(ids_R1, position_ids_BT=pos_R[:, None], cache=batch.cache)
+        self.forward_s += time.perf_counter() - t0
         pos_R += 1
         if route_RLk is not None:
             batch.record_routing(route_RLk)
@@ -155,7 +160,12 @@ class DecodeStep:
         batch.params()  # refresh the composition-derived flags (routing, top-n, streaming)
         if self.cuda_graphs and self.graph_fallback is None:
             try:
+                t0 = time.perf_counter()
                 packed = self._replay(num_rows)
+                host = packed[:, :num_rows].cpu()  # the one device-to-host copy
+                self.forward_s += time.perf_counter() - t0
+                batch.advance_host(num_rows)
+                return unpack(host)
             except RuntimeError as e:  # a capture that fails: serve eagerly, say so once
                 self.graph_fallback = f"CUDA graph capture failed, decoding eagerly: {e}"
                 log.error("%s", self.graph_fallback)
@@ -177,6 +187,7 @@ class DecodeStep:
         rp = batch.params()
         key = (rows, rp.all_greedy, rp.any_greedy, rp.needs_filter, batch.top_width,
                batch.any_routing)  # fmt: skip
+        self.reset_padding(num_rows, rows)  # before a capture too: its warm-up runs execute
         entry = self._graphs.get(key)
         if entry is None:
             entry = self._capture(rows)
@@ -184,6 +195,13 @@ class DecodeStep:
         graph, out = entry
         graph.replay()
         return out
+
+    def reset_padding(self, num_rows: int, rows: int) -> None:
+        """Padding rows [num_rows, rows) of a bucket advance with it at every step: put them
+        back at position 0 with nothing generated, so their writes stay inside their own (free)
+        slot and their indices inside the buffers."""
+        for t in self.batch.step_state():
+            t[num_rows:rows] = 0
 
     def _capture(self, rows: int) -> tuple[Any, torch.Tensor]:
         """Capture `device_step(rows)` with the key span fixed at the slot length. The warm-up
@@ -193,14 +211,21 @@ class DecodeStep:
         batch = self.batch
         max_pos = batch.cache.slot_len - 1
         saved = [t.clone() for t in batch.step_state()]
+
+        def restore() -> None:  # a row one short of its slot's end must not step twice
+            for t, s in zip(batch.step_state(), saved, strict=True):
+                t.copy_(s)
+
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.device_step(rows, max_pos)
-        torch.cuda.current_stream().wait_stream(stream)
-        for t, s in zip(batch.step_state(), saved, strict=True):
-            t.copy_(s)
+        try:
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self.device_step(rows, max_pos)
+                    restore()
+            torch.cuda.current_stream().wait_stream(stream)
+        finally:  # also when a warm-up run fails: the eager fallback must see the rows as they were
+            restore()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             out = self.device_step(rows, max_pos)
