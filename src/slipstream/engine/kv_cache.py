@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from slipstream.model.kv_cache import sdpa
 
@@ -141,7 +142,15 @@ class SlotKVCache:
         k_NKSD.index_put_(self._put_BK1, _as(k_BKTD, k_NKSD.dtype))
         v_NKSD.index_put_(self._put_BK1, _as(v_BKTD, v_NKSD.dtype))
         keys_BKSD, values_BKSD = self._keys_L[layer_idx], self._values_L[layer_idx]
-        return sdpa(q_BHTD, keys_BKSD, values_BKSD, mask_TS=self._mask_B11S)
+        # The G = H / K query heads of a kv head as G queries of one head: SDPA then sees equal
+        # head counts, which its fused kernels with a mask take (CUDA: memory-efficient/cuDNN;
+        # masked enable_gqa falls back to the math kernel), and one mask serves all of them.
+        B, H, _, D = q_BHTD.shape
+        q_BKGD = q_BHTD.reshape(B, keys_BKSD.shape[1], -1, D)
+        out_BKGD = F.scaled_dot_product_attention(
+            q_BKGD, keys_BKSD, values_BKSD, attn_mask=self._mask_B11S
+        )
+        return out_BKGD.view(B, H, 1, D)
 
     def _mixed_attend(self, layer_idx, k_NKSD, v_NKSD, q_1HTD, k_1KTD, v_1KTD) -> torch.Tensor:  # noqa: ANN001
         num_rows = self._rows_B.shape[0]

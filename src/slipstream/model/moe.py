@@ -252,7 +252,7 @@ def static_experts(
     offs_E = torch.searchsorted(sorted_ids_A, experts_E, right=True, out_int32=True)
     gate, up = torch._grouped_mm(x_AD, gate_up_w_EDI, offs=offs_E).chunk(2, dim=-1)
     y_AD = torch._grouped_mm(F.silu(gate) * up, down_w_EID, offs=offs_E)
-    y_NkD = torch.empty_like(y_AD).index_copy_(0, order_A, y_AD).view(N, k, -1)  # unsort
+    y_NkD = y_AD.index_copy(0, order_A, y_AD).view(N, k, -1)  # unsort (a permutation: all rows)
     w_Nk = w_Nk if w_Nk.dtype == y_NkD.dtype else w_Nk.to(y_NkD.dtype)
     return (y_NkD * w_Nk[:, :, None]).sum(dim=1)  # combine_topk without a no-op cast
 
