@@ -61,6 +61,24 @@ def static_moe(blocks: list[SparseMoeBlock]) -> Iterator[None]:
             b.impl = impl
 
 
+def engine_forward(
+    model: torch.nn.Module,
+    routing: RoutingRecorder,
+    ids_BT: torch.Tensor,
+    pos_BT: torch.Tensor,
+    cache: Any,
+    record_routing: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The engine's forward over its cache (decode or admission): MoE blocks on the static
+    expert path; -> (logits [B, T, V], routing [B*T, L, k] when `record_routing`, else None)."""
+    with static_moe(routing.blocks):
+        if not record_routing:
+            return model(ids_BT, position_ids_BT=pos_BT, cache=cache).logits_BTV, None
+        with routing.capture() as ids:
+            logits_BTV = model(ids_BT, position_ids_BT=pos_BT, cache=cache).logits_BTV
+        return logits_BTV, routing.stack(ids)
+
+
 def sample_rows(
     batch: RunningBatch, logits_RV: torch.Tensor, rp: RowParams, num_rows: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,22 +151,15 @@ class DecodeStep:
         batch = self.batch
         pos_R = batch.pos_N[:rows]
         batch.cache.begin_decode(pos_R, max_pos)
-        ids_R1 = batch.last_N[:rows, None]
-        route_RLk = None
         t0 = time.perf_counter()
-        with static_moe(self.routing.blocks):
-            if batch.any_routing:
-                with self.routing.capture() as ids:
-                    out = self.model(ids_R1, position_ids_BT=pos_R[:, None], cache=batch.cache)
-                route_RLk = self.routing.stack(ids)
-            else:
-                out = self.model(ids_R1, position_ids_BT=pos_R[:, None], cache=batch.cache)
+        logits_R1V, route_RLk = engine_forward(self.model, self.routing, batch.last_N[:rows, None],
+                                               pos_R[:, None], batch.cache, batch.any_routing)  # fmt: skip
         self.forward_s += time.perf_counter() - t0
         pos_R += 1
         if route_RLk is not None:
             batch.record_routing(route_RLk)
         rp = batch.params_for(rows)
-        tokens_R, logprobs_R = sample_rows(batch, out.logits_BTV[:, -1], rp, rows)
+        tokens_R, logprobs_R = sample_rows(batch, logits_R1V[:, -1], rp, rows)
         done_R = batch.done_mask(0, tokens_R)
         return torch.stack((tokens_R.double(), logprobs_R.double(), done_R.double()))
 

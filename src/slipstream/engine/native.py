@@ -54,7 +54,13 @@ from slipstream.engine.base import (
     check_int,
 )
 from slipstream.engine.batch import Group, Row, RunningBatch
-from slipstream.engine.decode import DecodeStep, StepOutput, sample_rows, static_moe, to_host
+from slipstream.engine.decode import (
+    DecodeStep,
+    StepOutput,
+    engine_forward,
+    sample_rows,
+    to_host,
+)
 from slipstream.engine.kv_cache import Part, SlotKVCache
 from slipstream.engine.outputs import completion_routing, set_prompt_logprobs, stream_events
 from slipstream.engine.routing import RoutingRecorder
@@ -451,18 +457,11 @@ class NativeEngine:
         max_pos = batch.max_pos(num_running) if num_running else -1
         batch.cache.begin_mixed(pos_B, max_pos, parts)
         t0 = time.perf_counter()
-        route_TLk = None
-        with static_moe(self._routing.blocks):
-            if batch.any_routing:
-                with self._routing.capture() as route_ids:
-                    out = self.model(torch.cat(ids)[None], position_ids_BT=torch.cat(pos)[None],
-                                     cache=batch.cache)  # fmt: skip
-                route_TLk = self._routing.stack(route_ids)
-            else:
-                out = self.model(torch.cat(ids)[None], position_ids_BT=torch.cat(pos)[None],
-                                 cache=batch.cache)  # fmt: skip
+        logits_1TV, route_TLk = engine_forward(self.model, self._routing, torch.cat(ids)[None],
+                                               torch.cat(pos)[None], batch.cache,
+                                               batch.any_routing)  # fmt: skip
         self.stats["forward_s"] += time.perf_counter() - t0
-        logits_TV = out.logits_BTV[0]
+        logits_TV = logits_1TV[0]
         self.stats["decode_steps"] += 1 if num_running else 0
         self.stats["decode_rows"] += num_running
         self.stats["prefill_tokens"] += offset - num_running
