@@ -108,11 +108,15 @@ class StepOutput:
     done: list[int]
 
 
+def pack(tokens_R: torch.Tensor, logprobs_R: torch.Tensor, done_R: torch.Tensor) -> torch.Tensor:
+    """A step's results as one [3, R] float64 tensor for its one host copy: tokens (exact in
+    float64 below 2**53), logprobs (float32 values, exact in float64), finish flags."""
+    return torch.stack((tokens_R.double(), logprobs_R.double(), done_R.double()))
+
+
 def to_host(tokens_R: torch.Tensor, logprobs_R: torch.Tensor, done_R: torch.Tensor) -> StepOutput:
-    """The step's one device-to-host copy: tokens (exact in float64 below 2**53), logprobs (float32
-    values, exact in float64) and finish flags packed in one tensor."""
-    packed_3R = torch.stack((tokens_R.double(), logprobs_R.double(), done_R.double()))
-    return unpack(packed_3R.cpu())
+    """`pack`, then the step's one device-to-host copy."""
+    return unpack(pack(tokens_R, logprobs_R, done_R).cpu())
 
 
 def unpack(host_3R: torch.Tensor) -> StepOutput:
@@ -160,8 +164,7 @@ class DecodeStep:
             batch.record_routing(route_RLk)
         rp = batch.params_for(rows)
         tokens_R, logprobs_R = sample_rows(batch, logits_R1V[:, -1], rp, rows)
-        done_R = batch.done_mask(0, tokens_R)
-        return torch.stack((tokens_R.double(), logprobs_R.double(), done_R.double()))
+        return pack(tokens_R, logprobs_R, batch.done_mask(0, tokens_R))
 
     # ---- host part -----------------------------------------------------------------------
 
