@@ -147,6 +147,11 @@ class DecodeStep:
         self.graph_fallback: str | None = None
         """Why graphs were turned off at run time (logged once), None while they serve."""
 
+    @property
+    def num_graphs(self) -> int:
+        """CUDA graphs captured and held (one per bucket and sampling variant used so far)."""
+        return len(self._graphs)
+
     # ---- device part ---------------------------------------------------------------------
 
     def device_step(self, rows: int, max_pos: int) -> torch.Tensor:
