@@ -188,3 +188,21 @@ def test_padded_bucket_at_the_full_key_span_equals_the_exact_step():
                                        atol=1e-5, rtol=0)  # fmt: skip
             assert [i for i, d in enumerate(done) if d] == want.done
             assert (wide.pos_N[3].item(), wide.gen_N[3].item()) == (1, 1)  # reset, then one step
+
+
+def test_engine_dtype_sets_weights_and_kv_cache_and_graphs_stay_off_on_cpu():
+    cfg = ModelConfig(vocab_size=50, max_position_embeddings=64, hidden_size=32,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=16)  # fmt: skip
+    torch.manual_seed(3)
+    model = MoEForCausalLM(cfg).eval()
+    engine_cfg = EngineConfig(max_batch_size=4, kv_cache_tokens=64, max_seq_len=16,
+                              dtype="bfloat16", cuda_graphs=True)  # fmt: skip
+    with NativeEngine(model, engine_cfg, eos_token_ids=[]) as eng:
+        out = eng.generate([GenerateRequest([5, 6, 7], SamplingParams(temperature=0.0, n=2,
+                                                                      max_new_tokens=4))])  # fmt: skip
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+        assert eng.batch.cache.k_LNKSD.dtype == torch.bfloat16
+        assert eng.decoder.cuda_graphs is False and eng.decoder.num_graphs == 0
+    assert [len(c.token_ids) for c in out] == [4, 4] and out[0].token_ids == out[1].token_ids
