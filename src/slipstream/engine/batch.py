@@ -64,6 +64,9 @@ class Row:
     group: Group
     index: int  # sample index within the group
     stop_ids: frozenset[int]
+    sampled: list[int] = field(default_factory=list)
+    """The row's tokens so far on the host, kept only for rows with stop strings (from each
+    step's one host copy), so their text is checked without reading the device."""
 
 
 class RunningBatch:
@@ -276,9 +279,6 @@ class RunningBatch:
         # The pending token needs a KV position for the next step: none left -> length.
         hit_B |= self.pos_N[first:end] >= self.cache.slot_len
         return hit_B
-
-    def tokens(self, i: int) -> list[int]:
-        return self.out_tok_NS[i, : int(self.gen_N[i])].tolist()
 
     def top_of(self, i: int, start: int, end: int) -> list[list[tuple[int, float]]]:
         """Row i's top-n alternatives of tokens [start, end): finite entries, best first."""

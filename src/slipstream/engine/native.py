@@ -492,7 +492,7 @@ class NativeEngine:
         if self.batch.stream_rows:
             for group, event in stream_events(self.batch, out.tokens, out.logprobs, self._version):
                 self._emit(group, event)
-        self._finish_done(out.done)
+        self._finish_done(out)
 
     def _emit(self, group: Group, event: StreamEvent) -> None:
         """Call a request's stream hook; if it raises, that request alone is aborted."""
@@ -507,16 +507,18 @@ class NativeEngine:
             with self._lock:
                 self._aborted.add(group.request_id)
 
-    def _finish_done(self, done: list[int]) -> None:
-        batch = self.batch
+    def _finish_done(self, out: StepOutput) -> None:
+        batch, done = self.batch, out.done
         batch.params()  # refresh stop_string_rows
         matched: dict[int, str] = {}
         if self.tokenizer is not None:
             for i in batch.stop_string_rows:
+                row = batch.rows[i]
+                row.sampled.append(out.tokens[i])
                 if i in done:
                     continue
-                text = self.tokenizer.decode(batch.tokens(i))
-                hit = next((s for s in batch.rows[i].group.params.stop if s in text), None)
+                text = self.tokenizer.decode(row.sampled)
+                hit = next((s for s in row.group.params.stop if s in text), None)
                 if hit is not None:
                     matched[i] = hit
                     done.append(i)
