@@ -67,6 +67,8 @@ class Row:
     sampled: list[int] = field(default_factory=list)
     """The row's tokens so far on the host, kept only for rows with stop strings (from each
     step's one host copy), so their text is checked without reading the device."""
+    streamed: int = 0
+    """Tokens streamed so far (streaming rows only): its generated count, known on the host."""
 
 
 class RunningBatch:

@@ -44,7 +44,8 @@ def stream_events(
     for i, tok, lp in zip(rows, toks, lps, strict=True):
         row = batch.rows[i]
         g, top = row.group, None
-        gen = int(batch.gen_N[i])
+        row.streamed += 1
+        gen = row.streamed  # = gen_N[i], without reading it from the device
         if g.params.top_logprobs:
             top = batch.top_of(i, gen - 1, gen)[0]
         first = gen == 1 and g.prompt_logprobs is not None
