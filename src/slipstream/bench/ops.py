@@ -7,9 +7,9 @@ any device, CPU included, with a `TorchDispatchMode`: every aten op the callable
 this thread is seen once at the Python dispatch level (ops a kernel runs internally are not).
 
 Host syncs counted: `aten._local_scalar_dense` or, under inference mode, `aten.item` (`.item()`,
-`int()`, `bool()`, `float()` of a
-tensor), `aten.nonzero` (its output size depends on the data), `aten.equal`, and copies from
-another device to the CPU (`Tensor.cpu()`, `.tolist()` of a device tensor goes through one).
+`int()`, `bool()`, `float()` of a tensor), `aten.nonzero` (its output size depends on the data),
+`aten.equal`, and copies from another device to the CPU (`Tensor.cpu()`; `.tolist()` of a
+device tensor goes through one).
 `.tolist()` of a CPU tensor reads memory directly and dispatches nothing: on CPU it is invisible
 here, so callables meant for a GPU should read results with `.cpu()` (counted) first.
 """
