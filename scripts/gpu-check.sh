@@ -12,13 +12,20 @@
 #      reachable, carried along) go to a --target directory; the project runs from src/ on
 #      PYTHONPATH (no build step, nothing of the machine's own Python is changed)
 #   2. gpu-tests:  pytest -m "gpu and not slow" tests/gpu   (engine, trainer, NCCL, bench smoke)
-#   3. bench:      slipstream bench engine --device cuda     (native vs HF generate vs raw decode)
-#   4. quickstart: pytest -m "gpu and slow" tests/gpu        (quickstart on CUDA learns)
-# Each phase has a time limit; together they stay under 8 minutes (PHASE_LIMITS below, checked by
-# --dry-run). A failing phase does not stop the later ones. OUT_DIR receives at most 8 files:
+#   3. engine-mid: slipstream bench engine --device cuda --preset mid (native vs HF generate vs
+#                  raw decode vs the bandwidth limit; bf16, CUDA graphs; issue 30)
+#   4. engine-qwen: the same, --preset qwen3-30b-a3b-4l (no HF baseline)
+#   5. e2e:        100 async GRPO steps of the mid shape, trainer and engine on the one GPU
+#                  (samples/s, trainer idle share; the run's result line and metrics in the log)
+#   opt-in (GPU_CHECK_PHASES): bench (bench engine, quickstart + larger at 32x8) and
+#                  quickstart (pytest -m "gpu and slow": the quickstart on CUDA learns)
+# Each phase has a time limit; the default phases stay under 8 minutes (PHASE_LIMITS below,
+# checked by --dry-run). GPU_CHECK_PHASES="gpu-tests quickstart" (say) runs those instead.
+# A failing phase does not stop the later ones. OUT_DIR receives at most 8 files:
 # gpu-check.json (summary: phases, test counts, every test's recorded figures, provenance),
-# gpu-check.log (all output), gpu-tests.jsonl, junit-gpu.xml, junit-quickstart.xml,
-# engine_gpu.json. Exit 0 when every phase passed. Provenance: set SLIPSTREAM_GIT_COMMIT to
+# gpu-check.log (all output), gpu-tests.jsonl, junit-gpu.xml, engine_mid.json,
+# engine_qwen.json, and with the opt-in phases junit-quickstart.xml, engine_gpu.json.
+# Exit 0 when every phase passed. Provenance: set SLIPSTREAM_GIT_COMMIT to
 # the commit you sent (the machine may get the tree without .git); a hash of the tree is
 # recorded either way.
 #
@@ -36,6 +43,9 @@ WHEELHOUSE=${SLIPSTREAM_WHEELHOUSE:-.wheelhouse}
 BUDGET_S=480              # the whole check, install included (the device lends 15 min a session)
 INSTALL_LIMIT_S=30
 declare -A PHASE_LIMITS=([gpu-tests]=100 [bench]=75 [quickstart]=250)
+PHASE_LIMITS+=([engine-mid]=90 [engine-qwen]=60 [e2e]=120)  # issue 30: the engine at GPU scale
+DEFAULT_PHASES="gpu-tests engine-mid engine-qwen e2e"
+PHASES=${GPU_CHECK_PHASES:-$DEFAULT_PHASES}
 KILL_AFTER_S=5
 EXPECTED_GPU_FILES="test_gpu_bench.py test_gpu_engine.py test_gpu_quickstart.py test_gpu_trainer.py"
 
@@ -90,9 +100,13 @@ import slipstream.config as c; c.load_config(None, [])"' _ "$py312" "$site" "$WH
     check "without CUDA every gpu test skips cleanly" skip_check "$py"
   fi
   local sum=$((INSTALL_LIMIT_S + KILL_AFTER_S)) p
-  for p in "${!PHASE_LIMITS[@]}"; do sum=$((sum + PHASE_LIMITS[$p] + KILL_AFTER_S)); done
-  check "phase limits ($sum s with install and kill margins) within ${BUDGET_S} s" \
-    test "$sum" -le "$BUDGET_S"
+  for p in $DEFAULT_PHASES; do sum=$((sum + PHASE_LIMITS[$p] + KILL_AFTER_S)); done
+  check "phase limits of the default phases ($sum s with install and kill margins) within \
+${BUDGET_S} s" test "$sum" -le "$BUDGET_S"
+  for p in "${!PHASE_LIMITS[@]}"; do
+    check "phase $p alone ($((PHASE_LIMITS[$p] + INSTALL_LIMIT_S + 2 * KILL_AFTER_S)) s) within \
+${BUDGET_S} s" test $((PHASE_LIMITS[$p] + INSTALL_LIMIT_S + 2 * KILL_AFTER_S)) -le "$BUDGET_S"
+  done
   if [[ -n $out ]]; then
     mkdir -p "$out"
     printf '{"mode": "dry-run", "failures": %d, "tree_bytes": %d, "wheelhouse_bytes": %d}\n' \
@@ -147,11 +161,56 @@ run_phase() {  # run_phase NAME LIMIT_S COMMAND...: time-limited, output to the 
   return $rc
 }
 
+run_named_phase() {  # one phase of the full check (uses full_check's locals: py, pt, slip, ...)
+  local name=$1 limit=${PHASE_LIMITS[$1]} args
+  case $name in
+    gpu-tests)
+      run_phase "$name" "$limit" "${pt[@]}" -m "gpu and not slow" --junitxml="$out/junit-gpu.xml" ;;
+    quickstart)
+      run_phase "$name" "$limit" "${pt[@]}" -m "gpu and slow" \
+        --junitxml="$out/junit-quickstart.xml" ;;
+    bench)
+      args=(--device "$device" --models quickstart,larger --workloads 32x8 --repeats 1)
+      ((rehearse)) && args=(--device cpu --models quickstart --workloads 4x4 --max-new-tokens 16
+        --repeats 1)
+      run_phase "$name" "$limit" "${slip[@]}" bench engine "${args[@]}" \
+        --out "$out/engine_gpu.json" ;;
+    engine-mid|engine-qwen)
+      local preset=mid json=engine_mid.json
+      [[ $name == engine-qwen ]] && preset=qwen3-30b-a3b-4l json=engine_qwen.json
+      args=(--device "$device" --preset "$preset" --repeats 1)
+      # rehearsal: the preset's flags on the quickstart shape (the real one is minutes on a CPU)
+      ((rehearse)) && args=(--device cpu --models quickstart --workloads 4x4 --max-new-tokens 16
+        --repeats 1 --dtype bfloat16 $([[ $name == engine-qwen ]] && echo --skip-hf))
+      run_phase "$name" "$limit" "${slip[@]}" bench engine "${args[@]}" --out "$out/$json" ;;
+    e2e)
+      # The mid shape (bench/models.py "mid"; the task's own vocabulary) on one device: the
+      # trainer in this process, one rollout worker process with the native engine, async GRPO.
+      # Untrained (no SFT): rewards are mostly 0, so every step trains anyway
+      # (skip_no_signal=false) for the time breakdown of real steps; pass@1 is not the point.
+      local e2e_dir=${TMPDIR:-/tmp}/slipstream-gpu-e2e
+      rm -rf "$e2e_dir"
+      args=(--model.hidden_size=1024 --model.num_hidden_layers=16 --model.num_attention_heads=16
+        --model.num_key_value_heads=4 --model.head_dim=64 --model.num_experts=32
+        --model.num_experts_per_tok=4 --model.moe_intermediate_size=512
+        --run.device="$device" --engine.device="$device" --trainer.steps=100)
+      [[ $device == cuda ]] && args+=(--engine.dtype=bfloat16)
+      ((rehearse)) && args=(--run.device=cpu --engine.device=cpu --trainer.steps=2)
+      run_phase "$name" "$limit" "${slip[@]}" run -c configs/quickstart.toml --plain \
+        --run.output_dir="$e2e_dir" --sft.steps=0 --trainer.eval_every=0 \
+        --trainer.checkpoint_every=0 --trainer.skip_no_signal=false --eval.num_prompts=64 \
+        "${args[@]}"
+      local rc=$?
+      [[ -f $e2e_dir/metrics.jsonl ]] && tail -n 3 "$e2e_dir/metrics.jsonl"
+      return $rc ;;
+  esac
+}
+
 full_check() {
   local out=$1 rehearse=$2 py device site failed=0
   mkdir -p "$out" || die "cannot create $out"
   out=$(cd "$out" && pwd)
-  rm -f "$out"/gpu-check.json "$out"/gpu-tests.jsonl "$out"/junit-*.xml "$out"/engine_gpu.json
+  rm -f "$out"/gpu-check.json "$out"/gpu-tests.jsonl "$out"/junit-*.xml "$out"/engine_*.json
   exec > >(tee "$out/gpu-check.log") 2>&1
   local t0=$SECONDS
   if ((rehearse)); then
@@ -188,16 +247,11 @@ import slipstream.config, slipstream.engine.server, slipstream.rl.trainer, slips
     failed=1
   else
     local pt=("$py" -m pytest -p no:cacheprovider -o junit_family=xunit1 -rA tests/gpu)
-    run_phase gpu-tests "${PHASE_LIMITS[gpu-tests]}" "${pt[@]}" -m "gpu and not slow" \
-      --junitxml="$out/junit-gpu.xml" || failed=1
-    local bench=(--device "$device" --models quickstart,larger --workloads 32x8 --repeats 1)
-    ((rehearse)) && bench=(--device cpu --models quickstart --workloads 4x4 --max-new-tokens 16
-      --repeats 1)
-    run_phase bench "${PHASE_LIMITS[bench]}" "$py" -c \
-      'from slipstream.cli import main; raise SystemExit(main())' bench engine "${bench[@]}" \
-      --out "$out/engine_gpu.json" || failed=1
-    run_phase quickstart "${PHASE_LIMITS[quickstart]}" "${pt[@]}" -m "gpu and slow" \
-      --junitxml="$out/junit-quickstart.xml" || failed=1
+    local slip=("$py" -c 'from slipstream.cli import main; raise SystemExit(main())') phase
+    for phase in $PHASES; do
+      [[ -n ${PHASE_LIMITS[$phase]:-} ]] || { log "unknown phase $phase"; failed=1; continue; }
+      run_named_phase "$phase" || failed=1
+    done
   fi
   local phases
   phases=$(IFS=,; echo "[${PHASES_JSON[*]}]")
@@ -246,7 +300,7 @@ summary = {
     "phases": json.loads(os.environ["SUMMARY_PHASES"]),
     "pytest": {"gpu-tests": junit("junit-gpu.xml"), "quickstart": junit("junit-quickstart.xml")},
     "records": records,
-    "engine_bench": "engine_gpu.json" if (out / "engine_gpu.json").exists() else None,
+    "engine_bench": sorted(p.name for p in out.glob("engine_*.json")),
     "provenance": collect_provenance({"git_commit_sent": os.environ.get("SLIPSTREAM_GIT_COMMIT"),
                                       "tree_sha256": h.hexdigest(), "nvidia_smi": smi}),
 }

@@ -147,3 +147,51 @@ def test_bf16_on_cuda_stays_close_to_fp32_cpu(gpu, cpu_model, record) -> None:
     assert agree / total >= BF16_ARGMAX_AGREEMENT
     assert mean_diff <= BF16_MEAN_LOGPROB_DIFF and max_diff <= BF16_MAX_LOGPROB_DIFF
     assert prefix >= BF16_PREFIX_FRACTION
+
+
+def _prefix_fraction(a: list[int], b: list[int]) -> float:
+    first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+    if first is None:
+        first = len(b) if a == b else min(len(a), len(b))
+    return first / max(1, len(b))
+
+
+def test_cuda_graph_decode_equals_eager_and_survives_a_hot_swap(gpu, cpu_model, record) -> None:
+    """bf16 engine with `engine.cuda_graphs` (decode replayed from graphs captured per bucket)
+    against the same engine decoding eagerly: greedy sequences agree (both take the same eager
+    prefill, so the first token is equal; the graphs read keys over the whole slot, so later
+    near-ties may flip: >= 90% of each sequence before the first difference on average), the
+    routing of identical sequences is identical; then after `update_weights` with other weights
+    the graphs compute with the NEW weights (stale captured weights would land near chance).
+    On the CPU (SLIPSTREAM_GPU_TESTS_ON_CPU=1) both engines are eager: the logic only."""
+    ps = prompts(24, seed=11)
+    params = SamplingParams(temperature=0, max_new_tokens=24, stop_token_ids=(EOS,),
+                            return_routed_experts=True)  # fmt: skip
+    new_weights = {k: v.to(torch.bfloat16) for k, v in tiny_model(seed=5).state_dict().items()}
+    runs: dict[bool, list[list]] = {}
+    engines = {}
+    for graphs in (True, False):
+        cfg = EngineConfig(kv_cache_tokens=8 * 128, max_seq_len=128, max_batch_size=8,
+                           device=str(gpu), dtype="bfloat16", cuda_graphs=graphs)  # fmt: skip
+        with NativeEngine(copy.deepcopy(cpu_model), cfg) as eng:
+            before = eng.generate([GenerateRequest(p, params) for p in ps])
+            eng.update_weights(1, new_weights)
+            after = eng.generate([GenerateRequest(p, params) for p in ps])
+            engines[graphs] = (eng.decoder.cuda_graphs, eng.decoder.num_graphs,
+                               eng.decoder.graph_fallback)  # fmt: skip
+        runs[graphs] = [before, after]
+    fractions = []
+    for phase in (0, 1):
+        for g, e in zip(runs[True][phase], runs[False][phase], strict=True):
+            assert g.token_ids[:1] == e.token_ids[:1]
+            fractions.append(_prefix_fraction(g.token_ids, e.token_ids))
+            if g.token_ids == e.token_ids:
+                assert torch.equal(g.routed_experts, e.routed_experts)
+            assert set(g.versions) <= {phase} and set(e.versions) <= {phase}
+    on_cuda, captured, fallback = engines[True]
+    prefix = sum(fractions) / len(fractions)
+    record(cuda_graphs=on_cuda, graphs_captured=captured, graph_fallback=fallback,
+           prefix_fraction=prefix)  # fmt: skip
+    assert fallback is None
+    assert on_cuda == (gpu.type == "cuda") and (captured > 0) == on_cuda
+    assert prefix >= 0.9

@@ -8,8 +8,7 @@ import torch
 from cacheutil import decode_rows, extend_rows
 from slipstream.config.model import ModelConfig
 from slipstream.engine.kv_cache import SlotKVCache
-from slipstream.model import MoEForCausalLM, load_hf_state_dict, sdpa
-from slipstream.model.kv_cache import decode_attend
+from slipstream.model import MoEForCausalLM, load_hf_state_dict
 
 
 def _model(seed: int, **kw) -> MoEForCausalLM:
@@ -71,24 +70,6 @@ def test_fused_cache_follows_dtype_change():
         model.to(torch.float64)
         out = model(ids).logits_BTV
     torch.testing.assert_close(out, model(ids).logits_BTV.detach(), atol=1e-10, rtol=1e-10)
-
-
-@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 1), (4, 2), (6, 6)])
-def test_decode_attend_equals_sdpa(heads, kv_heads):
-    g = torch.Generator().manual_seed(0)
-    B, S, D = 5, 9, 16
-    q = torch.randn(B, heads, 1, D, generator=g)
-    k, v = torch.randn(2, B, kv_heads, S, D, generator=g)
-    visible_BS = torch.rand(B, S, generator=g) < 0.6
-    visible_BS[:, 0] = True  # every row sees at least one key
-    mask = torch.zeros(B, 1, 1, S).masked_fill_(~visible_BS[:, None, None], float("-inf"))
-    torch.testing.assert_close(decode_attend(q, k, v), sdpa(q, k, v), atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(
-        decode_attend(q, k, v, mask), sdpa(q, k, v, mask_TS=visible_BS[:, None, None]),
-        atol=1e-6, rtol=1e-5,
-    )  # fmt: skip
-    with pytest.raises(ValueError, match="not divisible"):
-        decode_attend(torch.randn(1, 3, 1, D), torch.randn(1, 2, S, D), torch.randn(1, 2, S, D))
 
 
 def test_fused_cache_does_not_survive_a_fused_adamw_step():

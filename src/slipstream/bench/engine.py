@@ -20,6 +20,14 @@ close to uniform and EOS (id 2) is sampled with probability about 1/V per step: 
 geometric (mean ~V tokens, capped at max_new_tokens), which gives the long-tailed length spread
 of real GRPO groups without training. Prompts are 8-24 random tokens.
 
+GPU presets (`--preset mid|qwen3-30b-a3b-4l`, for `--device cuda`; issue 30): the model preset
+of that name (bench/models.py) at its real vocabulary (32,000 / 151,936), bfloat16 weights and
+KV cache (`--dtype`), 128 new tokens, and mid: 64 prompts x 8 (512 rows); qwen3-30b-a3b-4l:
+16 x 8 (128 rows) without the transformers baseline (saving and reloading its 3B parameters
+would take most of the phase). On CUDA the native engine first runs the same workload once
+untimed, which captures its decode graphs at every batch bucket the timed run passes through;
+the raw decode (c) synchronises the device before reading the clock at both ends.
+
 Writes JSON with provenance to benchmarks/results/engine.json (or --out).
 """
 
@@ -34,6 +42,11 @@ from typing import Any
 from slipstream.bench.models import MODELS
 
 EOS = 2
+# --preset: (model, workload, vocab, rows, transformers baseline)
+PRESETS = {
+    "mid": ("mid", "64x8", 32_000, 512, True),
+    "qwen3-30b-a3b-4l": ("qwen3-30b-a3b-4l", "16x8", 151_936, 128, False),
+}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -54,6 +67,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vocab", type=int, default=40)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--preset", choices=sorted(PRESETS), default=None,
+        help="GPU-scale workload (overrides --models/--workloads/--vocab/--max-batch-size)",
+    )  # fmt: skip
+    p.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+        help="weights and KV cache of all three runs (a --preset on CUDA: bfloat16)",
+    )  # fmt: skip
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -71,7 +92,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _build_model(name: str, vocab: int, max_pos: int, device: str, seed: int) -> Any:
+def _build_model(name: str, vocab: int, max_pos: int, device: str, seed: int,
+                 dtype: str = "float32") -> Any:  # fmt: skip
+    """Random weights made on `device` (a 3B-parameter preset initialised on the host would take
+    a minute), then cast to `dtype`."""
     import torch
 
     from slipstream.config.model import ModelConfig
@@ -79,7 +103,12 @@ def _build_model(name: str, vocab: int, max_pos: int, device: str, seed: int) ->
 
     torch.manual_seed(seed)
     cfg = ModelConfig(vocab_size=vocab, max_position_embeddings=max_pos, **MODELS[name])
-    return MoEForCausalLM(cfg).to(device).eval()
+    with torch.device("meta"):
+        model = MoEForCausalLM(cfg)
+    model = model.to_empty(device=device)
+    model.init_weights()
+    model.tie_weights()
+    return model.to(getattr(torch, dtype)).eval()
 
 
 def _prompts(num: int, vocab: int, seed: int) -> list[list[int]]:
@@ -103,13 +132,16 @@ def _run_native(
         device=args.device,
     )
     with NativeEngine(model, cfg, eos_token_ids=[EOS]) as eng:
-        warm = [GenerateRequest(prompts[0], SamplingParams(max_new_tokens=8, n=group, seed=1))]
-        eng.generate(warm)
-        eng.stats.update(dict.fromkeys(eng.stats, 0))
         reqs = [
             GenerateRequest(p, SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, n=group, seed=args.seed + i))
             for i, p in enumerate(prompts)
         ]  # fmt: skip
+        if args.device.startswith("cuda"):  # capture the graphs of every bucket it passes
+            eng.generate(reqs)
+        else:
+            warm = [GenerateRequest(prompts[0], SamplingParams(max_new_tokens=8, n=group, seed=1))]
+            eng.generate(warm)
+        eng.stats.update(dict.fromkeys(eng.stats, 0))
         t0 = time.perf_counter()
         out = eng.generate(reqs)
         wall = time.perf_counter() - t0
@@ -129,7 +161,7 @@ def _run_native(
     }
 
 
-def _load_hf(model: Any, device: str) -> Any:
+def _load_hf(model: Any, device: str, dtype: str = "float32") -> Any:
     """The same weights through transformers: save_pretrained -> AutoModelForCausalLM."""
     import torch
     import transformers
@@ -138,7 +170,7 @@ def _load_hf(model: Any, device: str) -> Any:
 
     with tempfile.TemporaryDirectory() as tmp:
         save_pretrained(model, tmp)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=getattr(torch, dtype))
     return hf.to(device).eval()
 
 
@@ -188,7 +220,9 @@ def _run_limit(
 ) -> dict[str, Any]:
     import torch
 
+    from slipstream.engine.decode import static_moe
     from slipstream.engine.kv_cache import Part, SlotKVCache
+    from slipstream.engine.routing import RoutingRecorder
 
     cache = SlotKVCache.for_model(model, batch_size, prompt_len + steps + 1)
     vocab = model.config.vocab_size
@@ -198,15 +232,23 @@ def _run_limit(
     feed = torch.randint(3, vocab, (steps, batch_size, 1), device=device)
     parts = [Part(b, b * prompt_len, prompt_len) for b in range(batch_size)]
     prefill_pos = torch.arange(prompt_len, device=device).repeat(batch_size)[None]
-    with torch.inference_mode():
+    blocks = RoutingRecorder(model).blocks
+
+    def sync() -> None:  # the clock reads finished work: CUDA queues kernels asynchronously
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    with torch.inference_mode(), static_moe(blocks):  # the engine's decode path, no scheduling
         for _ in range(2):  # the first pass warms up; the second is timed
             cache.begin_mixed(torch.empty(0, dtype=torch.long, device=device), -1, parts)
             model(ids.reshape(1, -1), position_ids_BT=prefill_pos, cache=cache)
+            sync()
             t0 = time.perf_counter()
             for step in range(steps):
                 pos_B = torch.full((batch_size,), prompt_len + step, device=device)
                 cache.begin_decode(pos_B, prompt_len + step)
                 model(feed[step], position_ids_BT=pos_B[:, None], cache=cache)
+            sync()
             wall = time.perf_counter() - t0
     return {
         "batch": batch_size,
@@ -236,6 +278,12 @@ def run(args: argparse.Namespace) -> int:
     from slipstream.observe.provenance import collect_provenance, write_result
 
     torch.set_num_threads(args.threads)
+    if args.preset:
+        name, workloads, vocab, rows, with_hf = PRESETS[args.preset]
+        args.models, args.workloads, args.vocab, args.max_batch_size = name, workloads, vocab, rows
+        args.skip_hf = args.skip_hf or not with_hf
+        if args.device.startswith("cuda") and args.dtype == "float32":
+            args.dtype = "bfloat16"
     load_start = os.getloadavg()
     workloads = [tuple(int(x) for x in w.lower().split("x")) for w in args.workloads.split(",")]
     slot_len = 24 + args.max_new_tokens
@@ -247,12 +295,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"output tokens/s (best of {args.repeats} interleaved repeats)\n" + header)
     roofs: dict[str, Any] = {}
     for name in args.models.split(","):
-        model = _build_model(name, args.vocab, slot_len, args.device, args.seed)
-        hf_model = None if args.skip_hf else _load_hf(model, args.device)
+        model = _build_model(name, args.vocab, slot_len, args.device, args.seed, args.dtype)
+        hf_model = None if args.skip_hf else _load_hf(model, args.device, args.dtype)
         context = 16 + args.max_new_tokens // 2  # mean prompt 16, then (c)'s decode steps
         roofs[name] = measure_limits(model.config, parts=("decode",), decode_batch=args.max_batch_size,
                                      context_len=context, device=args.device,
-                                     num_threads=args.threads)  # fmt: skip
+                                     num_threads=args.threads, dtype=args.dtype)  # fmt: skip
         for num_prompts, group in workloads:
             prompts = _prompts(num_prompts, args.vocab, args.seed + 1)
             batch = min(args.max_batch_size, num_prompts * group)

@@ -106,7 +106,7 @@ def experts_hit(cfg: Any, rows: int) -> float:
 
 def decode_gemms(cfg: Any, batch: int, context_len: int) -> list[Gemm]:
     """The products of one decode step of `batch` rows, each attending to context_len keys (the
-    query heads grouped under their kv head, as `decode_attend`)."""
+    query heads grouped under their kv head, as SDPA with enable_gqa computes them)."""
     if batch < 1 or context_len < 1:
         raise ValueError(f"need batch >= 1 and context_len >= 1, got {batch}, {context_len}")
     hit = experts_hit(cfg, batch)

@@ -1,10 +1,22 @@
 """The benchmark model presets (ModelConfig overrides) that bench engine, limits and train share:
-"quickstart" (the quickstart's MoE shape) and "larger" (hidden 256, 8 layers, 16 experts)."""
+"quickstart" (the quickstart's MoE shape), "larger" (hidden 256, 8 layers, 16 experts), and the
+GPU-scale shapes of issue 30: "mid" (hidden 1024, 16 layers, 16 / 4 heads of 64, 32 experts
+top-4 of width 512; 0.91B parameters at vocab 32,000) and "qwen3-30b-a3b-4l" (Qwen3-30B-A3B's
+layer shape, 4 of its 48 layers: hidden 2048, 32 / 4 heads of 128, 128 experts top-8 of width
+768; vocab 151,936 is the caller's `vocab_size`)."""
 
 MODELS = {
     "quickstart": dict(hidden_size=128, num_hidden_layers=4, num_experts=8, num_experts_per_tok=2),
     "larger": dict(
         hidden_size=256, num_hidden_layers=8, num_experts=16, num_experts_per_tok=2,
         num_attention_heads=8, num_key_value_heads=4, moe_intermediate_size=256,
+    ),
+    "mid": dict(
+        hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4,
+        head_dim=64, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=512,
+    ),
+    "qwen3-30b-a3b-4l": dict(
+        hidden_size=2048, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
     ),
 }  # fmt: skip

@@ -49,6 +49,14 @@ class EngineConfig(Section):
     names, together), checked on the listing before any is copied or read; unset = 4 x the model's
     parameter bytes + 64 MiB (an fp32 checkpoint of a bf16 model fits). At most 2 TiB: every
     tensor is held in host memory before the swap."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """Native engine: dtype of the weights and the KV cache (the model is converted in place at
+    engine start); `auto` keeps the model's own dtype. `bfloat16` is what CUDA decode wants
+    (half the bytes per step, and the graph-captured expert path needs it)."""
+    cuda_graphs: bool = True
+    """Native engine on CUDA: capture the decode step in CUDA graphs at bucketed batch sizes
+    (1, 2, 4, ..., the slots), replayed per step (docs/engine.md). Needs dtype bfloat16 (else
+    off, logged). Ignored on CPU, where the same step runs eagerly."""
     request_timeout_s: float = Field(default=600.0, gt=0)
     """HTTP client: timeout of one request."""
     max_concurrency: int = Field(default=64, ge=1)

@@ -65,6 +65,11 @@ class Row:
     group: Group
     index: int  # sample index within the group
     stop_ids: frozenset[int]
+    sampled: list[int] = field(default_factory=list)
+    """The row's tokens so far on the host, kept only for rows with stop strings (from each
+    step's one host copy), so their text is checked without reading the device."""
+    streamed: int = 0
+    """Tokens streamed so far (streaming rows only): its generated count, known on the host."""
 
 
 class RunningBatch:
@@ -90,6 +95,22 @@ class RunningBatch:
         self.out_ver_NS = torch.zeros((n, s), dtype=torch.int64, device=device)
         self.u_NS = torch.zeros((n, s), dtype=torch.float32, device=device)  # sampling uniforms
         self._rows_N = torch.arange(n, device=device)
+        self.version_1 = torch.zeros(1, dtype=torch.int64, device=device)
+        """The policy version of the weights serving (a device tensor: a captured decode graph
+        reads it; the engine updates it in place at a weight swap)."""
+        # Sampling parameters of rows [0, N) in persistent buffers (`params_for`): the rows'
+        # values copied in at each composition change, so a captured graph reads current ones.
+        self._temperature_N = torch.ones(n, dtype=torch.float32, device=device)
+        self._top_k_N = torch.full((n,), vocab_size, dtype=torch.int64, device=device)
+        self._top_p_N = torch.ones(n, dtype=torch.float32, device=device)
+        self._min_p_N = torch.zeros(n, dtype=torch.float32, device=device)
+        self._greedy_N = torch.zeros(n, dtype=torch.bool, device=device)
+        # Host mirror of the rows' KV positions, so a step's key span needs no device read:
+        # row i's position is _pos_base[i] + _steps (`advance_host`, `max_pos`).
+        self._pos_base: list[int] = []
+        self._steps = 0
+        self.layout_version = 0
+        """Bumped when a per-row buffer is reallocated (captured graphs hold the old ones)."""
         self._params: RowParams | None = None
         self.stop_string_rows: list[int] = []
         # Derived from the composition with the params (see `params`).
@@ -120,7 +141,40 @@ class RunningBatch:
             self.stream_rows = [i for i, r in enumerate(self.rows) if r.group.stream is not None]
             self.top_width = max((r.group.params.top_logprobs for r in self.rows), default=0)
             self.any_routing = any(r.group.params.return_routed_experts for r in self.rows)
+            num, rp = len(self.rows), self._params
+            for static, live in (
+                (self._temperature_N, rp.temperature_B), (self._top_k_N, rp.top_k_B),
+                (self._top_p_N, rp.top_p_B), (self._min_p_N, rp.min_p_B),
+                (self._greedy_N, rp.greedy_B),
+            ):  # fmt: skip
+                static[:num] = live
         return self._params
+
+    def params_for(self, rows: int) -> RowParams:
+        """`params()` over the persistent buffers, for rows [0, rows) (rows >= the live rows:
+        the rest are padding rows of a decode bucket, their values stale but valid)."""
+        rp = self.params()
+        return RowParams(
+            self._temperature_N[:rows], self._top_k_N[:rows], self._top_p_N[:rows],
+            self._min_p_N[:rows], self._greedy_N[:rows],
+            rp.all_greedy, rp.any_greedy, rp.needs_filter,
+        )  # fmt: skip
+
+    def max_pos(self, rows: int) -> int:
+        """The largest KV position of rows [0, rows), from the host mirror (no device read)."""
+        return max(self._pos_base[:rows]) + self._steps
+
+    def advance_host(self, rows: int) -> None:
+        """Rows [0, rows) stored one more token (mirrors `pos_N[:rows] += 1`)."""
+        if rows == len(self._pos_base):
+            self._steps += 1
+        else:
+            for i in range(rows):
+                self._pos_base[i] += 1
+
+    def step_state(self) -> tuple[torch.Tensor, ...]:
+        """The per-row tensors a decode step advances (saved around a graph capture's warm-up)."""
+        return (self.pos_N, self.gen_N, self.last_N)
 
     def ensure_top(self, width: int) -> None:
         """Allocate (or widen) the top-n buffers to hold `width` alternatives per token."""
@@ -134,6 +188,7 @@ class RunningBatch:
             old = self.top_ids_NSW.shape[2]
             ids[:, :, :old], lps[:, :, :old] = self.top_ids_NSW, self.top_lp_NSW
         self.top_ids_NSW, self.top_lp_NSW = ids, lps
+        self.layout_version += 1
 
     def ensure_routing(self, num_layers: int, k: int, dtype: torch.dtype) -> None:
         """Allocate the per-row routing buffer [N, S, L, k] on first use."""
@@ -141,6 +196,7 @@ class RunningBatch:
             shape = (self.cache.num_slots, self.cache.slot_len, num_layers, k)
             with torch.inference_mode(False):  # see `_normal`
                 self.route_NSLk = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.layout_version += 1
 
     def record_routing(self, route_BLk: torch.Tensor) -> None:
         """Store the routing of this step's input token of rows [0, B): the token sampled at
@@ -161,6 +217,7 @@ class RunningBatch:
                 )
             wider[:, : self.stop_NW.shape[1]] = self.stop_NW
             self.stop_NW = wider
+            self.layout_version += 1
         self.stop_NW[i] = -1
         if stops:
             self.stop_NW[i, : len(stops)] = torch.tensor(stops, dtype=torch.int64)
@@ -171,6 +228,7 @@ class RunningBatch:
         self.max_new_N[i] = limit
         self.pos_N[i] = prompt_len
         self.gen_N[i] = 0
+        self._pos_base.append(prompt_len - self._steps)
         self._params = None
         return i
 
@@ -196,11 +254,12 @@ class RunningBatch:
         first: int,
         tokens_B: torch.Tensor,
         logprobs_B: torch.Tensor,
-        version: int,
+        version: int | torch.Tensor,
         top: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """Store one sampled token for rows [first, first + len(tokens_B)) and advance them.
-        `top`: (ids [B, W'], logprobs [B, W']) alternatives, when some row wants them."""
+        `version`: an int or a one-element device tensor (`version_1`). `top`: (ids [B, W'],
+        logprobs [B, W']) alternatives, when some row wants them."""
         num = tokens_B.shape[0]
         rows_B = torch.arange(first, first + num, device=tokens_B.device)
         gen_B = self.gen_N[first : first + num]
@@ -223,9 +282,6 @@ class RunningBatch:
         # The pending token needs a KV position for the next step: none left -> length.
         hit_B |= self.pos_N[first:end] >= self.cache.slot_len
         return hit_B
-
-    def tokens(self, i: int) -> list[int]:
-        return self.out_tok_NS[i, : int(self.gen_N[i])].tolist()
 
     def top_of(self, i: int, start: int, end: int) -> list[list[tuple[int, float]]]:
         """Row i's top-n alternatives of tokens [start, end): finite entries, best first."""
@@ -264,7 +320,7 @@ class RunningBatch:
         for i in sorted(indices, reverse=True):
             last = len(self.rows) - 1
             if i != last:
-                self.cache.move(last, i, int(self.pos_N[last]))
+                self.cache.move(last, i, self._pos_base[last] + self._steps)
                 for t in (self.pos_N, self.gen_N, self.last_N, self.max_new_N):
                     t[i] = t[last]
                 for t in (
@@ -280,6 +336,13 @@ class RunningBatch:
                     if t is not None:
                         t[i] = t[last]
                 self.rows[i] = self.rows[last]
+                self._pos_base[i] = self._pos_base[last]
+            # The freed slot may pad a decode bucket: a valid position, nothing generated.
+            for t in (self.pos_N, self.gen_N, self.last_N):
+                t[last] = 0
             self.rows.pop()
+            self._pos_base.pop()
+        if not self.rows:
+            self._steps = 0
         if indices:
             self._params = None

@@ -30,8 +30,14 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
-from slipstream.model.kv_cache import decode_attend, sdpa
+from slipstream.model.kv_cache import sdpa
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in `dtype`, without dispatching a no-op cast (decode is per-op overhead bound)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 class Part(NamedTuple):
@@ -68,6 +74,15 @@ class SlotKVCache:
         self._mask_B11S: torch.Tensor | None = None
         self._span = 0
         self._parts: list[Part] = []
+        self._slots_N = torch.arange(num_slots, device=device)
+        self._span_S = torch.arange(slot_len, device=device)
+        self._heads_K = torch.arange(num_kv_heads, device=device)
+        self._put_BK1: tuple[torch.Tensor, ...] = ()
+        self._keys_L: tuple[torch.Tensor, ...] = ()
+        self._values_L: tuple[torch.Tensor, ...] = ()
+        # Per-layer views made once (storage never moves): no select op per layer and step.
+        self._k_L = self.k_LNKSD.unbind(0)
+        self._v_L = self.v_LNKSD.unbind(0)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, num_slots: int, slot_len: int) -> SlotKVCache:
@@ -81,20 +96,31 @@ class SlotKVCache:
         return self.k_LNKSD.nbytes + self.v_LNKSD.nbytes
 
     def begin_decode(self, pos_B: torch.Tensor, max_pos: int) -> None:
-        """`max_pos` = int(pos_B.max()), passed in so the caller controls the host sync."""
+        """Rows [0, B) each write one token at pos_B[b] and read keys [0, max_pos]. `max_pos` is
+        a bound the caller knows without reading pos_B (the engine mirrors its rows' positions
+        on the host; a captured CUDA graph passes slot_len - 1, a key span fixed per bucket), so
+        nothing here waits for the device. Keys past a row's own position are masked on device."""
         if max_pos >= self.slot_len:
             raise ValueError(f"decode position {max_pos} is past the slot length {self.slot_len}")
         self._mode = "decode"
         num_rows = pos_B.shape[0]
         self._span = max_pos + 1
-        self._rows_B = torch.arange(num_rows, device=pos_B.device)
+        self._rows_B = self._slots_N[:num_rows]
         self._pos_B = pos_B
-        span_S = torch.arange(self._span, device=pos_B.device)
+        # Index of each new k/v in a layer's [N, K, S, D] storage, broadcast to [B, K, 1]: the
+        # attention's [B, K, 1, D] tensors are stored with one index_put each, no reshaping.
+        self._put_BK1 = (self._rows_B[:, None, None], self._heads_K[None, :, None],
+                         pos_B[:, None, None])  # fmt: skip
+        # The keys of rows [0, B) up to the span, per layer: one unbind per step instead of a
+        # select per layer (or two slices per layer and tensor).
+        self._keys_L = self.k_LNKSD[:, :num_rows, :, : self._span].unbind(0)
+        self._values_L = self.v_LNKSD[:, :num_rows, :, : self._span].unbind(0)
         # An additive float mask, built once per step: SDPA would otherwise convert a bool mask in
         # every layer (and its float-mask path measured faster on CPU).
-        hidden_B11S = (span_S[None, :] > pos_B[:, None])[:, None, None, :]
-        mask_B11S = torch.zeros(hidden_B11S.shape, dtype=self.k_LNKSD.dtype, device=pos_B.device)
-        self._mask_B11S = mask_B11S.masked_fill_(hidden_B11S, float("-inf"))
+        hidden_B11S = (self._span_S[: self._span] > pos_B[:, None])[:, None, None, :]
+        self._mask_B11S = torch.zeros_like(hidden_B11S, dtype=self.k_LNKSD.dtype).masked_fill_(
+            hidden_B11S, float("-inf")
+        )
 
     def begin_mixed(self, pos_B: torch.Tensor, max_pos: int, parts: list[Part]) -> None:
         """`parts`: the new tokens of each slot (see `Part`); decode tokens occupy offsets
@@ -112,16 +138,21 @@ class SlotKVCache:
         self._mode = "mixed"
         self._parts = parts
 
-    def _decode_attend(self, k_NKSD, v_NKSD, q_BHTD, k_BKTD, v_BKTD) -> torch.Tensor:  # noqa: ANN001
-        num_rows = q_BHTD.shape[0]
-        # Advanced indices on dims 0 and 2 around a slice: the indexed view is [B, K, D].
-        k_NKSD[self._rows_B, :, self._pos_B] = k_BKTD[:, :, 0].to(k_NKSD.dtype)
-        v_NKSD[self._rows_B, :, self._pos_B] = v_BKTD[:, :, 0].to(v_NKSD.dtype)
-        keys_BKSD = k_NKSD[:num_rows, :, : self._span]
-        values_BKSD = v_NKSD[:num_rows, :, : self._span]
-        return decode_attend(q_BHTD, keys_BKSD, values_BKSD, self._mask_B11S)
+    def _decode_attend(self, layer_idx, k_NKSD, v_NKSD, q_BHTD, k_BKTD, v_BKTD) -> torch.Tensor:  # noqa: ANN001
+        k_NKSD.index_put_(self._put_BK1, _as(k_BKTD, k_NKSD.dtype))
+        v_NKSD.index_put_(self._put_BK1, _as(v_BKTD, v_NKSD.dtype))
+        keys_BKSD, values_BKSD = self._keys_L[layer_idx], self._values_L[layer_idx]
+        # The G = H / K query heads of a kv head as G queries of one head: SDPA then sees equal
+        # head counts, which its fused kernels with a mask take (CUDA: memory-efficient/cuDNN;
+        # masked enable_gqa falls back to the math kernel), and one mask serves all of them.
+        B, H, _, D = q_BHTD.shape
+        q_BKGD = q_BHTD.reshape(B, keys_BKSD.shape[1], -1, D)
+        out_BKGD = F.scaled_dot_product_attention(
+            q_BKGD, keys_BKSD, values_BKSD, attn_mask=self._mask_B11S
+        )
+        return out_BKGD.view(B, H, 1, D)
 
-    def _mixed_attend(self, k_NKSD, v_NKSD, q_1HTD, k_1KTD, v_1KTD) -> torch.Tensor:  # noqa: ANN001
+    def _mixed_attend(self, layer_idx, k_NKSD, v_NKSD, q_1HTD, k_1KTD, v_1KTD) -> torch.Tensor:  # noqa: ANN001
         num_rows = self._rows_B.shape[0]
         outs = []
         if num_rows:
@@ -129,7 +160,9 @@ class SlotKVCache:
             def rows(x: torch.Tensor) -> torch.Tensor:
                 return x[0, :, :num_rows].transpose(0, 1).unsqueeze(2)
 
-            out_BH1D = self._decode_attend(k_NKSD, v_NKSD, rows(q_1HTD), rows(k_1KTD), rows(v_1KTD))
+            out_BH1D = self._decode_attend(
+                layer_idx, k_NKSD, v_NKSD, rows(q_1HTD), rows(k_1KTD), rows(v_1KTD)
+            )
             outs.append(out_BH1D[:, :, 0].transpose(0, 1).unsqueeze(0))
         for slot, offset, length, start in self._parts:
             end = start + length
@@ -152,13 +185,13 @@ class SlotKVCache:
     def attend(
         self, layer_idx: int, q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD: torch.Tensor
     ) -> torch.Tensor:
-        k_NKSD, v_NKSD = self.k_LNKSD[layer_idx], self.v_LNKSD[layer_idx]
+        k_NKSD, v_NKSD = self._k_L[layer_idx], self._v_L[layer_idx]
         if self._mode == "mixed":
-            return self._mixed_attend(k_NKSD, v_NKSD, q_BHTD, k_BKTD, v_BKTD)
+            return self._mixed_attend(layer_idx, k_NKSD, v_NKSD, q_BHTD, k_BKTD, v_BKTD)
         if self._mode == "decode":
             if q_BHTD.shape[2] != 1:
                 raise ValueError(f"decode takes one token per row, got {q_BHTD.shape[2]}")
-            return self._decode_attend(k_NKSD, v_NKSD, q_BHTD, k_BKTD, v_BKTD)
+            return self._decode_attend(layer_idx, k_NKSD, v_NKSD, q_BHTD, k_BKTD, v_BKTD)
         raise RuntimeError("SlotKVCache.attend called before begin_decode/begin_mixed")
 
     def copy_prefix(self, src_slot: int, dst_slots: torch.Tensor, length: int) -> None:

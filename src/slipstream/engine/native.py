@@ -60,11 +60,17 @@ from slipstream.engine.base import (
     check_int,
 )
 from slipstream.engine.batch import Group, Row, RunningBatch
+from slipstream.engine.decode import (
+    DecodeStep,
+    StepOutput,
+    engine_forward,
+    sample_rows,
+    to_host,
+)
 from slipstream.engine.kv_cache import Part, SlotKVCache
 from slipstream.engine.outputs import completion_routing, set_prompt_logprobs, stream_events
 from slipstream.engine.prefix_cache import PrefixCache
 from slipstream.engine.routing import RoutingRecorder
-from slipstream.engine.sampling import raw_top_logprobs, sample
 from slipstream.engine.weights import WeightSource, apply_weights, prepare_weights
 
 log = logging.getLogger(__name__)
@@ -91,7 +97,10 @@ class NativeEngine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = torch.device(self.config.device)
-        self.model.to(self.device)
+        if self.config.dtype == "auto":
+            self.model.to(self.device)
+        else:  # weights and KV cache in the configured dtype
+            self.model.to(self.device, getattr(torch, self.config.dtype))
         slot_len = self.config.max_seq_len or cfg.max_position_embeddings
         if slot_len > cfg.max_position_embeddings:
             raise ValueError(
@@ -117,6 +126,16 @@ class NativeEngine:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self._routing = RoutingRecorder(self.model)
         self._version = version
+        self.batch.version_1.fill_(version)
+        graphs = self.config.cuda_graphs and self.device.type == "cuda"
+        if graphs and dtype != torch.bfloat16:
+            # The static expert path runs torch._grouped_mm, which on CUDA takes bfloat16 only;
+            # in another dtype the experts read split sizes on the host, which a graph cannot.
+            log.warning("engine.cuda_graphs off: the model is %s on CUDA; set engine.dtype = "
+                        "'bfloat16' for graph-captured decode", dtype)  # fmt: skip
+            graphs = False
+        self.decoder = DecodeStep(self.model, self.batch, self._routing, cuda_graphs=graphs)
+        """The decode step (forward + sampling + bookkeeping, one host copy); see decode.py."""
         self._lock = threading.Condition()
         self._waiting: deque[Group] = deque()
         self._aborted: set[str] = set()
@@ -411,6 +430,8 @@ class NativeEngine:
         self._version = version
         if self.prefix_cache is not None:
             self.prefix_cache.clear()  # KV of the old weights
+        self.batch.version_1.fill_(version)
+        self.decoder.weights_updated()
         future.set_result(None)
 
     def _step(self, admitted: list[Group]) -> None:
@@ -421,50 +442,17 @@ class NativeEngine:
             self._decode_step()
         self.stats["step_s"] += time.perf_counter() - t0
 
-    def _forward(
-        self, ids_BT: torch.Tensor, pos_BT: torch.Tensor, record_routing: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> (logits [B, T, V], routing [B*T, L, k] when `record_routing`, else None)."""
-        t0 = time.perf_counter()
-        route_NLk = None
-        if record_routing:
-            with self._routing.capture() as ids:
-                out = self.model(ids_BT, position_ids_BT=pos_BT, cache=self.batch.cache)
-            route_NLk = self._routing.stack(ids)
-        else:
-            out = self.model(ids_BT, position_ids_BT=pos_BT, cache=self.batch.cache)
-        self.stats["forward_s"] += time.perf_counter() - t0
-        return out.logits_BTV, route_NLk
-
-    def _sample(self, logits_RV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """Sample rows [0, B) and record them: (tokens, logprobs, top-n or None)."""
-        batch = self.batch
-        rp = batch.params()
-        u_R = batch.uniforms(len(batch))
-        # Top-n alternatives: the raw distribution (see sampling.py), not the sampled one.
-        top = raw_top_logprobs(logits_RV, batch.top_width) if batch.top_width else None
-        tokens_R, logprobs_R = sample(logits_RV, rp, u_R)
-        batch.record(0, tokens_R, logprobs_R, self._version, top)
-        return tokens_R, logprobs_R, top
-
     def _decode_step(self) -> None:
-        """One token for every running row: a [B, 1] forward."""
+        """One token for every running row: `DecodeStep` (a [B, 1] forward, sampling and
+        bookkeeping on the device, one host copy)."""
         batch = self.batch
         num = len(batch)
-        batch.params()  # refresh the composition-derived flags (routing, streaming, top-n)
-        pos_B = batch.pos_N[:num]
-        batch.cache.begin_decode(pos_B, int(pos_B.max()))
-        logits_B1V, route_BLk = self._forward(
-            batch.last_N[:num, None], pos_B[:, None], batch.any_routing
-        )
+        before_s = self.decoder.forward_s
+        out = self.decoder(num)
+        self.stats["forward_s"] += self.decoder.forward_s - before_s
         self.stats["decode_steps"] += 1
         self.stats["decode_rows"] += num
-        batch.pos_N[:num] += 1
-        if route_BLk is not None:
-            batch.record_routing(route_BLk)
-        tokens_B, logprobs_B, _ = self._sample(logits_B1V[:, -1])
-        self._stream_tokens(tokens_B, logprobs_B)
-        self._finish_done(0, tokens_B)
+        self._after_sampling(out)
 
     def _mixed_step(self, groups: list[Group]) -> None:
         """One ragged [1, T] forward: a decode token for every running row, then each admitted
@@ -491,16 +479,19 @@ class NativeEngine:
             torch.tensor(g.prompt_ids[g.cached_tokens :], device=dev) for g in groups
         ]
         pos = [pos_B] + [torch.arange(p.start, p.start + p.length, device=dev) for p in parts]
-        max_pos = int(pos_B.max()) if num_running else -1
+        max_pos = batch.max_pos(num_running) if num_running else -1
         batch.cache.begin_mixed(pos_B, max_pos, parts)
-        logits_1TV, route_TLk = self._forward(
-            torch.cat(ids)[None], torch.cat(pos)[None], batch.any_routing
-        )
+        t0 = time.perf_counter()
+        logits_1TV, route_TLk = engine_forward(self.model, self._routing, torch.cat(ids)[None],
+                                               torch.cat(pos)[None], batch.cache,
+                                               batch.any_routing)  # fmt: skip
+        self.stats["forward_s"] += time.perf_counter() - t0
         logits_TV = logits_1TV[0]
         self.stats["decode_steps"] += 1 if num_running else 0
         self.stats["decode_rows"] += num_running
         self.stats["prefill_tokens"] += offset - num_running
         batch.pos_N[:num_running] += 1
+        batch.advance_host(num_running)
         if route_TLk is not None and num_running:
             batch.record_routing(route_TLk[:num_running])
         # Logits per row: running rows' own, then each new row gets its prompt's last position.
@@ -518,9 +509,9 @@ class NativeEngine:
                 set_prompt_logprobs(g, logits_TV[off : off + length - 1])
         logits_RV = logits_TV[torch.tensor(pick, device=dev)]
         batch.fill_uniforms(num_running)
-        tokens_R, logprobs_R, _ = self._sample(logits_RV)
-        self._stream_tokens(tokens_R, logprobs_R)
-        self._finish_done(0, tokens_R)
+        rows = len(batch)
+        tokens_R, logprobs_R = sample_rows(batch, logits_RV, batch.params_for(rows), rows)
+        self._after_sampling(to_host(tokens_R, logprobs_R, batch.done_mask(0, tokens_R)))
 
     def _load_prefix(self, g: Group, slot: int) -> int:
         """Copy the prompt's cached leading blocks into `slot`; the tokens served from cache
@@ -556,11 +547,13 @@ class NativeEngine:
         pc.store(g.prompt_ids + batch.out_tok_NS[i, : length - len(g.prompt_ids)].tolist(), i,
                  length)  # fmt: skip
 
-    def _stream_tokens(self, tokens_B: torch.Tensor, logprobs_B: torch.Tensor) -> None:
-        """A StreamEvent per streaming row for the token it just sampled (rows [0, B))."""
+    def _after_sampling(self, out: StepOutput) -> None:
+        """Host side of a step, from its one host copy: stream events, then finish the rows
+        that hit a stop token or a limit, or whose text now holds a stop string."""
         if self.batch.stream_rows:
-            for group, event in stream_events(self.batch, tokens_B, logprobs_B, self._version):
+            for group, event in stream_events(self.batch, out.tokens, out.logprobs, self._version):
                 self._emit(group, event)
+        self._finish_done(out)
 
     def _emit(self, group: Group, event: StreamEvent) -> None:
         """Call a request's stream hook; if it raises, that request alone is aborted."""
@@ -575,17 +568,18 @@ class NativeEngine:
             with self._lock:
                 self._aborted.add(group.request_id)
 
-    def _finish_done(self, first: int, tokens_B: torch.Tensor) -> None:
-        batch = self.batch
-        done = (first + torch.nonzero(batch.done_mask(first, tokens_B)).flatten()).tolist()
+    def _finish_done(self, out: StepOutput) -> None:
+        batch, done = self.batch, out.done
         batch.params()  # refresh stop_string_rows
         matched: dict[int, str] = {}
         if self.tokenizer is not None:
             for i in batch.stop_string_rows:
-                if i < first or i in done:
+                row = batch.rows[i]
+                row.sampled.append(out.tokens[i])
+                if i in done:
                     continue
-                text = self.tokenizer.decode(batch.tokens(i))
-                hit = next((s for s in batch.rows[i].group.params.stop if s in text), None)
+                text = self.tokenizer.decode(row.sampled)
+                hit = next((s for s in row.group.params.stop if s in text), None)
                 if hit is not None:
                     matched[i] = hit
                     done.append(i)

@@ -33,18 +33,19 @@ def set_prompt_logprobs(g: Group, logits_PV: torch.Tensor) -> None:
 
 
 def stream_events(
-    batch: RunningBatch, tokens_B: torch.Tensor, logprobs_B: torch.Tensor, version: int
+    batch: RunningBatch, tokens: list[int], logprobs: list[float], version: int
 ) -> list[tuple[Group, StreamEvent]]:
-    """The StreamEvent of each streaming row for the token it just sampled (after `record`):
-    one host transfer for those rows; a sample's first event carries its prompt logprobs."""
+    """The StreamEvent of each streaming row for the token it just sampled (after `record`),
+    from the step's host copy of every row's token and logprob; a sample's first event carries
+    its prompt logprobs."""
     rows = batch.stream_rows
-    index = torch.tensor(rows, device=tokens_B.device)
-    toks, lps = tokens_B[index].tolist(), logprobs_B[index].tolist()
+    toks, lps = [tokens[i] for i in rows], [logprobs[i] for i in rows]
     out = []
     for i, tok, lp in zip(rows, toks, lps, strict=True):
         row = batch.rows[i]
         g, top = row.group, None
-        gen = int(batch.gen_N[i])
+        row.streamed += 1
+        gen = row.streamed  # = gen_N[i], without reading it from the device
         if g.params.top_logprobs:
             top = batch.top_of(i, gen - 1, gen)[0]
         first = gen == 1 and g.prompt_logprobs is not None

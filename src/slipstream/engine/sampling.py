@@ -20,6 +20,10 @@ Randomness: instead of a stateful torch.Generator per request, each draw is a pu
 seed, same output, whatever the batch composition or arrival order) without a Python call per row.
 One uniform u per row picks the token by inverse CDF over the processed distribution.
 
+Everything here runs on the device without reading a value back (no host sync), so a decode step
+that samples can be captured in a CUDA graph (`decode.py`); the host flags of `RowParams` that
+pick a code path are fixed per batch composition.
+
 Legend: B rows, V vocabulary.
 """
 
@@ -144,10 +148,11 @@ def sample(
         token_B = torch.where(rp.greedy_B, argmax_B, token_B)
     logprob_B = lp_BV.gather(1, token_B[:, None]).squeeze(1)
     # Rounding at the very top of the CDF can land on a filtered token: fall back to the argmax.
+    # Applied unconditionally (a where per row) rather than after a test on the host, which
+    # would be a host sync per step.
     bad_B = torch.isneginf(logprob_B)
-    if bool(bad_B.any()):
-        token_B = torch.where(bad_B, argmax_B, token_B)
-        logprob_B = lp_BV.gather(1, token_B[:, None]).squeeze(1)
+    token_B = torch.where(bad_B, argmax_B, token_B)
+    logprob_B = torch.where(bad_B, lp_BV.gather(1, argmax_B[:, None]).squeeze(1), logprob_B)
     if rp.any_greedy:
         logprob_B = torch.where(rp.greedy_B, torch.zeros_like(logprob_B), logprob_B)
     return token_B, logprob_B

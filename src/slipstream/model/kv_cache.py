@@ -56,28 +56,6 @@ def sdpa(
     )
 
 
-def decode_attend(
-    q_BH1D: torch.Tensor,
-    k_BKSD: torch.Tensor,
-    v_BKSD: torch.Tensor,
-    mask_B11S: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Attention of one new query per row over S cached keys as two batched matmuls, the query
-    heads grouped under their kv head (no K/V expansion). The same function as `sdpa` within float
-    tolerance; at decode shapes on CPU SDPA's flash kernel measured slower (its per-(row, head)
-    blocking costs more than the arithmetic). `mask_B11S`: additive float mask (0 visible, -inf
-    hidden) broadcast over heads; every row must see at least one key."""
-    B, H, _, D = q_BH1D.shape
-    K = k_BKSD.shape[1]
-    if H % K:
-        raise ValueError(f"query heads {H} not divisible by kv heads {K}")
-    q_BKGD = (q_BH1D * D**-0.5).reshape(B, K, H // K, D)
-    scores_BKGS = torch.matmul(q_BKGD, k_BKSD.transpose(-1, -2))
-    if mask_B11S is not None:
-        scores_BKGS = scores_BKGS + mask_B11S
-    return torch.matmul(torch.softmax(scores_BKGS, dim=-1), v_BKSD).view(B, H, 1, D)
-
-
 def causal_attend(q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD: torch.Tensor) -> torch.Tensor:
     """Plain causal self-attention over the given tokens only (the no-cache path)."""
     return sdpa(q_BHTD, k_BKTD, v_BKTD, is_causal=q_BHTD.shape[2] > 1)

@@ -26,13 +26,36 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 == self.weight.dtype and not torch.is_grad_enabled():
+            # Inference in float32: one op with the weight folded in (bitwise equal to the line
+            # below; decode is per-op overhead bound). Training keeps the HF form's backward.
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # one fused kernel instead of five ops (bitwise equal in float32)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
+class CosSin(tuple):
+    """(cos, sin) tables (B, T, Dh), a plain 2-tuple to unpack, that also keeps the tables of the
+    fused inference RoPE (`fused`), built once per forward instead of once per layer."""
+
+    def fused(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos (B, T, 1, Dh), sin with its first half negated (B, T, 1, Dh)): RoPE is then
+        x * cos + roll(x, Dh/2) * sin_signed, bitwise the same as with rotate_half (negating a
+        factor is exact), in four ops per call."""
+        tables = self.__dict__.get("_fused")
+        if tables is None:
+            cos_BTD, sin_BTD = self
+            half = sin_BTD.shape[-1] // 2
+            sign_D = torch.ones(sin_BTD.shape[-1], dtype=sin_BTD.dtype, device=sin_BTD.device)
+            sign_D[:half] = -1
+            tables = (cos_BTD[:, :, None], (sin_BTD * sign_D)[:, :, None])
+            self.__dict__["_fused"] = tables
+        return tables
+
+
 def rope_cos_sin(
     position_ids_BT: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> CosSin:
     """cos/sin tables (B, T, Dh) for the given absolute positions. Computed per call from the
     positions (no max-length table), in float32, then cast to `dtype`."""
     device = position_ids_BT.device
@@ -41,11 +64,15 @@ def rope_cos_sin(
     )
     freqs_BTd = position_ids_BT.float()[..., None] * inv_freq
     emb_BTD = torch.cat((freqs_BTd, freqs_BTd), dim=-1)
-    return emb_BTD.cos().to(dtype), emb_BTD.sin().to(dtype)
+    return CosSin((emb_BTD.cos().to(dtype), emb_BTD.sin().to(dtype)))
 
 
-def _rope_BTND(x_BTND: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
+def _rope_BTND(x_BTND: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """RoPE on the (B, T, heads, Dh) layout (the fused inference path)."""
+    if isinstance(cos_sin, CosSin):
+        cos_BT1D, sin_signed_BT1D = cos_sin.fused()
+        return x_BTND * cos_BT1D + x_BTND.roll(x_BTND.shape[-1] // 2, -1) * sin_signed_BT1D
+    cos_BTD, sin_BTD = cos_sin
     x1, x2 = x_BTND.chunk(2, dim=-1)
     return x_BTND * cos_BTD[:, :, None] + torch.cat((-x2, x1), dim=-1) * sin_BTD[:, :, None]
 
@@ -95,6 +122,12 @@ class Packing:
         """(M, ...) -> (B*T, ...): the real rows in place, zeros at the padding."""
         N = self.batch_size * self.num_tokens
         return x_M_.new_zeros((N, *x_M_.shape[1:])).index_copy(0, self.rows_M, x_M_)
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """b can be copied into a in place here (an inference tensor only inside inference mode)."""
+    writable = not a.is_inference() or torch.is_inference_mode_enabled()
+    return writable and a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
 
 
 class Attention(nn.Module):
@@ -156,8 +189,21 @@ class Attention(nn.Module):
             with torch.no_grad():
                 w_qkv = torch.cat(params[:3])
                 w_norm = torch.cat((params[3].expand(H, Dh), params[4].expand(K, Dh)))
+                if self._fused is not None and _same_layout(self._fused[1], w_qkv):
+                    # Rebuilt into the same storage (a weight hot-swap): a captured CUDA graph
+                    # that reads these copies then computes with the new weights.
+                    w_qkv = self._fused[1].copy_(w_qkv)
+                    w_norm = self._fused[2].copy_(w_norm)
             self._fused = (key, w_qkv, w_norm)
         return self._fused[1], self._fused[2]
+
+    def refresh_inference_weights(self) -> None:
+        """Bring the fused q/k/v copies up to date after an in-place weight update (in their
+        storage, when they exist); the eager forward does this on its own, a replayed graph
+        does not run Python."""
+        if self._fused is not None:
+            with torch.inference_mode():
+                self._fused_weights()
 
     def _fused_qkv(
         self, x_BTD: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
@@ -166,14 +212,15 @@ class Attention(nn.Module):
         H, K, Dh = self.num_heads, self.num_kv_heads, self.head_dim
         w_qkv, w_norm = self._fused_weights()
         qkv_BTND = F.linear(x_BTD, w_qkv).view(B, T, H + 2 * K, Dh)
-        qk_BTND = qkv_BTND[:, :, : H + K]
-        qk_BTND = w_norm * F.rms_norm(qk_BTND.float(), (Dh,), eps=self.q_norm.eps).to(x_BTD.dtype)
-        qk_BTND = _rope_BTND(qk_BTND, *cos_sin)
-        return (
-            qk_BTND[:, :, :H].transpose(1, 2),
-            qk_BTND[:, :, H:].transpose(1, 2),
-            qkv_BTND[:, :, H + K :].transpose(1, 2),
-        )
+        qk_BTND, v_BTKD = qkv_BTND.split((H + K, K), dim=2)
+        if x_BTD.dtype == torch.float32:  # no cast ops (decode is per-op overhead bound)
+            qk_BTND = w_norm * F.rms_norm(qk_BTND, (Dh,), eps=self.q_norm.eps)
+        else:
+            qk_BTND = w_norm * F.rms_norm(qk_BTND.float(), (Dh,), eps=self.q_norm.eps).to(
+                x_BTD.dtype
+            )
+        q_BHTD, k_BKTD = _rope_BTND(qk_BTND, cos_sin).transpose(1, 2).split((H, K), dim=1)
+        return q_BHTD, k_BKTD, v_BTKD.transpose(1, 2)
 
     def forward(
         self,
@@ -206,6 +253,8 @@ class Attention(nn.Module):
             out_BHTD = causal_attend(q_BHTD, k_BKTD, v_BKTD)
         else:
             out_BHTD = cache.attend(self.layer_idx, q_BHTD, k_BKTD, v_BKTD)
+        if T == 1:  # (B, H, 1, Dh) holds its elements in (B, 1, H, Dh) order: no transpose op
+            return self.o_proj(out_BHTD.reshape(B, 1, -1))
         return self.o_proj(out_BHTD.transpose(1, 2).reshape(B, T, -1))
 
     def _forward_packed(
