@@ -230,7 +230,7 @@ def test_hot_swap_from_hf_directory(tmp_path):
         check_hot_swap(eng, lambda: eng.update_weights(1, str(tmp_path / "ckpt")), expected, 1)
         with pytest.raises(ValueError):
             eng.update_weights(2, str(tmp_path / "missing"))
-        with pytest.raises(ValueError, match="no .safetensors"):
+        with pytest.raises(ValueError, match="neither model.safetensors"):
             eng.update_weights(2, (tmp_path / "missing").as_uri().replace("missing", ""))
         assert eng.version == 1
         # a URL (fsspec): back to the original weights, then the same outputs as a fresh engine
