@@ -186,3 +186,17 @@ def test_distributed_sender_survives_kill_mid_transfer_and_admits_a_joining_engi
         assert sender.dropped == [b]
     finally:
         sender.close()
+
+
+def test_bench_weights_runs_store_distributed_and_raw_in_one_run(tmp_path) -> None:
+    import json
+
+    from slipstream.cli import main
+
+    out = tmp_path / "weights.json"
+    assert main(["bench", "weights", "--engines", "1", "--repeats", "1", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    (row,) = record["rows"]
+    assert row["engines"] == 1 and row["bytes"] > 0
+    assert row["store_s"] > 0 and row["distributed_s"] > 0 and row["raw_broadcast_s"] > 0
+    assert record["provenance"]["cpu_model"] and len(record["load_avg_before"]) == 3

@@ -443,6 +443,10 @@ class DistributedSender:
             if url in self.members:
                 self._post_quiet(url, "/destroy_weights_update_group", {"group_name": group.name})
 
+    def open_group(self) -> None:
+        """Form the group of the current members now (else the next `send` does)."""
+        self._ensure_group()
+
     def _ensure_group(self) -> WeightGroup | None:
         if self._group is not None and self._group_members == self.members:
             return self._group
