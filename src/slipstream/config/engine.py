@@ -71,6 +71,12 @@ class EngineConfig(Section):
                 "engine.type = 'http' needs engine.url, the server's base URL "
                 "(e.g. http://127.0.0.1:30000)"
             )
+        if self.type == "http" and self.weight_sync != "store":
+            raise ValueError(
+                f"engine.weight_sync = {self.weight_sync!r} with engine.type = 'http' is not "
+                "supported in the RL job yet (the rollout workers' native engines take pushes); "
+                "use engine.type = 'native' or engine.weight_sync = 'store'"
+            )
         if self.weight_sync == "colocated" and not self.device.startswith("cuda"):
             raise ValueError(
                 "engine.weight_sync = 'colocated' passes CUDA IPC handles and needs "

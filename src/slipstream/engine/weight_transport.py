@@ -579,6 +579,12 @@ def store_catch_up(weights: Any, *, api_key: str | None = None,
         versions = weights.versions()
         if not versions:
             return
+        served = httpx.get(f"{url}/get_model_info", headers=headers, timeout=timeout_s).json()
+        if (
+            str(served.get("weight_version", "")).isdigit()
+            and int(served["weight_version"]) >= versions[-1]
+        ):
+            return  # already at (or past) the newest stored version: nothing to load
         body = {"model_path": weights.location(versions[-1]), "weight_version": str(versions[-1])}
         resp = httpx.post(f"{url}/update_weights_from_disk", json=body, headers=headers,
                           timeout=timeout_s)  # fmt: skip
