@@ -129,3 +129,43 @@ def test_receiver_applies_a_version_only_once_all_of_it_arrived() -> None:
         assert receiver.groups() == []
     finally:
         engine.close()
+
+
+def test_trainer_side_factory_stores_every_nth_refuses_nan_and_colocated_without_cuda(
+    tmp_path,
+) -> None:
+    from slipstream.config import load_config
+    from slipstream.rl.buffer import ExperienceBuffer
+    from slipstream.rl.coordinator import Coordinator
+    from slipstream.rl.publisher import Publisher
+    from slipstream.rl.queue import TaskQueue
+    from slipstream.rl.weight_sync import DistributedWeightSync, make_weight_sync
+    from slipstream.storage import NonFiniteTensor, WeightStore
+
+    store = WeightStore(str(tmp_path / "store"))
+    coord = Coordinator(TaskQueue(10), ExperienceBuffer(groups_per_step=1, max_staleness=1))
+    assert isinstance(make_weight_sync(load_config(None, []), store, coord), Publisher)
+    cfg = load_config(None, ["engine.weight_sync=distributed", "engine.weight_store_every=3"])
+    sync = make_weight_sync(cfg, store, coord)
+    assert isinstance(sync, DistributedWeightSync)
+    state, config = hf_weights(tiny_model(seed=0))
+    try:
+        for v in range(5):  # no engine registered: stored as due, announced
+            sync.submit(v, state, config)
+            assert coord.version() == v
+        assert store.versions() == [0, 3]
+        sync.flush()  # the last pushed version goes to the store
+        assert store.versions() == [0, 3, 4]
+        bad = {
+            **state,
+            "model.norm.weight": torch.full_like(state["model.norm.weight"], float("nan")),
+        }
+        with pytest.raises(NonFiniteTensor, match="refusing to push weights version 5"):
+            sync.submit(5, bad, config)
+        assert coord.version() == 4
+    finally:
+        sync.close()
+    if not torch.cuda.is_available():
+        cuda = load_config(None, ["engine.weight_sync=colocated", "engine.device=cuda"])
+        with pytest.raises(ValueError, match="colocated.*needs a GPU"):
+            make_weight_sync(cuda, store, coord)

@@ -2,7 +2,7 @@
 store vs over the wire (engine.weight_sync = store | distributed), with 1, 2, 4 engines.
 
 Every engine is a real `slipstream serve` process on loopback holding the model (--shape
-quickstart or mid: 0.91B parameters, 3.6 GB in fp32). Per engine count and repeat, one new
+quickstart, larger, or mid: 0.91B parameters, 3.6 GB in fp32). Per engine count and repeat, one new
 version (fresh random values, so nothing is cached) is timed from "the trainer has the tensors"
 to "every engine answered that it serves it":
 - store: `WeightStore.publish` (safetensors + manifest, what the trainer's publisher writes),
@@ -39,7 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("weights", help="publish -> served: store vs distributed weight sync",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     add_config_args(p)
-    p.add_argument("--shape", default="quickstart", choices=("quickstart", "mid"))
+    p.add_argument("--shape", default="quickstart", choices=("quickstart", "larger", "mid"),
+                   help="model preset (bench/models.py)")
     p.add_argument("--engines", default="1,2,4", help="comma list of engine process counts")
     p.add_argument("--repeats", type=int, default=3, help="versions timed per setting")
     p.add_argument("--out", default="benchmarks/results/weights.json", help="JSON output path")

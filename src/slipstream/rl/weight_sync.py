@@ -33,7 +33,7 @@ import torch
 
 from slipstream.config import SlipstreamConfig
 from slipstream.rl.publisher import Publisher
-from slipstream.storage import WeightStore
+from slipstream.storage import WeightStore, check_finite
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,8 @@ class DistributedWeightSync:
         import time
 
         t0 = time.perf_counter()
+        # as the store refuses them: a diverged trainer fails here, before any engine serves it
+        check_finite(state, f"refusing to push weights version {version}")
         if self._stored < 0 or version % self.every == 0:
             self._store(version, state, hf_config)
         for worker, url in self.coord.engines().items():
