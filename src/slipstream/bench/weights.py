@@ -39,8 +39,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("weights", help="publish -> served: store vs distributed weight sync",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     add_config_args(p)
-    p.add_argument("--shape", default="quickstart", choices=("quickstart", "larger", "mid"),
-                   help="model preset (bench/models.py)")
+    p.add_argument(
+        "--shape",
+        default="quickstart",
+        choices=("quickstart", "larger", "mid"),
+        help="model preset (bench/models.py)",
+    )
     p.add_argument("--engines", default="1,2,4", help="comma list of engine process counts")
     p.add_argument("--repeats", type=int, default=3, help="versions timed per setting")
     p.add_argument("--out", default="benchmarks/results/weights.json", help="JSON output path")
