@@ -125,6 +125,12 @@ def test_sglang_protocol_client_pushes_over_gloo_and_greedy_equals_transformers(
                      json={"name": "model.embed_tokens.weight", "truncate_size": 10}, timeout=10)  # fmt: skip
     assert got.json() == state["model.embed_tokens.weight"].reshape(-1)[:10].tolist()
 
+    # colocated (CUDA IPC) on a CPU engine: refused, naming why; the weights stay
+    resp = httpx.post(f"{url}/update_weights_from_tensor",
+                      json={"serialized_named_tensors": ["AA=="], "weight_version": "8"}, timeout=10)  # fmt: skip
+    assert resp.status_code == 400 and "needs a CUDA engine" in resp.json()["message"]
+    assert _model_info(url)["weight_version"] == "7"
+
     # --- greedy after the push == transformers on the pushed weights ---
     save_pretrained(model, tmp_path / "pushed")
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "pushed"),

@@ -225,7 +225,10 @@ class WeightReceiver:
         self.engine = engine
         self.timeout_s = timeout_s
         self._groups: dict[str, WeightGroup] = {}
-        self._lock = threading.Lock()  # one transfer at a time; groups dict
+        self._lock = threading.Lock()  # the groups dict and the staging
+        # one transfer at a time: two requests receiving concurrently would take each other's
+        # broadcasts (a collective matches calls by order, not by name)
+        self._transfer = threading.Lock()
         internal = dict(engine.model.state_dict())
         cfg = engine.model.config
         self._expected_split = set(hf_from_internal(internal, cfg, fused_experts=False))
@@ -282,6 +285,26 @@ class WeightReceiver:
         if group is None:
             raise ValueError(f"no weight update group {group_name!r}; "
                              "POST /init_weights_update_group first")  # fmt: skip
+        with self._transfer:
+            received = self._receive(group, group_name, metas, load_format)
+        with self._lock:
+            if self._staged_version != version:
+                self._staged, self._staged_version = {}, version
+            self._staged.update(received)
+            staged = dict(self._staged)
+            complete = (
+                self._expected_split <= staged.keys() or self._expected_fused <= staged.keys()
+            )
+            if complete:
+                self._staged, self._staged_version = {}, None
+        expected = len(self._expected_split)
+        if not complete:
+            return ReceiveResult(version, False, len(staged), expected)
+        self.engine.update_weights(version, staged)  # validated, then swapped between steps
+        return ReceiveResult(version, True, len(staged), expected)
+
+    def _receive(self, group: WeightGroup, group_name: str, metas: list[TensorMeta],
+                 load_format: str | None) -> dict[str, torch.Tensor]:  # fmt: skip
         try:
             if load_format == FLATTENED_BUCKET:
                 flat = torch.empty(sum(m.nbytes for m in metas) // metas[0].dtype.itemsize,
@@ -298,21 +321,7 @@ class WeightReceiver:
             self._drop(group_name)
             raise RuntimeError(f"receiving from group {group_name!r} failed ({e}); the group "
                                "is closed, the served weights are unchanged") from e  # fmt: skip
-        with self._lock:
-            if self._staged_version != version:
-                self._staged, self._staged_version = {}, version
-            self._staged.update(received)
-            staged = dict(self._staged)
-            complete = (
-                self._expected_split <= staged.keys() or self._expected_fused <= staged.keys()
-            )
-            if complete:
-                self._staged, self._staged_version = {}, None
-        expected = len(self._expected_split)
-        if not complete:
-            return ReceiveResult(version, False, len(staged), expected)
-        self.engine.update_weights(version, staged)  # validated, then swapped between steps
-        return ReceiveResult(version, True, len(staged), expected)
+        return received
 
     def receive_tensors(self, named: Mapping[str, torch.Tensor], version: int) -> ReceiveResult:
         """Colocated (CUDA IPC): tensors already rebuilt from their handles; applied at once."""
