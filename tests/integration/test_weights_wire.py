@@ -265,7 +265,8 @@ def test_rl_job_with_two_workers_and_distributed_weight_sync(tmp_path) -> None:
     tokens = {v for _, vs in versions for v in vs}
     stored = set(WeightStore(cfg.store.url).versions())
     assert tokens - set(range(0, 30, 4)), "no token was sampled with a pushed-only version"
-    assert stored <= {*range(0, 30, 4), 30} and 30 in stored  # every 4th, and the last on flush
+    # every 4th, the last on flush, and at most the one version the kill made w1 miss
+    assert 30 in stored and len(stored - {*range(0, 30, 4), 30}) <= 1
     served = controller.coord.weight_served
     assert (
         "w0.0" in served

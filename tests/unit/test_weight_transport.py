@@ -150,10 +150,14 @@ def test_trainer_side_factory_stores_every_nth_refuses_nan_and_colocated_without
     assert isinstance(sync, DistributedWeightSync)
     state, config = hf_weights(tiny_model(seed=0))
     try:
-        for v in range(5):  # no engine registered: stored as due, announced
+        for v in range(4):  # no engine registered: stored as due, announced
             sync.submit(v, state, config)
             assert coord.version() == v
         assert store.versions() == [0, 3]
+        # an engine that never answers stays out of the pushes and costs no store write
+        coord.register_engine("w9.0", "http://127.0.0.1:9")
+        sync.submit(4, state, config)
+        assert store.versions() == [0, 3] and sync.sender.dropped == ["http://127.0.0.1:9"]
         sync.flush()  # the last pushed version goes to the store
         assert store.versions() == [0, 3, 4]
         bad = {

@@ -46,6 +46,8 @@ import torch
 log = logging.getLogger(__name__)
 
 DEFAULT_GROUP = "weight_update_group"
+MAX_ENGINES = 256
+"""Engines one `DistributedSender` pushes to (one HTTP request thread each during a push)."""
 FLATTENED_BUCKET = "flattened_bucket"
 # The dtypes a weight may travel as (a name of torch's, as SGLang sends them: "bfloat16").
 _DTYPES: dict[str, torch.dtype] = {
@@ -362,6 +364,7 @@ class SendReport:
     seconds: float
     served_s: dict[str, float] = field(default_factory=dict)
     dropped: list[str] = field(default_factory=list)
+    """Engines this push dropped (not those dropped before it)."""
     retried: bool = False
 
 
@@ -389,6 +392,8 @@ class DistributedSender:
     ) -> None:
         import httpx
 
+        if len(urls) > MAX_ENGINES:
+            raise ValueError(f"a weight sender pushes to at most {MAX_ENGINES} engines")
         self.members: list[str] = [u.rstrip("/") for u in urls]
         self.dropped: list[str] = []
         self.bucket_bytes, self.timeout_s, self.backend = bucket_bytes, timeout_s, backend
@@ -399,9 +404,10 @@ class DistributedSender:
         )
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout_s + 10.0))
-        self._pool = ThreadPoolExecutor(
-            max(4, 2 * len(self.members) + 2), thread_name_prefix="wpush"
-        )
+        # one thread per member request in flight: every member's /init_weights_update_group
+        # blocks until all joined, so fewer threads than members would deadlock the rendezvous
+        # (threads are started on demand, up to this bound)
+        self._pool = ThreadPoolExecutor(MAX_ENGINES, thread_name_prefix="wpush")
         self._group: WeightGroup | None = None
         self._group_members: list[str] = []
         self.epoch = 0
@@ -412,6 +418,8 @@ class DistributedSender:
 
     def add_engine(self, url: str) -> None:
         """An engine joining mid-run: caught up from the store, in the group from the next push."""
+        if len(self.members) + len(self.dropped) >= MAX_ENGINES:
+            raise ValueError(f"a weight sender pushes to at most {MAX_ENGINES} engines")
         self.dropped.append(url.rstrip("/"))
 
     def _healthy(self, url: str) -> bool:
@@ -504,8 +512,9 @@ class DistributedSender:
         dropped_before = set(self.dropped)
         for attempt in range(2):
             group = self._ensure_group()
-            if group is None:
-                return SendReport(version, total, 0.0, {}, sorted(self.dropped), attempt > 0)
+            if group is None:  # no member (left): nothing to push to
+                new_drops = sorted(set(self.dropped) - dropped_before)
+                return SendReport(version, total, 0.0, {}, new_drops, attempt > 0)
             try:
                 served = self._push(group, version, state, buckets, t0)
             except _PushFailed as e:

@@ -12,8 +12,9 @@ engines, chosen by `engine.weight_sync` (docs/weights.md). One Protocol, one fac
   each rollout worker's engine serves SGLang's weight endpoints and registers its URL) over a
   torch process group (engine/weight_transport.py `DistributedSender`), then announced; the
   store receives the first version and every `engine.weight_store_every`-th (synchronously,
-  before the push: the fallback exists before anyone needs it) and, on `flush`, the last one
-  pushed. An engine that missed a version (dropped after `engine.weight_sync_timeout_s`) loads
+  before the push: the fallback exists before anyone needs it), every version a push could not
+  deliver to some engine (it catches up with exactly that version) or to any (TransferFailed:
+  the store carries it), and, on `flush`, the last one pushed. An engine that missed a version (dropped after `engine.weight_sync_timeout_s`) loads
   the newest stored one and rejoins at the next push. The publish -> served seconds of each
   engine go to `Coordinator.record_served` (metrics and /metrics).
 - `colocated`: CUDA IPC handles to engines on the trainer's GPU: refused here on a machine
@@ -32,6 +33,12 @@ from typing import Any, Protocol
 import torch
 
 from slipstream.config import SlipstreamConfig
+from slipstream.engine.weight_transport import (
+    DistributedSender,
+    SendReport,
+    TransferFailed,
+    store_catch_up,
+)
 from slipstream.rl.publisher import Publisher
 from slipstream.storage import WeightStore, check_finite
 
@@ -82,8 +89,6 @@ class DistributedWeightSync:
     """`distributed`: push every version, store every N-th (see the module docstring)."""
 
     def __init__(self, cfg: SlipstreamConfig, weights: WeightStore, coordinator: Any) -> None:
-        from slipstream.engine.weight_transport import DistributedSender, store_catch_up
-
         ec = cfg.engine
         self.coord, self.every = coordinator, ec.weight_store_every
         # the store copy is written before the push and announced by the push: never
@@ -113,7 +118,14 @@ class DistributedWeightSync:
             if url not in self._known:
                 self._known[url] = worker
                 self.sender.add_engine(url)  # caught up from the store, then in the group
-        report = self.sender.send(version, state)
+        try:
+            report = self.sender.send(version, state)
+        except TransferFailed as e:  # nobody took it: the store carries this version
+            log.warning("weight version %d: %s; storing it for the engines to load", version, e)
+            report = SendReport(version, 0, 0.0, dropped=list(self.sender.dropped))
+        if report.dropped and self._stored != version:
+            # an engine missed this version: it catches up with exactly it from the store
+            self._store(version, state, hf_config)
         self._last = (version, state, hf_config)
         self.coord.set_version(version)
         self.served_s = {self._known[u]: s for u, s in report.served_s.items() if u in self._known}
