@@ -210,7 +210,7 @@ def test_bench_weights_runs_store_distributed_and_raw_in_one_run(tmp_path) -> No
 
 def test_rl_job_with_two_workers_and_distributed_weight_sync(tmp_path) -> None:
     """The RL job (controller here, 2 rollout worker processes whose native engines take pushes
-    over gloo): it trains to the end; tokens were sampled with versions that only the pushes
+    over gloo; staleness bound 1 and R3 routing replay on): it trains to the end; tokens were sampled with versions that only the pushes
     carried (the store holds every 4th); one worker killed -9 mid-run is replaced and its
     successor joins the pushes; per-worker publish -> served seconds are recorded."""
     from slipstream.launch.local import LocalLauncher
@@ -223,6 +223,7 @@ def test_rl_job_with_two_workers_and_distributed_weight_sync(tmp_path) -> None:
         "rollout.group_size=2", "rollout.num_workers=2", "rollout.tasks_per_lease=2",
         "rollout.max_inflight_tasks=2", "rollout.lease_ttl_s=2", "rollout.partial_rollouts=true",
         "trainer.checkpoint_every=0", "trainer.lr=0.01", f"store.url={tmp_path}/store",
+        "rollout.record_routing=true", "trainer.routing_replay=r3",  # R3 over pushed weights
     ])  # fmt: skip
     save_random_init(tmp_path / "init", TINY_MODEL)
     controller = Controller(cfg, str(tmp_path / "init"), evaluate=False)
@@ -243,6 +244,7 @@ def test_rl_job_with_two_workers_and_distributed_weight_sync(tmp_path) -> None:
         for s in batch.samples:
             assert batch.trainer_version - min(s.versions) <= 1, (batch.trainer_version, s.versions)
             versions.append((batch.trainer_version, s.versions))
+            assert s.routed_experts is not None  # R3: the engine's routing came with the sample
         return real_step(batch)
 
     controller.trainer.step = step  # type: ignore[method-assign]
