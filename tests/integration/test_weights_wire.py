@@ -258,6 +258,15 @@ def test_rl_job_with_two_workers_and_distributed_weight_sync(tmp_path) -> None:
             runner.join(timeout=0.1)
             ready = len(controller.coord.weight_served) == 2 and controller.trainer.version >= 3
             if ready and not killed.is_set():
+                # a worker's engine endpoint answers only the trainer (its key came over the
+                # coordinator's channel): other local users cannot replace its weights
+                url, key = controller.coord.engines()["w0.0"]
+                body = {"group_name": "x"}
+                denied = httpx.post(f"{url}/destroy_weights_update_group", json=body, timeout=10)
+                assert denied.status_code == 401
+                ok = httpx.post(f"{url}/destroy_weights_update_group", json=body, timeout=10,
+                                headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+                assert ok.status_code == 400  # authorized; no such group
                 os.kill(launcher.procs[1].pid, signal.SIGKILL)  # the supervisor restarts w1
                 killed.set()
     finally:

@@ -175,18 +175,20 @@ def _load_ipc_tensors(payloads: list[str]) -> dict[str, Any]:  # pragma: no cove
 
 class EngineEndpoint:
     """An in-process engine served over HTTP (the full `create_app`: SGLang's endpoints, these
-    weight routes included) from a background thread on `host` and a free port: how a rollout
-    worker's native engine takes weight pushes (engine.weight_sync = distributed). `url` once
-    constructed (the server answers /health); `close()` stops it."""
+    weight routes included) from a background thread on `host` and a free port, every endpoint
+    but /health behind `api_key`: how a rollout worker's native engine takes weight pushes
+    (engine.weight_sync = distributed). `url` once constructed; `close()` stops it."""
 
-    def __init__(self, engine: Any, tokenizer: Any, *, timeout_s: float,
+    def __init__(self, engine: Any, tokenizer: Any, *, timeout_s: float, api_key: str,
                  host: str = "127.0.0.1", start_timeout_s: float = 60.0) -> None:  # fmt: skip
         import uvicorn
 
         from slipstream.engine.guard import ServeOptions
         from slipstream.engine.server import create_app
 
-        options = ServeOptions(served_model_name="rollout-engine", weight_sync_timeout_s=timeout_s)
+        # every endpoint behind the key: other users of the machine can reach loopback too
+        options = ServeOptions(served_model_name="rollout-engine", api_key=api_key,
+                               api_key_scope="all", weight_sync_timeout_s=timeout_s)  # fmt: skip
         app = create_app(engine, tokenizer, options=options)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -375,8 +375,9 @@ class TransferFailed(RuntimeError):
 class DistributedSender:
     """Rank 0 of SGLang's protocol: pushes every version to the engines at `urls` (our
     `slipstream serve` or SGLang) through their endpoints, in dtype-grouped flattened buckets.
-    `catch_up(url)`: bring a (re)joining engine to the newest stored version (None: it joins
-    with whatever it serves). See the module docstring for membership epochs and faults."""
+    `catch_up(url, headers)`: bring a (re)joining engine to the newest stored version (None: it
+    joins with whatever it serves). `api_key`: the Bearer key of the engines at `urls`
+    (`add_engine` takes one per engine). See the module docstring for membership epochs and faults."""
 
     def __init__(
         self,
@@ -387,7 +388,7 @@ class DistributedSender:
         backend: str = "gloo",
         master_address: str = "127.0.0.1",
         api_key: str | None = None,
-        catch_up: Callable[[str], None] | None = None,
+        catch_up: Callable[[str, dict[str, str]], None] | None = None,
         probe_timeout_s: float = 2.0,
     ) -> None:
         import httpx
@@ -402,8 +403,8 @@ class DistributedSender:
             catch_up,
             probe_timeout_s,
         )
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout_s + 10.0))
+        self._keys: dict[str, str | None] = {u: api_key for u in self.members}
+        self._http = httpx.Client(timeout=httpx.Timeout(timeout_s + 10.0))
         # one thread per member request in flight: every member's /init_weights_update_group
         # blocks until all joined, so fewer threads than members would deadlock the rendezvous
         # (threads are started on demand, up to this bound)
@@ -416,17 +417,24 @@ class DistributedSender:
 
     # -- membership --
 
-    def add_engine(self, url: str) -> None:
+    def add_engine(self, url: str, api_key: str | None = None) -> None:
         """An engine joining mid-run: caught up from the store, in the group from the next push."""
         if len(self.members) + len(self.dropped) >= MAX_ENGINES:
             raise ValueError(f"a weight sender pushes to at most {MAX_ENGINES} engines")
+        self._keys[url.rstrip("/")] = api_key
         self.dropped.append(url.rstrip("/"))
+
+    def _headers(self, url: str) -> dict[str, str]:
+        key = self._keys.get(url)
+        return {"Authorization": f"Bearer {key}"} if key else {}
 
     def _healthy(self, url: str) -> bool:
         import httpx
 
         try:
-            return self._http.get(f"{url}/health", timeout=self.probe_timeout_s).status_code == 200
+            resp = self._http.get(f"{url}/health", timeout=self.probe_timeout_s,
+                                  headers=self._headers(url))  # fmt: skip
+            return resp.status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -436,7 +444,7 @@ class DistributedSender:
                 continue
             try:
                 if self.catch_up is not None:
-                    self.catch_up(url)
+                    self.catch_up(url, self._headers(url))
             except Exception as e:  # noqa: BLE001 - stays dropped; retried next version
                 log.warning("engine %s: catching up from the store failed: %s", url, e)
                 continue
@@ -558,7 +566,7 @@ class DistributedSender:
         return served
 
     def _post(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        resp = self._http.post(f"{url}{path}", json=body)
+        resp = self._http.post(f"{url}{path}", json=body, headers=self._headers(url))
         out = (
             resp.json()
             if resp.headers.get("content-type", "").startswith("application/json")
@@ -574,7 +582,8 @@ class DistributedSender:
         import httpx
 
         try:
-            self._http.post(f"{url}{path}", json=body, timeout=self.probe_timeout_s)
+            self._http.post(f"{url}{path}", json=body, timeout=self.probe_timeout_s,
+                            headers=self._headers(url))  # fmt: skip
         except httpx.HTTPError as e:
             log.debug("%s%s: %s", url, path, e)
 
@@ -584,24 +593,21 @@ class DistributedSender:
         self._http.close()
 
 
-def store_catch_up(weights: Any, *, api_key: str | None = None,
-                   timeout_s: float = 600.0) -> Callable[[str], None]:  # fmt: skip
+def store_catch_up(
+    weights: Any, *, timeout_s: float = 600.0
+) -> Callable[[str, dict[str, str]], None]:
     """A `DistributedSender.catch_up`: tell an engine to load the newest version of the weight
     store `weights` (a `PublishedWeights`) by location (SGLang's /update_weights_from_disk);
-    nothing when the store holds none yet (the engine keeps its start weights)."""
+    nothing when the store holds none yet or the engine already serves it or a newer one."""
     import httpx
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-    def catch_up(url: str) -> None:
+    def catch_up(url: str, headers: dict[str, str]) -> None:
         versions = weights.versions()
         if not versions:
             return
         served = httpx.get(f"{url}/get_model_info", headers=headers, timeout=timeout_s).json()
-        if (
-            str(served.get("weight_version", "")).isdigit()
-            and int(served["weight_version"]) >= versions[-1]
-        ):
+        version = str(served.get("weight_version", ""))
+        if version.isdigit() and int(version) >= versions[-1]:
             return  # already at (or past) the newest stored version: nothing to load
         body = {"model_path": weights.location(versions[-1]), "weight_version": str(versions[-1])}
         resp = httpx.post(f"{url}/update_weights_from_disk", json=body, headers=headers,

@@ -128,11 +128,14 @@ def build_worker(spec: WorkerSpec, worker_id: str, coord: Any = None) -> Any:
                                max_new_tokens=cfg.engine.max_new_tokens, run_seed=cfg.run.seed)  # fmt: skip
         if cfg.engine.weight_sync == "distributed":
             # the trainer pushes every version to this engine through SGLang's endpoints
+            import secrets
+
             from slipstream.engine.weight_routes import EngineEndpoint
 
-            worker.weight_endpoint = EngineEndpoint(engine, taskset.tokenizer,
+            key = secrets.token_urlsafe(32)  # given to the trainer over the coordinator's channel
+            worker.weight_endpoint = EngineEndpoint(engine, taskset.tokenizer, api_key=key,
                                                     timeout_s=cfg.engine.weight_sync_timeout_s)  # fmt: skip
-            coord.register_engine(worker_id, worker.weight_endpoint.url)
+            coord.register_engine(worker_id, worker.weight_endpoint.url, key)
         return worker
     except BaseException:
         verifier.close()

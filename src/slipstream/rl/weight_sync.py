@@ -114,10 +114,10 @@ class DistributedWeightSync:
         check_finite(state, f"refusing to push weights version {version}")
         if self._stored < 0 or version % self.every == 0:
             self._store(version, state, hf_config)
-        for worker, url in self.coord.engines().items():
+        for worker, (url, key) in self.coord.engines().items():
             if url not in self._known:
                 self._known[url] = worker
-                self.sender.add_engine(url)  # caught up from the store, then in the group
+                self.sender.add_engine(url, key)  # caught up from the store, then in the group
         try:
             report = self.sender.send(version, state)
         except TransferFailed as e:  # nobody took it: the store carries this version
