@@ -55,6 +55,7 @@ def test_job_metrics_read_the_coordinator_and_the_records() -> None:
         coord.set_version(1)
         coord.report("w0", {"samples": 4.0, "weight_version": 0, "sandbox_pool_in_use": 2,
                             "sandbox_pool_idle": 1, "note": "not a number"})  # fmt: skip
+        coord.record_served(1, {"w0": 0.125})  # engine.weight_sync = distributed
         metrics.on_record({"event": "start", "pass_at_1": 0.25, "step": 0})
         metrics.on_record({"step": 1, "version": 1, "num_samples": 4.0, "num_tokens": 8.0,
                            "samples_per_s": 3.5, "trainer_idle_frac": 0.4, "train_s": 0.1,
@@ -75,6 +76,8 @@ def test_job_metrics_read_the_coordinator_and_the_records() -> None:
         assert value(s, "worker_weight_version_lag", worker="w0") == 1
         assert value(s, "worker_sandbox_pool", worker="w0", field="in_use") == 2
         assert value(s, "worker_report_age_seconds", worker="w0") >= 0
+        assert value(s, "worker_weight_served_seconds", worker="w0") == 0.125
+        assert value(s, "worker_weight_served_version", worker="w0") == 1
         assert value(s, "lease_expiries_total") == 0
         # the sampler notes when the backlog became non-empty: its age grows while it stays
         deadline = time.monotonic() + 30

@@ -3,7 +3,8 @@
 GPU-scale shapes of issue 30: "mid" (hidden 1024, 16 layers, 16 / 4 heads of 64, 32 experts
 top-4 of width 512; 0.91B parameters at vocab 32,000) and "qwen3-30b-a3b-4l" (Qwen3-30B-A3B's
 layer shape, 4 of its 48 layers: hidden 2048, 32 / 4 heads of 128, 128 experts top-8 of width
-768; vocab 151,936 is the caller's `vocab_size`)."""
+768; vocab 151,936 is the caller's `vocab_size`). `VOCAB` gives "mid" its
+32,000 vocabulary where a bench (weights) needs it; 3.6 GB in fp32."""
 
 MODELS = {
     "quickstart": dict(hidden_size=128, num_hidden_layers=4, num_experts=8, num_experts_per_tok=2),
@@ -20,3 +21,6 @@ MODELS = {
         head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
     ),
 }  # fmt: skip
+
+VOCAB = {"mid": 32_000}
+"""Vocabulary of a preset whose vocabulary is not the task tokenizer's."""

@@ -129,6 +129,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_batch_samples=args.max_batch_samples,
         weight_url_schemes=("file", "s3", *(s.lower() for s in args.allow_weight_url_scheme)),
         allow_version_rollback=args.allow_version_rollback,
+        weight_sync_timeout_s=cfg.engine.weight_sync_timeout_s,
     )
     if options.api_key is None and not _is_loopback(args.host):
         print(

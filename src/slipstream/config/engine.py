@@ -63,6 +63,24 @@ class EngineConfig(Section):
     """HTTP client: most requests in flight at once."""
     max_retries: int = Field(default=3, ge=0)
     """HTTP client: retries on connection errors and 5xx (exponential backoff)."""
+    weight_sync: Literal["store", "distributed", "colocated"] = "store"
+    """How the trainer hands each policy version to the engines (docs/weights.md): `store`:
+    every version written to the weight store, engines load it from there; `distributed`: the
+    trainer broadcasts every version to every engine over a torch process group (gloo on CPU,
+    NCCL on GPU; SGLang's /update_weights_from_distributed), the store receiving every
+    `weight_store_every`-th version for resumes, new engines and failed transfers;
+    `colocated`: CUDA IPC handles to an engine on the trainer's GPU
+    (/update_weights_from_tensor), CUDA only."""
+    weight_bucket_bytes: int = Field(default=256 * 2**20, ge=2**20, le=2**32)
+    """weight_sync = "distributed": most bytes of one flattened, single-dtype broadcast (a
+    larger tensor travels alone). Each side holds one bucket's copy beside the weights."""
+    weight_store_every: int = Field(default=10, ge=1, le=100_000)
+    """weight_sync = "distributed": the store receives every N-th version (and the first and
+    last), the fallback of an engine that missed a broadcast."""
+    weight_sync_timeout_s: float = Field(default=120.0, gt=0, le=3600)
+    """weight_sync = "distributed": bound on one collective (a bucket's broadcast, a group's
+    rendezvous); an engine that has not received within it is dropped from the group and
+    catches up from the store."""
 
     @model_validator(mode="after")
     def _http_needs_url(self) -> "EngineConfig":
@@ -70,5 +88,16 @@ class EngineConfig(Section):
             raise ValueError(
                 "engine.type = 'http' needs engine.url, the server's base URL "
                 "(e.g. http://127.0.0.1:30000)"
+            )
+        if self.type == "http" and self.weight_sync != "store":
+            raise ValueError(
+                f"engine.weight_sync = {self.weight_sync!r} with engine.type = 'http' is not "
+                "supported in the RL job yet (the rollout workers' native engines take pushes); "
+                "use engine.type = 'native' or engine.weight_sync = 'store'"
+            )
+        if self.weight_sync == "colocated" and not self.device.startswith("cuda"):
+            raise ValueError(
+                "engine.weight_sync = 'colocated' passes CUDA IPC handles and needs "
+                f"engine.device = 'cuda' (got {self.device!r}); use 'distributed' (gloo) on CPU"
             )
         return self

@@ -37,14 +37,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from slipstream.engine.base import MAX_SAMPLES, MAX_VERSION
 
 ADMIN_PATHS = frozenset(
-    {
-        "/update_weights_from_disk",
-        "/abort_request",
-        "/flush_cache",
-        "/update_weights",
-        "/update_weight_version",
-    }
-)
+    {"/update_weights_from_disk", "/abort_request", "/flush_cache", "/update_weights",
+     "/update_weight_version", "/init_weights_update_group", "/update_weights_from_distributed",
+     "/destroy_weights_update_group", "/update_weights_from_tensor"}
+)  # fmt: skip
 PUBLIC_PATHS = frozenset({"/health", "/health_generate"})
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -74,6 +70,9 @@ class ServeOptions:
     allow_version_rollback: bool = False
     """Accept a weight_version below the served one (a job resumed from an older checkpoint
     against a long-lived server)."""
+    weight_sync_timeout_s: float = 120.0
+    """Bound on every collective of a weight-update group this server joins (a sender that
+    died mid-transfer frees the receiving thread after it); `engine.weight_sync_timeout_s`."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

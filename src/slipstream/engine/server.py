@@ -15,7 +15,10 @@ and the old weights keep serving; a client that disconnects has its requests abo
 that can no longer serve makes /health answer 503. Authentication, size limits, weight-source
 schemes and version rules are `guard.py`'s (see docs/security.md).
 
-Not covered: /get_server_info, /update_weights_from_tensor / _distributed, tokenize endpoints,
+SGLang's weight-transfer endpoints (/init_weights_update_group, /update_weights_from_distributed,
+/get_weights_by_name, ...) are engine/weight_routes.py's.
+
+Not covered: /get_server_info, tokenize endpoints,
 multimodal inputs, TLS.
 """
 
@@ -82,6 +85,7 @@ def create_app(
     decodes texts. `options` default: served name = the model directory's name.
     `weight_version`: the label of the weights served at start (SGLang's --weight-version)."""
     from slipstream.engine.openai_api import add_openai_routes
+    from slipstream.engine.weight_routes import add_weight_routes
 
     if options is None:
         options = ServeOptions(served_model_name=Path(model_path).name or "slipstream")
@@ -258,6 +262,7 @@ def create_app(
         return outs if (batched or len(outs) > 1) else outs[0]
 
     add_openai_routes(app, state)
+    add_weight_routes(app, state, options.weight_sync_timeout_s)
     return app
 
 

@@ -139,8 +139,19 @@ def build_worker(spec: WorkerSpec, worker_id: str, coord: Any = None) -> Any:
         verifier = LatencyInjector(verifier, rc.verify_latency_p50_s, rc.verify_latency_p99_over_p50,
                                    seed=hash(worker_id) & 0xFFFF)  # fmt: skip
     try:
-        return RolloutWorker(worker_id, coord, engine, taskset, verifier, rc, weights,
-                             max_new_tokens=cfg.engine.max_new_tokens, run_seed=cfg.run.seed)  # fmt: skip
+        worker = RolloutWorker(worker_id, coord, engine, taskset, verifier, rc, weights,
+                               max_new_tokens=cfg.engine.max_new_tokens, run_seed=cfg.run.seed)  # fmt: skip
+        if cfg.engine.weight_sync == "distributed":
+            # the trainer pushes every version to this engine through SGLang's endpoints
+            import secrets
+
+            from slipstream.engine.weight_routes import EngineEndpoint
+
+            key = secrets.token_urlsafe(32)  # given to the trainer over the coordinator's channel
+            worker.weight_endpoint = EngineEndpoint(engine, taskset.tokenizer, api_key=key,
+                                                    timeout_s=cfg.engine.weight_sync_timeout_s)  # fmt: skip
+            coord.register_engine(worker_id, worker.weight_endpoint.url, key)
+        return worker
     except BaseException:
         verifier.close()
         engine.close()
@@ -190,6 +201,8 @@ def close_worker(worker: Any) -> None:
     journal entry) and the engine. Call after worker.run() returned (its verifications are done)."""
     try:
         worker.verifier.close()
+        if worker.weight_endpoint is not None:
+            worker.weight_endpoint.close()
     finally:
         worker.engine.close()
 

@@ -28,7 +28,10 @@ non-empty. Series (all prefixed `slipstream_`):
                             report), worker_weight_version_lag (coordinator version - the
                             report's `weight_version`), worker_sandbox_pool{field} (the report's
                             `sandbox_pool_<field>` numbers): the last two only for workers whose
-                            reports carry those keys.
+                            reports carry those keys; worker_weight_served_seconds and
+                            worker_weight_served_version (engine.weight_sync = distributed: the
+                            last version pushed to the worker's engine and the seconds from the
+                            push's start until it served it).
 
 `slipstream serve`: `ServeMetrics(engine)` plus its ASGI middleware count requests by endpoint
 and status, requests in flight and their latency, and read the engine at scrape time (healthy,
@@ -70,6 +73,7 @@ class CoordinatorView(Protocol):
 
     worker_stats: dict[str, dict[str, float]]
     worker_seen_s: dict[str, float]
+    weight_served: dict[str, dict[str, float]]
 
     def status(self) -> dict[str, Any]: ...
 
@@ -208,7 +212,16 @@ class _JobCollector:
                     lag.add_metric([worker], float(version - v))
                 elif key.startswith("sandbox_pool_"):
                     pool.add_metric([worker, key.removeprefix("sandbox_pool_")], float(v))
-        yield from (age, stat, lag, pool)
+        served_s = core.GaugeMetricFamily(PREFIX + "worker_weight_served_seconds",
+                                          "publish -> served seconds of the last pushed version",
+                                          labels=["worker"])  # fmt: skip
+        served_v = core.GaugeMetricFamily(PREFIX + "worker_weight_served_version",
+                                          "the last version pushed to the worker's engine",
+                                          labels=["worker"])  # fmt: skip
+        for worker, served in dict(coord.weight_served).items():
+            served_s.add_metric([worker], served["seconds"])
+            served_v.add_metric([worker], served["version"])
+        yield from (age, stat, lag, pool, served_s, served_v)
 
 
 class JobMetrics:

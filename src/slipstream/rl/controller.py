@@ -33,9 +33,9 @@ from slipstream.model import MoEForCausalLM, hf_config_from_model_config, hf_fro
 from slipstream.observe.metrics import MetricsWriter
 from slipstream.rl.buffer import ExperienceBuffer
 from slipstream.rl.coordinator import Coordinator
-from slipstream.rl.publisher import Publisher
 from slipstream.rl.queue import TaskQueue
 from slipstream.rl.trainer import build_trainer
+from slipstream.rl.weight_sync import make_weight_sync
 from slipstream.runtime import resolve_device
 from slipstream.storage import open_stores
 
@@ -103,8 +103,8 @@ class Controller:
         self._eval_model: torch.nn.Module | None = None  # rank 0's full copy (sharded layouts)
         self._published: dict[str, torch.Tensor] | None = None
         self._maybe_resume()
-        self.publisher = Publisher(self.weights, self.coord,
-                                   background=cfg.trainer.background_publish)  # fmt: skip
+        # engine.weight_sync: the store (Publisher) or pushes over a process group
+        self.publisher = make_weight_sync(cfg, self.weights, self.coord)
         self.publish()
         self.publisher.flush()  # version 0 (or the resumed one) exists before any worker asks
 
@@ -232,6 +232,8 @@ class Controller:
                 "dropped_uniform": status["buffer_dropped_uniform"], "redelivered": status["redelivered"],
                 "rejected_acks": status["rejected_acks"], "mode": tc.mode,
             }  # fmt: skip
+            if self.publisher.served_s:  # weight_sync = distributed: publish -> served, per engine
+                rec["weight_served_s_max"] = max(self.publisher.served_s.values())
             metrics.log(**rec)
             if tb is not None:
                 for k, v in rec.items():
@@ -242,6 +244,7 @@ class Controller:
             if tc.checkpoint_every and step % tc.checkpoint_every == 0:
                 self.checkpoint()
         self.publisher.flush()  # the last version is in the store
+        self.publisher.close()
         self.coord.request_stop()
         if self.dp is not None:  # the other ranks save with rank 0 below, then leave
             self.dp_done = True

@@ -42,6 +42,12 @@ class Coordinator:
         self._arrived = threading.Condition()
         self.worker_stats: dict[str, dict[str, float]] = {}
         self.worker_seen_s: dict[str, float] = {}
+        # worker id -> (URL, API key) of its engine's weight endpoint (weight_sync distributed)
+        self.engine_urls: dict[str, tuple[str, str | None]] = {}
+        self.weight_served: dict[str, dict[str, float]] = {}
+        """worker id -> {"version", "seconds"}: the last version pushed to its engine and the
+        seconds from the push's start until that engine served it (engine.weight_sync =
+        distributed; /metrics exports it)."""
         self.num_acked = 0
         self._failure: str | None = None
 
@@ -94,7 +100,23 @@ class Coordinator:
         self.worker_stats[worker_id] = stats
         self.worker_seen_s[worker_id] = time.time()
 
+    def register_engine(self, worker_id: str, url: str, api_key: str | None = None) -> None:
+        """engine.weight_sync = distributed: the worker's engine takes weight pushes at `url`
+        (with `api_key` as its Bearer key; it travels over this authkey-guarded channel)."""
+        with self._lock:
+            self.engine_urls[worker_id] = (url, api_key)
+
     # ---- trainer API ---------------------------------------------------------------------------
+
+    def engines(self) -> dict[str, tuple[str, str | None]]:
+        """Worker id -> (weight endpoint URL, API key) of every engine that registered one."""
+        with self._lock:
+            return dict(self.engine_urls)
+
+    def record_served(self, version: int, seconds: dict[str, float]) -> None:
+        """Publish -> served seconds of `version` per worker (see `weight_served`)."""
+        for worker, s in seconds.items():
+            self.weight_served[worker] = {"version": float(version), "seconds": s}
 
     def set_version(self, version: int) -> None:
         """Call after the weights of `version` are published (workers fetch them on lease)."""

@@ -41,8 +41,11 @@ class PublishFailed(RuntimeError):
 
 
 class Publisher:
-    def __init__(self, weights: WeightStore, coordinator: Any, *, background: bool = True) -> None:
+    def __init__(self, weights: WeightStore, coordinator: Any, *, background: bool = True,
+                 announce: bool = True) -> None:  # fmt: skip
+        """`announce=False`: only write (rl/weight_sync.py announces after its push)."""
         self.weights, self.coord, self.background = weights, coordinator, background
+        self.announce = announce
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._failed_version = -1
@@ -51,6 +54,9 @@ class Publisher:
         """Total wall time spent publishing (in the thread, or inline)."""
         self.wait_s = 0.0
         """Total time `submit`/`flush` waited for the previous publish."""
+        self.served_s: dict[str, float] = {}
+        """Publish -> served seconds per engine (rl/weight_sync.py): not measured here, every
+        engine loads from the store on its own."""
 
     def submit(
         self, version: int, state: dict[str, torch.Tensor], hf_config: dict[str, Any]
@@ -79,11 +85,16 @@ class Publisher:
             self._thread = None
         self._raise()
 
+    def close(self) -> None:
+        """`flush` (the `WeightSync` protocol's close: nothing else to release)."""
+        self.flush()
+
     def _publish(self, version: int, state: SafetensorsBuffer, hf_config: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         try:
             self.weights.publish(version, state, hf_config)
-            self.coord.set_version(version)
+            if self.announce:
+                self.coord.set_version(version)
         except BaseException as e:  # noqa: BLE001 - handed to the trainer's thread by _raise
             self._error, self._failed_version = e, version
         finally:

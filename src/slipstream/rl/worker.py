@@ -155,6 +155,9 @@ class RolloutWorker:
         self._leases: dict[int, set[int]] = {}  # lease_id -> task ids not yet done
         self._live_rollouts = 0  # groups whose on_done has not run yet
         self._weights_lock = threading.Lock()
+        self.weight_endpoint: Any = None
+        """engine.weight_sync = distributed: the engine's HTTP endpoint the trainer pushes to
+        (launch/worker.py starts and closes it)."""
         # environment steps (verification, tool runs) and episode starts run here
         self._pool = ThreadPoolExecutor(max(1, cfg.verify_threads), thread_name_prefix="verify")
         self.sandboxes = verifier.sandboxes
@@ -204,11 +207,19 @@ class RolloutWorker:
             while True:
                 current = self.coord.version()
                 if current > self.engine.version:
-                    try:
-                        self.engine.load_version(current, self.weights)
-                    except FileNotFoundError:  # retention removed it meanwhile: ask again
-                        continue
-                    self.stats["weight_updates"] += 1
+                    target = current
+                    if self.weight_endpoint is not None:
+                        # pushed versions: only every N-th is stored; a push this engine
+                        # missed is caught up with the newest stored version (the next push
+                        # brings the rest)
+                        stored = [v for v in self.weights.versions() if v <= current]
+                        target = stored[-1] if stored else -1
+                    if target > self.engine.version:
+                        try:
+                            self.engine.load_version(target, self.weights)
+                        except FileNotFoundError:  # retention removed it meanwhile: ask again
+                            continue
+                        self.stats["weight_updates"] += 1
                 if self.engine.version >= min_version:
                     return
                 if time.monotonic() > deadline:

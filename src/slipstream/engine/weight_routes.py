@@ -1,0 +1,211 @@
+"""SGLang's weight-transfer endpoints on `slipstream serve` (engine/weight_transport.py has the
+protocol and the receiving end): POST /init_weights_update_group, /update_weights_from_distributed,
+/destroy_weights_update_group, /update_weights_from_tensor (CUDA only), GET|POST
+/get_weights_by_name. Bodies and answers ({"success", "message"}) are SGLang's
+(python/sglang/srt/managers/io_struct.py); the modifying ones are admin endpoints (guard.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import pickle
+import socket
+import threading
+import time
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import Field
+
+from slipstream.engine.guard import error_response, parse_version
+from slipstream.engine.protocol import Strict
+from slipstream.engine.server_state import ServerState
+from slipstream.engine.weight_transport import DEFAULT_GROUP, WeightReceiver
+
+Name = Annotated[str, Field(min_length=1, max_length=512)]
+
+
+class InitWeightsUpdateGroupReqInput(Strict):
+    master_address: Annotated[str, Field(min_length=1, max_length=255)]
+    master_port: Annotated[int, Field(ge=1, le=65535)]
+    rank_offset: Annotated[int, Field(ge=1, le=65535)]
+    world_size: Annotated[int, Field(ge=2, le=65536)]
+    group_name: Name = DEFAULT_GROUP
+    backend: str = "nccl"
+
+
+class DestroyWeightsUpdateGroupReqInput(Strict):
+    group_name: Name = DEFAULT_GROUP
+
+
+class UpdateWeightsFromDistributedReqInput(Strict):
+    names: list[Name]
+    dtypes: list[Annotated[str, Field(max_length=40)]]
+    shapes: list[list[Annotated[int, Field(ge=0)]]]
+    group_name: Name = DEFAULT_GROUP
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+
+
+class UpdateWeightsFromTensorReqInput(Strict):
+    serialized_named_tensors: list[str]
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+class GetWeightsByNameReqInput(Strict):
+    name: Name
+    truncate_size: Annotated[int, Field(ge=1, le=1 << 20)] = 100
+
+
+def add_weight_routes(app: FastAPI, state: ServerState, timeout_s: float) -> WeightReceiver:
+    """Add the endpoints; `timeout_s` bounds every collective this engine joins."""
+    receiver = WeightReceiver(state.engine, timeout_s=timeout_s)
+    engine, options = state.engine, state.options
+
+    def answer(ok: bool, message: str, status: int = 200) -> JSONResponse:
+        if ok:
+            return JSONResponse({"success": True, "message": message})
+        return error_response(status, message, extra={"success": False, "message": message})
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(obj: InitWeightsUpdateGroupReqInput) -> JSONResponse:
+        if obj.rank_offset >= obj.world_size:
+            return answer(
+                False, f"rank_offset {obj.rank_offset} >= world_size {obj.world_size}", 400
+            )
+        try:
+            await asyncio.to_thread(receiver.init_group, obj.master_address, obj.master_port,
+                                    obj.rank_offset, obj.world_size, obj.group_name, obj.backend)  # fmt: skip
+        except ValueError as e:
+            return answer(False, f"Failed to init group: {e}", 400)
+        except RuntimeError as e:  # rendezvous failed or timed out
+            return answer(False, f"Failed to init group: {e}", 503)
+        return answer(True, f"Succeeded to initialize custom process group {obj.group_name}.")
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(obj: DestroyWeightsUpdateGroupReqInput) -> JSONResponse:
+        try:
+            receiver.destroy_group(obj.group_name)
+        except ValueError as e:
+            return answer(False, str(e), 400)
+        return answer(True, f"Succeeded to destroy custom process group {obj.group_name}.")
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(
+        obj: UpdateWeightsFromDistributedReqInput,
+    ) -> JSONResponse:
+        try:
+            version = parse_version(obj.weight_version, engine.version, options)
+        except ValueError as e:
+            return answer(False, str(e), 400)
+        if obj.abort_all_requests:
+            engine.abort_all()
+        try:
+            result = await asyncio.to_thread(receiver.receive, obj.names, obj.dtypes, obj.shapes,
+                                             obj.group_name, version, obj.load_format)  # fmt: skip
+        except ValueError as e:
+            return answer(False, f"Failed to update parameter online: {e}", 400)
+        except RuntimeError as e:
+            return answer(False, f"Failed to update parameter online: {e}", 503)
+        return answer(True, result.message)
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(obj: UpdateWeightsFromTensorReqInput) -> JSONResponse:
+        device = next(engine.model.parameters()).device
+        if device.type != "cuda":
+            return answer(False, "update_weights_from_tensor (CUDA IPC, weight_sync = "
+                          f"'colocated') needs a CUDA engine; this one runs on {device}", 400)  # fmt: skip
+        try:
+            version = parse_version(obj.weight_version, engine.version, options)
+            named = _load_ipc_tensors(obj.serialized_named_tensors)  # pragma: no cover - CUDA
+            result = await asyncio.to_thread(receiver.receive_tensors, named, version)
+        except (ValueError, pickle.UnpicklingError) as e:
+            return answer(False, f"Failed to update weights: {e}", 400)
+        return answer(True, result.message)
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights_by_name(request: Request) -> Any:
+        raw = await request.body()
+        obj = (GetWeightsByNameReqInput.model_validate_json(raw) if raw
+               else GetWeightsByNameReqInput.model_validate(dict(request.query_params)))  # fmt: skip
+        return await asyncio.to_thread(receiver.weights_by_name, obj.name, obj.truncate_size)
+
+    return receiver
+
+
+# Only what a CUDA IPC tensor handle pickles to (torch.multiprocessing.reductions); anything
+# else in the payload is refused, so an admin request can never run other code by unpickling.
+_IPC_GLOBALS = {
+    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
+    ("torch.multiprocessing.reductions", "rebuild_tensor"),
+    ("torch.storage", "TypedStorage"), ("torch.storage", "UntypedStorage"),
+    ("torch", "Size"), ("torch", "device"), ("collections", "OrderedDict"),
+    ("torch._utils", "_rebuild_tensor_v2"),
+}  # fmt: skip
+
+
+class _IPCUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (
+            (module, name) in _IPC_GLOBALS
+            or (module == "torch" and name.endswith("dtype"))
+            or (module == "torch" and name in ("float32", "float16", "bfloat16", "float64"))
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing {module}.{name} in a CUDA IPC payload")
+
+
+def _load_ipc_tensors(payloads: list[str]) -> dict[str, Any]:  # pragma: no cover - CUDA only
+    """SGLang's serialized_named_tensors (base64 of a pickled [(name, tensor)] whose tensors are
+    CUDA IPC handles; one entry per TP rank, we have one) as {name: tensor}."""
+    if len(payloads) != 1:
+        raise ValueError(f"serialized_named_tensors has {len(payloads)} entries; this engine "
+                         "has one rank")  # fmt: skip
+    items = _IPCUnpickler(io.BytesIO(base64.b64decode(payloads[0]))).load()
+    return dict(items)
+
+
+class EngineEndpoint:
+    """An in-process engine served over HTTP (the full `create_app`: SGLang's endpoints, these
+    weight routes included) from a background thread on `host` and a free port, every endpoint
+    but /health behind `api_key`: how a rollout worker's native engine takes weight pushes
+    (engine.weight_sync = distributed). `url` once constructed; `close()` stops it."""
+
+    def __init__(self, engine: Any, tokenizer: Any, *, timeout_s: float, api_key: str,
+                 host: str = "127.0.0.1", start_timeout_s: float = 60.0) -> None:  # fmt: skip
+        import uvicorn
+
+        from slipstream.engine.guard import ServeOptions
+        from slipstream.engine.server import create_app
+
+        # every endpoint behind the key: other users of the machine can reach loopback too
+        options = ServeOptions(served_model_name="rollout-engine", api_key=api_key,
+                               api_key_scope="all", weight_sync_timeout_s=timeout_s)  # fmt: skip
+        app = create_app(engine, tokenizer, options=options)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, 0))
+        self.url = f"http://{host}:{self.sock.getsockname()[1]}"
+        config = uvicorn.Config(app, log_level="warning", lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True, name="engine-endpoint")  # fmt: skip
+        self.thread.start()
+        deadline = time.monotonic() + start_timeout_s
+        while not self.server.started:  # a condition the server sets, polled
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"engine endpoint on {self.url} did not start")
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()

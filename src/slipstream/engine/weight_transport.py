@@ -1,0 +1,635 @@
+"""Weights over the wire: SGLang's distributed weight-update protocol, engine side and trainer
+side, over a torch process group (gloo on CPU, NCCL between GPUs).
+
+The protocol (SGLang's `python/sglang/srt/managers/io_struct.py`, same JSON on our server):
+- `POST /init_weights_update_group` {master_address, master_port, rank_offset, world_size,
+  group_name, backend}: the engine joins a new process group as rank `rank_offset`; rank 0 is
+  the trainer, which hosts the rendezvous (a TCPStore) at master_address:master_port.
+- `POST /update_weights_from_distributed` {names, dtypes, shapes, group_name, flush_cache,
+  weight_version, load_format}: the engine receives those tensors from rank 0, one broadcast per
+  tensor, or, with load_format "flattened_bucket", ONE broadcast of all of them concatenated
+  (they then share one dtype: the sender's buckets are dtype-grouped).
+- `POST /destroy_weights_update_group` {group_name}; `GET /get_weights_by_name` {name,
+  truncate_size} (the first truncate_size values of the parameter, flattened).
+
+Versions stay exact: the engine stages what it receives for a weight_version and swaps the whole
+version in (`NativeEngine.update_weights`, between decode steps) only once every parameter of
+the model has arrived; a request for another version discards an incomplete staging. So a
+version split over many bucket requests is never served half-applied (SGLang applies each request
+as it arrives: a sender that wants exactness there sends one version per request set and waits).
+
+Elasticity (trainer side, `DistributedSender`): every membership change opens a new group (a new
+group_name and port: one per membership epoch), so no group is ever reused after a member was
+lost. A transfer that fails or exceeds `timeout_s` closes the trainer's end (which unblocks the
+survivors), probes every engine's /health, drops the ones that do not answer, and retries the
+version once on a new group of the survivors. A dropped (or newly added) engine is brought to
+the newest version in the store (`/update_weights_from_disk`) when it answers again, and joins
+at the next version.
+
+Not covered: tensor-parallel engines (one rank per engine), NIXL/RDMA, deltas.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GROUP = "weight_update_group"
+MAX_ENGINES = 256
+"""Engines one `DistributedSender` pushes to (one HTTP request thread each during a push)."""
+FLATTENED_BUCKET = "flattened_bucket"
+# The dtypes a weight may travel as (a name of torch's, as SGLang sends them: "bfloat16").
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}  # fmt: skip
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16" (what SGLang's clients send in `dtypes`)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """ValueError unless `name` is a floating dtype a weight may travel as."""
+    key = str(name).removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"dtype {str(name)[:40]!r} is not one of {sorted(_DTYPES)}")
+    return _DTYPES[key]
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+
+def plan_buckets(metas: Sequence[TensorMeta], bucket_bytes: int) -> list[list[TensorMeta]]:
+    """Dtype-grouped buckets of at most `bucket_bytes` each (a tensor larger than that travels
+    alone), in the order of `metas` within a dtype: one flattened broadcast per bucket."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    by_dtype: dict[torch.dtype, list[TensorMeta]] = {}
+    for m in metas:
+        by_dtype.setdefault(m.dtype, []).append(m)
+    buckets: list[list[TensorMeta]] = []
+    for group in by_dtype.values():
+        cur: list[TensorMeta] = []
+        size = 0
+        for m in group:
+            if cur and size + m.nbytes > bucket_bytes:
+                buckets.append(cur)
+                cur, size = [], 0
+            cur.append(m)
+            size += m.nbytes
+        if cur:
+            buckets.append(cur)
+    return buckets
+
+
+def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One contiguous 1-D tensor of the tensors' values (they share one dtype)."""
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def unflatten(flat: torch.Tensor, metas: Sequence[TensorMeta]) -> dict[str, torch.Tensor]:
+    """The named tensors of `flatten` output (views into `flat`)."""
+    out: dict[str, torch.Tensor] = {}
+    offset = 0
+    for m in metas:
+        n = m.nbytes // m.dtype.itemsize
+        out[m.name] = flat[offset : offset + n].view(m.shape)
+        offset += n
+    if offset != flat.numel():
+        raise ValueError(f"flattened bucket holds {flat.numel()} values, metas name {offset}")
+    return out
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (for a new group's rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class WeightGroup:
+    """One process group of a membership epoch: rank 0 (the trainer) hosts the rendezvous;
+    every collective is bounded by `timeout_s` (gloo/NCCL raise after it)."""
+
+    def __init__(
+        self,
+        name: str,
+        backend: str,
+        master_address: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+    ) -> None:
+        import torch.distributed as dist
+
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend {backend!r} is not 'gloo' or 'nccl'")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise ValueError("backend 'nccl' needs CUDA; this process has no GPU (use 'gloo')")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        self.name, self.backend, self.rank, self.world_size = name, backend, rank, world_size
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
+            else torch.device("cpu")  # fmt: skip
+        self._store = dist.TCPStore(master_address, master_port, world_size,
+                                    is_master=rank == 0, timeout=self.timeout,
+                                    wait_for_workers=False)  # fmt: skip
+        prefixed = dist.PrefixStore(f"slipstream/{name}", self._store)
+        if backend == "gloo":
+            self._pg: Any = dist.ProcessGroupGloo(prefixed, rank, world_size, self.timeout)
+        else:  # pragma: no cover - CUDA only (docs/gpu.md: not run on a GPU yet)
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = self.timeout
+            self._pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        """Broadcast from rank 0 into `tensor` (in place on other ranks); raises on a peer
+        lost or after the timeout."""
+        self._pg.broadcast([tensor], _root0()).wait(self.timeout)
+
+    def broadcast_async(self, tensor: torch.Tensor) -> Any:
+        return self._pg.broadcast([tensor], _root0())
+
+    def wait(self, work: Any) -> None:
+        work.wait(self.timeout)
+
+    def close(self) -> None:
+        """Drop this end: peers blocked in a collective of the group get an error."""
+        pg, self._pg = self._pg, None
+        if pg is not None:
+            try:
+                pg.abort()
+            except (RuntimeError, AttributeError) as e:  # an already-broken group
+                log.debug("group %s: abort: %s", self.name, e)
+        self._store = None
+
+
+def _root0() -> Any:
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    opts.rootTensor = 0
+    return opts
+
+
+# ---- engine side -------------------------------------------------------------------------------
+
+
+@dataclass
+class ReceiveResult:
+    version: int
+    applied: bool
+    staged: int
+    expected: int
+
+    @property
+    def message(self) -> str:
+        if self.applied:
+            return f"Succeeded to update parameter online (version {self.version})."
+        return (f"Succeeded to receive {self.staged} of {self.expected} tensors of version "
+                f"{self.version}; it is applied once all have arrived.")  # fmt: skip
+
+
+class WeightReceiver:
+    """The engine's end of SGLang's distributed protocol (see the module docstring), over one
+    `NativeEngine`. Thread-safe: the server calls it from worker threads."""
+
+    def __init__(self, engine: Any, *, timeout_s: float = 120.0) -> None:
+        from slipstream.model.checkpoint import hf_from_internal
+
+        self.engine = engine
+        self.timeout_s = timeout_s
+        self._groups: dict[str, WeightGroup] = {}
+        self._lock = threading.Lock()  # the groups dict and the staging
+        # one transfer at a time: two requests receiving concurrently would take each other's
+        # broadcasts (a collective matches calls by order, not by name)
+        self._transfer = threading.Lock()
+        internal = dict(engine.model.state_dict())
+        cfg = engine.model.config
+        self._expected_split = set(hf_from_internal(internal, cfg, fused_experts=False))
+        self._expected_fused = set(hf_from_internal(internal, cfg, fused_experts=True))
+        self._staged: dict[str, torch.Tensor] = {}
+        self._staged_version: int | None = None
+
+    def init_group(self, master_address: str, master_port: int, rank_offset: int,
+                   world_size: int, group_name: str, backend: str) -> None:  # fmt: skip
+        """Join a group as rank `rank_offset` (blocks until every rank joined or timeout)."""
+        if rank_offset < 1:
+            raise ValueError(f"rank_offset {rank_offset} must be >= 1 (rank 0 is the sender)")
+        with self._lock:
+            if group_name in self._groups:
+                raise ValueError(f"group {group_name!r} exists; destroy it first")
+        group = WeightGroup(group_name, backend, master_address, master_port, rank_offset,
+                            world_size, self.timeout_s)  # fmt: skip
+        with self._lock:
+            self._groups[group_name] = group
+
+    def destroy_group(self, group_name: str) -> None:
+        with self._lock:
+            group = self._groups.pop(group_name, None)
+        if group is None:
+            raise ValueError(f"no weight update group {group_name!r}")
+        group.close()
+
+    def groups(self) -> list[str]:
+        with self._lock:
+            return sorted(self._groups)
+
+    def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                group_name: str, version: int, load_format: str | None) -> ReceiveResult:  # fmt: skip
+        """Receive the named tensors from rank 0 of `group_name`; stage them under `version`
+        and apply the version when complete. ValueError for a bad request (nothing received);
+        RuntimeError when the transfer failed (the group is then closed: the sender rebuilds)."""
+        if not (len(names) == len(dtypes) == len(shapes)) or not names:
+            raise ValueError(f"names, dtypes, shapes must be non-empty and of one length "
+                             f"(got {len(names)}, {len(dtypes)}, {len(shapes)})")  # fmt: skip
+        metas = [TensorMeta(n, parse_dtype(d), tuple(int(x) for x in s))
+                 for n, d, s in zip(names, dtypes, shapes, strict=True)]  # fmt: skip
+        unknown = [
+            m.name for m in metas if m.name not in self._expected_split | self._expected_fused
+        ]
+        if unknown:
+            raise ValueError(f"unknown parameter names {unknown[:5]}")
+        if load_format not in (None, "auto", FLATTENED_BUCKET):
+            raise ValueError(f"load_format {load_format!r} is not supported "
+                             f"(None or {FLATTENED_BUCKET!r})")  # fmt: skip
+        if load_format == FLATTENED_BUCKET and len({m.dtype for m in metas}) != 1:
+            raise ValueError("a flattened bucket must hold tensors of one dtype")
+        with self._lock:
+            group = self._groups.get(group_name)
+        if group is None:
+            raise ValueError(f"no weight update group {group_name!r}; "
+                             "POST /init_weights_update_group first")  # fmt: skip
+        with self._transfer:
+            received = self._receive(group, group_name, metas, load_format)
+        with self._lock:
+            if self._staged_version != version:
+                self._staged, self._staged_version = {}, version
+            self._staged.update(received)
+            staged = dict(self._staged)
+            complete = (
+                self._expected_split <= staged.keys() or self._expected_fused <= staged.keys()
+            )
+            if complete:
+                self._staged, self._staged_version = {}, None
+        expected = len(self._expected_split)
+        if not complete:
+            return ReceiveResult(version, False, len(staged), expected)
+        self.engine.update_weights(version, staged)  # validated, then swapped between steps
+        return ReceiveResult(version, True, len(staged), expected)
+
+    def _receive(self, group: WeightGroup, group_name: str, metas: list[TensorMeta],
+                 load_format: str | None) -> dict[str, torch.Tensor]:  # fmt: skip
+        try:
+            if load_format == FLATTENED_BUCKET:
+                flat = torch.empty(sum(m.nbytes for m in metas) // metas[0].dtype.itemsize,
+                                   dtype=metas[0].dtype, device=group.device)  # fmt: skip
+                group.broadcast(flat)
+                received = unflatten(flat, metas)
+            else:
+                received = {m.name: torch.empty(m.shape, dtype=m.dtype, device=group.device)
+                            for m in metas}  # fmt: skip
+                works = [group.broadcast_async(t) for t in received.values()]
+                for w in works:
+                    group.wait(w)
+        except RuntimeError as e:
+            self._drop(group_name)
+            raise RuntimeError(f"receiving from group {group_name!r} failed ({e}); the group "
+                               "is closed, the served weights are unchanged") from e  # fmt: skip
+        return received
+
+    def receive_tensors(self, named: Mapping[str, torch.Tensor], version: int) -> ReceiveResult:
+        """Colocated (CUDA IPC): tensors already rebuilt from their handles; applied at once."""
+        self.engine.update_weights(version, dict(named))
+        return ReceiveResult(version, True, len(named), len(self._expected_split))
+
+    def _drop(self, group_name: str) -> None:
+        with self._lock:
+            group = self._groups.pop(group_name, None)
+        if group is not None:
+            group.close()
+
+    def weights_by_name(self, name: str, truncate_size: int) -> list[Any]:
+        """The parameter `name` (an HF name, split or fused experts) flattened, first
+        `truncate_size` values (SGLang's /get_weights_by_name)."""
+        from slipstream.model.checkpoint import hf_from_internal
+
+        internal = {k: v.detach() for k, v in self.engine.model.state_dict().items()}
+        cfg = self.engine.model.config
+        split = hf_from_internal(internal, cfg, fused_experts=False)
+        t = split.get(name)
+        if t is None:
+            t = hf_from_internal(internal, cfg, fused_experts=True).get(name)
+        if t is None:
+            raise ValueError(f"no parameter {name[:200]!r}")
+        return t.reshape(-1)[:truncate_size].float().tolist()
+
+
+# ---- trainer side ------------------------------------------------------------------------------
+
+
+@dataclass
+class SendReport:
+    """One version's push: bytes, seconds until every member served it, per-engine seconds."""
+
+    version: int
+    bytes: int
+    seconds: float
+    served_s: dict[str, float] = field(default_factory=dict)
+    dropped: list[str] = field(default_factory=list)
+    """Engines this push dropped (not those dropped before it)."""
+    retried: bool = False
+
+
+class TransferFailed(RuntimeError):
+    """A push failed on every member, or after its one retry."""
+
+
+class DistributedSender:
+    """Rank 0 of SGLang's protocol: pushes every version to the engines at `urls` (our
+    `slipstream serve` or SGLang) through their endpoints, in dtype-grouped flattened buckets.
+    `catch_up(url, headers)`: bring a (re)joining engine to the newest stored version (None: it
+    joins with whatever it serves). `api_key`: the Bearer key of the engines at `urls`
+    (`add_engine` takes one per engine). See the module docstring for membership epochs and faults."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        bucket_bytes: int = 256 * 2**20,
+        timeout_s: float = 60.0,
+        backend: str = "gloo",
+        master_address: str = "127.0.0.1",
+        api_key: str | None = None,
+        catch_up: Callable[[str, dict[str, str]], None] | None = None,
+        probe_timeout_s: float = 2.0,
+    ) -> None:
+        import httpx
+
+        if len(urls) > MAX_ENGINES:
+            raise ValueError(f"a weight sender pushes to at most {MAX_ENGINES} engines")
+        self.members: list[str] = [u.rstrip("/") for u in urls]
+        self.dropped: list[str] = []
+        self.bucket_bytes, self.timeout_s, self.backend = bucket_bytes, timeout_s, backend
+        self.master_address, self.catch_up, self.probe_timeout_s = (
+            master_address,
+            catch_up,
+            probe_timeout_s,
+        )
+        self._keys: dict[str, str | None] = {u: api_key for u in self.members}
+        self._http = httpx.Client(timeout=httpx.Timeout(timeout_s + 10.0))
+        # one thread per member request in flight: every member's /init_weights_update_group
+        # blocks until all joined, so fewer threads than members would deadlock the rendezvous
+        # (threads are started on demand, up to this bound)
+        self._pool = ThreadPoolExecutor(MAX_ENGINES, thread_name_prefix="wpush")
+        self._group: WeightGroup | None = None
+        self._group_members: list[str] = []
+        self.epoch = 0
+        self.groups_opened: list[str] = []
+        """Every group name this sender opened, in order (one per membership epoch)."""
+
+    # -- membership --
+
+    def add_engine(self, url: str, api_key: str | None = None) -> None:
+        """An engine joining mid-run: caught up from the store, in the group from the next push."""
+        if len(self.members) + len(self.dropped) >= MAX_ENGINES:
+            raise ValueError(f"a weight sender pushes to at most {MAX_ENGINES} engines")
+        self._keys[url.rstrip("/")] = api_key
+        self.dropped.append(url.rstrip("/"))
+
+    def _headers(self, url: str) -> dict[str, str]:
+        key = self._keys.get(url)
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def _healthy(self, url: str) -> bool:
+        import httpx
+
+        try:
+            resp = self._http.get(f"{url}/health", timeout=self.probe_timeout_s,
+                                  headers=self._headers(url))  # fmt: skip
+            return resp.status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _readmit(self) -> None:
+        for url in list(self.dropped):
+            if not self._healthy(url):
+                continue
+            try:
+                if self.catch_up is not None:
+                    self.catch_up(url, self._headers(url))
+            except Exception as e:  # noqa: BLE001 - stays dropped; retried next version
+                log.warning("engine %s: catching up from the store failed: %s", url, e)
+                continue
+            self.dropped.remove(url)
+            self.members.append(url)
+            log.info("engine %s rejoins at the next weight version", url)
+
+    def _drop(self, url: str, why: str) -> None:
+        if url in self.members:
+            self.members.remove(url)
+            self.dropped.append(url)
+            log.warning("engine %s dropped from weight pushes (%s); it catches up from the store",
+                        url, why)  # fmt: skip
+
+    def _close_group(self) -> None:
+        group, self._group = self._group, None
+        if group is None:
+            return
+        group.close()
+        for url in self._group_members:  # best effort: a member may be gone
+            if url in self.members:
+                self._post_quiet(url, "/destroy_weights_update_group", {"group_name": group.name})
+
+    def open_group(self) -> None:
+        """Form the group of the current members now (else the next `send` does)."""
+        self._ensure_group()
+
+    def _ensure_group(self) -> WeightGroup | None:
+        if self._group is not None and self._group_members == self.members:
+            return self._group
+        self._close_group()
+        if not self.members:
+            return None
+        self.epoch += 1
+        members = list(self.members)
+        name, port = f"slipstream-weights-e{self.epoch}", free_port(self.master_address)
+        world = len(members) + 1
+        futures = {
+            url: self._pool.submit(self._post, url, "/init_weights_update_group", {
+                "master_address": self.master_address, "master_port": port, "rank_offset": i + 1,
+                "world_size": world, "group_name": name, "backend": self.backend})
+            for i, url in enumerate(members)
+        }  # fmt: skip
+        try:
+            group = WeightGroup(name, self.backend, self.master_address, port, 0, world,
+                                self.timeout_s)  # fmt: skip
+        except RuntimeError as e:  # a member never joined (dead, or refused the group)
+            group = None
+            log.warning("weight group %s: not every engine joined: %s", name, e)
+        failed = [u for u, f in futures.items() if not _ok(f, self.timeout_s + 10.0)]
+        self.groups_opened.append(name)
+        if group is None or failed:
+            if group is not None:
+                group.close()
+            for url in failed or [u for u in members if not self._healthy(u)]:
+                self._drop(url, f"did not join group {name}")
+            if set(members) == set(self.members):  # nobody identified: give up on this epoch
+                raise TransferFailed(f"weight group {name}: could not be formed")
+            return self._ensure_group()
+        self._group, self._group_members = group, members
+        return group
+
+    # -- pushing --
+
+    def send(self, version: int, state: Mapping[str, torch.Tensor]) -> SendReport:
+        """Push `version` (HF-named tensors) to every member; returns once each member served it
+        or was dropped. TransferFailed if nobody could be reached twice in a row."""
+        self._readmit()
+        metas = [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in state.items()]
+        buckets = plan_buckets(metas, self.bucket_bytes)
+        total = sum(m.nbytes for m in metas)
+        t0 = time.perf_counter()
+        dropped_before = set(self.dropped)
+        for attempt in range(2):
+            group = self._ensure_group()
+            if group is None:  # no member (left): nothing to push to
+                new_drops = sorted(set(self.dropped) - dropped_before)
+                return SendReport(version, total, 0.0, {}, new_drops, attempt > 0)
+            try:
+                served = self._push(group, version, state, buckets, t0)
+            except _PushFailed as e:
+                log.warning("weight version %d: push failed (%s); rebuilding the group", version, e)
+                self._close_group()
+                for url in list(self.members):
+                    if url in e.failed or not self._healthy(url):
+                        self._drop(url, str(e))
+                continue
+            new_drops = sorted(set(self.dropped) - dropped_before)
+            return SendReport(version, total, time.perf_counter() - t0, served, new_drops,
+                              attempt > 0)  # fmt: skip
+        raise TransferFailed(f"weight version {version}: push failed twice")
+
+    def _push(self, group: WeightGroup, version: int, state: Mapping[str, torch.Tensor],
+              buckets: list[list[TensorMeta]], t0: float) -> dict[str, float]:  # fmt: skip
+        members = list(self._group_members)
+        served: dict[str, float] = {}
+        for bucket in buckets:
+            body = {"names": [m.name for m in bucket], "dtypes": [dtype_name(m.dtype) for m in bucket],
+                    "shapes": [list(m.shape) for m in bucket], "group_name": group.name,
+                    "flush_cache": False, "weight_version": str(version),
+                    "load_format": FLATTENED_BUCKET}  # fmt: skip
+            futures = {u: self._pool.submit(self._post, u, "/update_weights_from_distributed", body)
+                       for u in members}  # fmt: skip
+            flat = flatten([state[m.name] for m in bucket]).to(group.device)
+            try:
+                group.broadcast(flat)
+            except RuntimeError as e:
+                failed = {u for u, f in futures.items() if f.done() and f.exception() is not None}
+                group.close()  # unblocks the members still receiving
+                raise _PushFailed(str(e), failed) from e
+            failed = set()
+            for u, f in futures.items():
+                if _ok(f, self.timeout_s + 10.0):
+                    served[u] = time.perf_counter() - t0  # after its last bucket: serving
+                else:
+                    failed.add(u)
+            if failed:
+                raise _PushFailed(f"members {sorted(failed)} did not receive a bucket", failed)
+        return served
+
+    def _post(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        resp = self._http.post(f"{url}{path}", json=body, headers=self._headers(url))
+        out = (
+            resp.json()
+            if resp.headers.get("content-type", "").startswith("application/json")
+            else {}
+        )
+        if resp.status_code != 200 or not out.get("success", False):
+            raise RuntimeError(
+                f"{url}{path}: {resp.status_code} {out.get('message', resp.text[:200])}"
+            )
+        return out
+
+    def _post_quiet(self, url: str, path: str, body: dict[str, Any]) -> None:
+        import httpx
+
+        try:
+            self._http.post(f"{url}{path}", json=body, timeout=self.probe_timeout_s,
+                            headers=self._headers(url))  # fmt: skip
+        except httpx.HTTPError as e:
+            log.debug("%s%s: %s", url, path, e)
+
+    def close(self) -> None:
+        self._close_group()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._http.close()
+
+
+def store_catch_up(
+    weights: Any, *, timeout_s: float = 600.0
+) -> Callable[[str, dict[str, str]], None]:
+    """A `DistributedSender.catch_up`: tell an engine to load the newest version of the weight
+    store `weights` (a `PublishedWeights`) by location (SGLang's /update_weights_from_disk);
+    nothing when the store holds none yet or the engine already serves it or a newer one."""
+    import httpx
+
+    def catch_up(url: str, headers: dict[str, str]) -> None:
+        versions = weights.versions()
+        if not versions:
+            return
+        served = httpx.get(f"{url}/get_model_info", headers=headers, timeout=timeout_s).json()
+        version = str(served.get("weight_version", ""))
+        if version.isdigit() and int(version) >= versions[-1]:
+            return  # already at (or past) the newest stored version: nothing to load
+        body = {"model_path": weights.location(versions[-1]), "weight_version": str(versions[-1])}
+        resp = httpx.post(f"{url}/update_weights_from_disk", json=body, headers=headers,
+                          timeout=timeout_s)  # fmt: skip
+        if resp.status_code != 200 or not resp.json().get("success", False):
+            raise RuntimeError(
+                f"{url}/update_weights_from_disk: {resp.status_code} {resp.text[:300]}"
+            )
+
+    return catch_up
+
+
+class _PushFailed(RuntimeError):
+    def __init__(self, message: str, failed: set[str]) -> None:
+        super().__init__(message)
+        self.failed = failed
+
+
+def _ok(future: Future, timeout_s: float) -> bool:
+    try:
+        future.result(timeout=timeout_s)
+        return True
+    except Exception as e:  # noqa: BLE001 - any failure of a member's request counts
+        log.debug("member request failed: %s", e)
+        return False

@@ -1,0 +1,146 @@
+"""The trainer's side of the weight-transport seam: how each policy version reaches the rollout
+engines, chosen by `engine.weight_sync` (docs/weights.md). One Protocol, one factory:
+
+    sync = make_weight_sync(cfg, weights, coordinator)
+    sync.submit(version, hf_state, hf_config)   # the version reaches the engines (or is on its way)
+    sync.flush()                                # every submitted version is where it goes
+    sync.close()
+
+- `store`: `Publisher` (rl/publisher.py): every version written to the weight store in the
+  background, then announced; every engine loads it from there (today's path).
+- `distributed`: every version broadcast to every registered engine (`Coordinator.engines()`:
+  each rollout worker's engine serves SGLang's weight endpoints and registers its URL) over a
+  torch process group (engine/weight_transport.py `DistributedSender`), then announced; the
+  store receives the first version and every `engine.weight_store_every`-th (synchronously,
+  before the push: the fallback exists before anyone needs it), every version a push could not
+  deliver to some engine (it catches up with exactly that version) or to any (TransferFailed:
+  the store carries it), and, on `flush`, the last one pushed. An engine that missed a version (dropped after `engine.weight_sync_timeout_s`) loads
+  the newest stored one and rejoins at the next push. The publish -> served seconds of each
+  engine go to `Coordinator.record_served` (metrics and /metrics).
+- `colocated`: CUDA IPC handles to engines on the trainer's GPU: refused here on a machine
+  without CUDA (the config already refuses engine.device != cuda); not run on a GPU yet.
+
+Contract of `flush` under `distributed`: it stores the last pushed version from the tensors
+handed to `submit`, which must still hold that version (the controller flushes right after a
+publish, before the next step changes them).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+import torch
+
+from slipstream.config import SlipstreamConfig
+from slipstream.engine.weight_transport import (
+    DistributedSender,
+    SendReport,
+    TransferFailed,
+    store_catch_up,
+)
+from slipstream.rl.publisher import Publisher
+from slipstream.storage import WeightStore, check_finite
+
+log = logging.getLogger(__name__)
+
+
+class WeightSync(Protocol):
+    """Trainer side of the weight transport (see the module docstring)."""
+
+    publish_s: float
+    """Total wall time spent handing versions over (store writes and pushes)."""
+    served_s: dict[str, float]
+    """Per engine (worker id): seconds from the last version's submit until it served it
+    ({} where not measured)."""
+
+    def submit(
+        self, version: int, state: dict[str, torch.Tensor], hf_config: dict[str, Any]
+    ) -> None:
+        """Hand `version` (HF-named tensors, config.json) over; announce it once engines can
+        get it. The caller may change `state` once this returns (store: copied; distributed:
+        pushed) except for `flush`'s contract."""
+        ...
+
+    def flush(self) -> None:
+        """Every submitted version is where it goes (raises if one failed)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def make_weight_sync(cfg: SlipstreamConfig, weights: WeightStore, coordinator: Any) -> WeightSync:
+    """The `engine.weight_sync` plug-in of the trainer side."""
+    mode = cfg.engine.weight_sync
+    if mode == "store":
+        return Publisher(weights, coordinator, background=cfg.trainer.background_publish)
+    if mode == "distributed":
+        return DistributedWeightSync(cfg, weights, coordinator)
+    if not torch.cuda.is_available():
+        raise ValueError("engine.weight_sync = 'colocated' passes CUDA IPC handles and needs a "
+                         "GPU; this machine has none (use 'distributed' or 'store')")  # fmt: skip
+    raise NotImplementedError(  # pragma: no cover - CUDA machines only
+        "engine.weight_sync = 'colocated' in the RL job: the engine side "
+        "(/update_weights_from_tensor) exists, the job's trainer side does not yet"
+    )
+
+
+class DistributedWeightSync:
+    """`distributed`: push every version, store every N-th (see the module docstring)."""
+
+    def __init__(self, cfg: SlipstreamConfig, weights: WeightStore, coordinator: Any) -> None:
+        ec = cfg.engine
+        self.coord, self.every = coordinator, ec.weight_store_every
+        # the store copy is written before the push and announced by the push: never
+        # announce a version before the engines serve it (the workers would load it too)
+        self.store = Publisher(weights, coordinator, background=False, announce=False)
+        backend = "nccl" if ec.device.startswith("cuda") else "gloo"
+        self.sender = DistributedSender([], bucket_bytes=ec.weight_bucket_bytes,
+                                        timeout_s=ec.weight_sync_timeout_s, backend=backend,
+                                        catch_up=store_catch_up(weights))  # fmt: skip
+        self._known: dict[str, str] = {}  # url -> worker id
+        self._stored = -1
+        self._last: tuple[int, dict[str, torch.Tensor], dict[str, Any]] | None = None
+        self.publish_s = 0.0
+        self.served_s: dict[str, float] = {}
+
+    def submit(
+        self, version: int, state: dict[str, torch.Tensor], hf_config: dict[str, Any]
+    ) -> None:
+        import time
+
+        t0 = time.perf_counter()
+        # as the store refuses them: a diverged trainer fails here, before any engine serves it
+        check_finite(state, f"refusing to push weights version {version}")
+        if self._stored < 0 or version % self.every == 0:
+            self._store(version, state, hf_config)
+        for worker, (url, key) in self.coord.engines().items():
+            if url not in self._known:
+                self._known[url] = worker
+                self.sender.add_engine(url, key)  # caught up from the store, then in the group
+        try:
+            report = self.sender.send(version, state)
+        except TransferFailed as e:  # nobody took it: the store carries this version
+            log.warning("weight version %d: %s; storing it for the engines to load", version, e)
+            report = SendReport(version, 0, 0.0, dropped=list(self.sender.dropped))
+        if report.dropped and self._stored != version:
+            # an engine missed this version: it catches up with exactly it from the store
+            self._store(version, state, hf_config)
+        self._last = (version, state, hf_config)
+        self.coord.set_version(version)
+        self.served_s = {self._known[u]: s for u, s in report.served_s.items() if u in self._known}
+        self.coord.record_served(version, self.served_s)
+        self.publish_s += time.perf_counter() - t0
+
+    def _store(
+        self, version: int, state: dict[str, torch.Tensor], hf_config: dict[str, Any]
+    ) -> None:
+        self.store.submit(version, state, hf_config)
+        self._stored = version
+
+    def flush(self) -> None:
+        if self._last is not None and self._last[0] != self._stored:
+            self._store(*self._last)
+
+    def close(self) -> None:
+        self.sender.close()

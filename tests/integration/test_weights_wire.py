@@ -1,0 +1,291 @@
+"""Weights over the wire, real processes over gloo: `slipstream serve` processes receive weight
+versions through SGLang's distributed-update endpoints (engine/weight_transport.py).
+
+- A client written only against SGLang's documented protocol (httpx + torch.distributed; no
+  slipstream code on the sending side) pushes new weights, one broadcast per tensor as SGLang's
+  default; greedy output afterwards equals transformers' on the pushed weights.
+- `DistributedSender` pushes to two engines; one is stopped and then killed (-9) mid-transfer:
+  the push returns within its bounded timeout, the dead engine is dropped, the survivor serves
+  the version over a new group; a third engine joining mid-run catches up from the store and
+  receives the next version; every group name is opened once (none lost, none reused)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from jobutil import TINY_MODEL, save_random_init, start_server
+from slipstream.config import load_config
+from slipstream.engine.weight_transport import DistributedSender, free_port, store_catch_up
+from slipstream.model import MoEForCausalLM, hf_weights, save_pretrained
+from slipstream.storage import WeightStore
+from slipstream.tasks import get_taskset
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, log.read_text()
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"{url} did not come up: {log.read_text()[-2000:]}"
+        time.sleep(0.1)
+
+
+class Servers:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.procs: list[subprocess.Popen] = []
+        save_random_init(tmp / "init", TINY_MODEL)
+
+    def start(self, i: int) -> str:
+        d = self.tmp / f"server{i}"
+        d.mkdir()
+        proc, url = start_server(d, self.tmp / "init")
+        self.procs.append(proc)
+        _wait_healthy(proc, url, d / "server.log")
+        return url
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.terminate()
+                p.wait(timeout=30)
+
+
+@pytest.fixture
+def servers(tmp_path):
+    s = Servers(tmp_path)
+    yield s
+    s.close()
+
+
+def _new_model(seed: int) -> MoEForCausalLM:
+    cfg = load_config(None, TINY_MODEL)
+    vocab = get_taskset(cfg.task).tokenizer.vocab_size
+    torch.manual_seed(seed)
+    return MoEForCausalLM(cfg.model.model_copy(update={"vocab_size": vocab})).eval()
+
+
+def _model_info(url: str) -> dict:
+    return httpx.get(f"{url}/get_model_info", timeout=10).json()
+
+
+def test_sglang_protocol_client_pushes_over_gloo_and_greedy_equals_transformers(servers, tmp_path):
+    import torch.distributed as dist
+
+    transformers = pytest.importorskip("transformers")
+    url = servers.start(0)
+    model = _new_model(seed=1)
+    state, _ = hf_weights(model)
+    names = list(state)
+    port, group = free_port(), "weight_update_group"
+
+    # --- the SGLang client: only the documented endpoints and torch.distributed ---
+    init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+            "world_size": 2, "group_name": group, "backend": "gloo"}  # fmt: skip
+    answers: dict[str, httpx.Response] = {}
+    t = threading.Thread(target=lambda: answers.update(
+        init=httpx.post(f"{url}/init_weights_update_group", json=init, timeout=60)))  # fmt: skip
+    t.start()
+    timeout = datetime.timedelta(seconds=60)
+    store = dist.TCPStore(
+        "127.0.0.1", port, 2, is_master=True, timeout=timeout, wait_for_workers=False
+    )
+    pg = dist.ProcessGroupGloo(dist.PrefixStore(f"slipstream/{group}", store), 0, 2, timeout)
+    t.join()
+    assert answers["init"].json()["success"], answers["init"].text
+    body = {"names": names, "dtypes": [str(state[n].dtype).removeprefix("torch.") for n in names],
+            "shapes": [list(state[n].shape) for n in names], "group_name": group,
+            "flush_cache": True, "weight_version": "7"}  # fmt: skip
+    t = threading.Thread(target=lambda: answers.update(
+        update=httpx.post(f"{url}/update_weights_from_distributed", json=body, timeout=60)))  # fmt: skip
+    t.start()
+    for n in names:  # SGLang's default format: one broadcast per tensor, in `names` order
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        pg.broadcast([state[n].contiguous()], opts).wait(timeout)
+    t.join()
+    assert answers["update"].status_code == 200 and answers["update"].json()["success"]
+    assert _model_info(url)["weight_version"] == "7"
+    got = httpx.post(f"{url}/get_weights_by_name",
+                     json={"name": "model.embed_tokens.weight", "truncate_size": 10}, timeout=10)  # fmt: skip
+    assert got.json() == state["model.embed_tokens.weight"].reshape(-1)[:10].tolist()
+
+    # colocated (CUDA IPC) on a CPU engine: refused, naming why; the weights stay
+    resp = httpx.post(f"{url}/update_weights_from_tensor",
+                      json={"serialized_named_tensors": ["AA=="], "weight_version": "8"}, timeout=10)  # fmt: skip
+    assert resp.status_code == 400 and "needs a CUDA engine" in resp.json()["message"]
+    assert _model_info(url)["weight_version"] == "7"
+
+    # --- greedy after the push == transformers on the pushed weights ---
+    save_pretrained(model, tmp_path / "pushed")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "pushed"),
+                                                           dtype=torch.float32).eval()  # fmt: skip
+    for prompt in ([1, 5, 7, 9], [1, 12, 3]):
+        out = httpx.post(f"{url}/generate", json={"input_ids": prompt, "sampling_params": {
+            "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}, timeout=60).json()  # fmt: skip
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            for _ in range(6):
+                nxt = hf(ids).logits[:, -1].argmax(-1, keepdim=True)
+                ids = torch.cat([ids, nxt], dim=1)
+        assert out["output_ids"] == ids[0, len(prompt) :].tolist()
+
+
+def test_distributed_sender_survives_kill_mid_transfer_and_admits_a_joining_engine(
+    servers, tmp_path
+) -> None:
+    a, b = servers.start(0), servers.start(1)
+    store = WeightStore(str(tmp_path / "store"))
+    sender = DistributedSender([a, b], bucket_bytes=2**16, timeout_s=5.0,
+                               catch_up=store_catch_up(store))  # fmt: skip
+    try:
+        v1, _ = hf_weights(_new_model(seed=1))
+        report = sender.send(1, v1)
+        assert sorted(report.served_s) == sorted([a, b]) and not report.dropped
+        assert [_model_info(u)["weight_version"] for u in (a, b)] == ["1", "1"]
+
+        # b stalls (SIGSTOP), then is killed -9 while version 2 is being pushed to it
+        proc_b = servers.procs[1]
+        os.kill(proc_b.pid, signal.SIGSTOP)
+        v2, config = hf_weights(_new_model(seed=2))
+        done: dict = {}
+        t = threading.Thread(target=lambda: done.update(report=sender.send(2, v2)))
+        t0 = time.monotonic()
+        t.start()
+        os.kill(proc_b.pid, signal.SIGKILL)
+        t.join(timeout=60)
+        assert not t.is_alive(), "the push blocked past its bound"
+        assert time.monotonic() - t0 < 60
+        report = done["report"]
+        assert report.dropped == [b] and report.retried and list(report.served_s) == [a]
+        assert _model_info(a)["weight_version"] == "2"
+        store.publish(2, v2, config)  # the store's copy (every N-th version)
+
+        # c joins mid-run: loads the store's newest version, then gets version 3 pushed
+        c = servers.start(2)
+        sender.add_engine(c)
+        v3, _ = hf_weights(_new_model(seed=3))
+        report = sender.send(3, v3)
+        assert sorted(report.served_s) == sorted([a, c])
+        assert [_model_info(u)["weight_version"] for u in (a, c)] == ["3", "3"]
+        want = v3["model.norm.weight"].reshape(-1)[:8].tolist()
+        for u in (a, c):
+            got = httpx.post(f"{u}/get_weights_by_name",
+                             json={"name": "model.norm.weight", "truncate_size": 8}, timeout=10)  # fmt: skip
+            assert got.json() == want
+        assert sender.groups_opened == [f"slipstream-weights-e{i}" for i in (1, 2, 3)]
+        assert sender.dropped == [b]
+    finally:
+        sender.close()
+
+
+def test_bench_weights_runs_store_distributed_and_raw_in_one_run(tmp_path) -> None:
+    import json
+
+    from slipstream.cli import main
+
+    out = tmp_path / "weights.json"
+    assert main(["bench", "weights", "--engines", "1", "--repeats", "1", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    (row,) = record["rows"]
+    assert row["engines"] == 1 and row["bytes"] > 0
+    assert row["store_s"] > 0 and row["distributed_s"] > 0 and row["raw_broadcast_s"] > 0
+    assert record["provenance"]["cpu_model"] and len(record["load_avg_before"]) == 3
+
+
+def test_rl_job_with_two_workers_and_distributed_weight_sync(tmp_path) -> None:
+    """The RL job (controller here, 2 rollout worker processes whose native engines take pushes
+    over gloo; staleness bound 1 and R3 routing replay on): it trains to the end; tokens were sampled with versions that only the pushes
+    carried (the store holds every 4th); one worker killed -9 mid-run is replaced and its
+    successor joins the pushes; per-worker publish -> served seconds are recorded."""
+    from slipstream.launch.local import LocalLauncher
+    from slipstream.rl.controller import Controller
+
+    cfg = load_config(None, [
+        f"run.output_dir={tmp_path}/run", *TINY_MODEL, "engine.weight_sync=distributed",
+        "engine.weight_store_every=4", "engine.weight_sync_timeout_s=10", "trainer.mode=async",
+        "buffer.max_staleness=1", "trainer.steps=30", "trainer.groups_per_step=2",
+        "rollout.group_size=2", "rollout.num_workers=2", "rollout.tasks_per_lease=2",
+        "rollout.max_inflight_tasks=2", "rollout.lease_ttl_s=2", "rollout.partial_rollouts=true",
+        "trainer.checkpoint_every=0", "trainer.lr=0.01", f"store.url={tmp_path}/store",
+        "rollout.record_routing=true", "trainer.routing_replay=r3",  # R3 over pushed weights
+    ])  # fmt: skip
+    save_random_init(tmp_path / "init", TINY_MODEL)
+    controller = Controller(cfg, str(tmp_path / "init"), evaluate=False)
+    versions: list[tuple[int, list[int]]] = []
+    real_step = controller.trainer.step
+
+    killed = threading.Event()
+
+    def successor() -> bool:
+        return any(w.startswith("w1.") and w != "w1.0" for w in controller.coord.engines())
+
+    def step(batch):
+        if killed.is_set():  # hold the trainer until w1's successor registered its engine
+            deadline = time.monotonic() + 180
+            while not successor():
+                assert time.monotonic() < deadline, "w1's successor never registered"
+                time.sleep(0.05)
+        for s in batch.samples:
+            assert batch.trainer_version - min(s.versions) <= 1, (batch.trainer_version, s.versions)
+            versions.append((batch.trainer_version, s.versions))
+            assert s.routed_experts is not None  # R3: the engine's routing came with the sample
+        return real_step(batch)
+
+    controller.trainer.step = step  # type: ignore[method-assign]
+    launcher = LocalLauncher(cfg, controller.coord)
+    launcher.start()
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.update(r=controller.run()))
+    runner.start()
+    try:
+        while runner.is_alive():
+            runner.join(timeout=0.1)
+            ready = len(controller.coord.weight_served) == 2 and controller.trainer.version >= 3
+            if ready and not killed.is_set():
+                # a worker's engine endpoint answers only the trainer (its key came over the
+                # coordinator's channel): other local users cannot replace its weights
+                url, key = controller.coord.engines()["w0.0"]
+                body = {"group_name": "x"}
+                denied = httpx.post(f"{url}/destroy_weights_update_group", json=body, timeout=10)
+                assert denied.status_code == 401
+                ok = httpx.post(f"{url}/destroy_weights_update_group", json=body, timeout=10,
+                                headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+                assert ok.status_code == 400  # authorized; no such group
+                os.kill(launcher.procs[1].pid, signal.SIGKILL)  # the supervisor restarts w1
+                killed.set()
+    finally:
+        launcher.stop()
+    assert "r" in result and result["r"].steps == 30
+    assert killed.is_set()
+    tokens = {v for _, vs in versions for v in vs}
+    stored = set(WeightStore(cfg.store.url).versions())
+    assert tokens - set(range(0, 30, 4)), "no token was sampled with a pushed-only version"
+    # every 4th, the last on flush, and at most the one version the kill made w1 miss
+    assert 30 in stored and len(stored - {*range(0, 30, 4), 30}) <= 1
+    served = controller.coord.weight_served
+    assert (
+        "w0.0" in served
+        and successor()
+        and any(
+            w in served for w in controller.coord.engines() if w.startswith("w1.") and w != "w1.0"
+        )
+    )
+    assert all(s["seconds"] > 0 for s in served.values())
+    records = [r for r in result["r"].records if "weight_served_s_max" in r]
+    assert records and all(r["weight_served_s_max"] > 0 for r in records)

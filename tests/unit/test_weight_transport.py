@@ -1,0 +1,175 @@
+"""engine/weight_transport.py in one process: buckets, flattening, the config keys, and the
+receiver's version exactness over a real gloo group (sender rank 0 and the engine's receiver
+rank 1 on two threads)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from pydantic import ValidationError
+from test_engine_checks import tiny_model
+
+from slipstream.config.engine import EngineConfig
+from slipstream.engine.native import NativeEngine
+from slipstream.engine.weight_transport import (
+    FLATTENED_BUCKET,
+    TensorMeta,
+    WeightGroup,
+    WeightReceiver,
+    dtype_name,
+    flatten,
+    free_port,
+    parse_dtype,
+    plan_buckets,
+    unflatten,
+)
+from slipstream.model import hf_weights
+
+
+def test_buckets_are_dtype_grouped_and_bounded() -> None:
+    metas = [TensorMeta("a", torch.float32, (4, 4)), TensorMeta("b", torch.bfloat16, (8,)),
+             TensorMeta("c", torch.float32, (10,)), TensorMeta("big", torch.float32, (100,)),
+             TensorMeta("d", torch.float32, (2,))]  # fmt: skip
+    buckets = plan_buckets(metas, bucket_bytes=128)
+    assert [[m.name for m in b] for b in buckets] == [["a", "c"], ["big"], ["d"], ["b"]]
+    assert all(len({m.dtype for m in b}) == 1 for b in buckets)
+    assert [[m.name for m in b] for b in plan_buckets(metas, 10**6)] == [
+        ["a", "c", "big", "d"],
+        ["b"],
+    ]
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        plan_buckets(metas, 0)
+
+
+def test_flatten_round_trips_and_checks_the_count() -> None:
+    ts = {"x": torch.randn(3, 4), "y": torch.randn(5)}
+    metas = [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in ts.items()]
+    back = unflatten(flatten(list(ts.values())), metas)
+    assert all(torch.equal(back[n], ts[n]) for n in ts)
+    with pytest.raises(ValueError, match="holds 18 values"):
+        unflatten(torch.zeros(18), metas)
+
+
+def test_dtype_names_are_sglangs_and_only_floating() -> None:
+    assert dtype_name(torch.bfloat16) == "bfloat16" and parse_dtype("bfloat16") is torch.bfloat16
+    assert parse_dtype("torch.float32") is torch.float32
+    with pytest.raises(ValueError, match="int64"):
+        parse_dtype("int64")
+
+
+def test_config_keys_are_bounded_and_colocated_needs_cuda() -> None:
+    assert EngineConfig().weight_sync == "store"
+    with pytest.raises(ValidationError, match="weight_bucket_bytes"):
+        EngineConfig(weight_bucket_bytes=1024)
+    with pytest.raises(ValidationError, match="weight_store_every"):
+        EngineConfig(weight_store_every=0)
+    with pytest.raises(ValidationError, match="engine.weight_sync = 'colocated'.*engine.device"):
+        EngineConfig(weight_sync="colocated")
+
+
+def _push(receiver: WeightReceiver, state: dict, names: list[str], version: int, group: str,
+          sender: WeightGroup) -> object:  # fmt: skip
+    """Rank 0 broadcasts `names` as one flattened bucket while the receiver takes it."""
+    out: dict = {}
+    metas = [TensorMeta(n, state[n].dtype, tuple(state[n].shape)) for n in names]
+    t = threading.Thread(target=lambda: out.update(r=receiver.receive(
+        names, [dtype_name(m.dtype) for m in metas], [list(m.shape) for m in metas], group,
+        version, FLATTENED_BUCKET)))  # fmt: skip
+    t.start()
+    sender.broadcast(flatten([state[n] for n in names]))
+    t.join(timeout=60)
+    return out["r"]
+
+
+def test_receiver_applies_a_version_only_once_all_of_it_arrived() -> None:
+    model = tiny_model(seed=0)
+    engine = NativeEngine(model, EngineConfig(max_seq_len=64, kv_cache_tokens=512))
+    try:
+        receiver = WeightReceiver(engine, timeout_s=30)
+        port = free_port()
+        t = threading.Thread(
+            target=receiver.init_group, args=("127.0.0.1", port, 1, 2, "g", "gloo")
+        )
+        t.start()
+        sender = WeightGroup("g", "gloo", "127.0.0.1", port, 0, 2, timeout_s=30)
+        t.join()
+        assert receiver.groups() == ["g"]
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        new, _ = hf_weights(tiny_model(seed=1))
+        names = list(new)
+        half = len(names) // 2
+
+        r = _push(receiver, new, names[:half], 5, "g", sender)
+        assert not r.applied and r.staged == half and engine.version == 0
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+        r = _push(receiver, new, names[half:], 5, "g", sender)
+        assert r.applied and engine.version == 5
+        assert torch.equal(model.state_dict()["model.norm.weight"], new["model.norm.weight"])
+
+        # an incomplete version is discarded by the next one, never mixed into it
+        v6, _ = hf_weights(tiny_model(seed=2))
+        v7, _ = hf_weights(tiny_model(seed=3))
+        r = _push(receiver, v6, names[:half], 6, "g", sender)
+        assert not r.applied and engine.version == 5
+        r = _push(receiver, v7, names[half:], 7, "g", sender)
+        assert not r.applied and r.staged == len(names) - half and engine.version == 5
+        r = _push(receiver, v7, names[:half], 7, "g", sender)
+        assert r.applied and engine.version == 7
+        got = receiver.weights_by_name(names[0], 5)
+        assert got == v7[names[0]].reshape(-1)[:5].tolist()
+
+        with pytest.raises(ValueError, match="unknown parameter names"):
+            receiver.receive(["nope"], ["float32"], [[1]], "g", 8, None)
+        with pytest.raises(ValueError, match="no weight update group"):
+            receiver.receive(names[:1], ["float32"], [list(new[names[0]].shape)], "h", 8, None)
+        sender.close()
+        receiver.destroy_group("g")
+        assert receiver.groups() == []
+    finally:
+        engine.close()
+
+
+def test_trainer_side_factory_stores_every_nth_refuses_nan_and_colocated_without_cuda(
+    tmp_path,
+) -> None:
+    from slipstream.config import load_config
+    from slipstream.rl.buffer import ExperienceBuffer
+    from slipstream.rl.coordinator import Coordinator
+    from slipstream.rl.publisher import Publisher
+    from slipstream.rl.queue import TaskQueue
+    from slipstream.rl.weight_sync import DistributedWeightSync, make_weight_sync
+    from slipstream.storage import NonFiniteTensor, WeightStore
+
+    store = WeightStore(str(tmp_path / "store"))
+    coord = Coordinator(TaskQueue(10), ExperienceBuffer(groups_per_step=1, max_staleness=1))
+    assert isinstance(make_weight_sync(load_config(None, []), store, coord), Publisher)
+    cfg = load_config(None, ["engine.weight_sync=distributed", "engine.weight_store_every=3"])
+    sync = make_weight_sync(cfg, store, coord)
+    assert isinstance(sync, DistributedWeightSync)
+    state, config = hf_weights(tiny_model(seed=0))
+    try:
+        for v in range(4):  # no engine registered: stored as due, announced
+            sync.submit(v, state, config)
+            assert coord.version() == v
+        assert store.versions() == [0, 3]
+        # an engine that never answers stays out of the pushes and costs no store write
+        coord.register_engine("w9.0", "http://127.0.0.1:9")
+        sync.submit(4, state, config)
+        assert store.versions() == [0, 3] and sync.sender.dropped == ["http://127.0.0.1:9"]
+        sync.flush()  # the last pushed version goes to the store
+        assert store.versions() == [0, 3, 4]
+        bad = {
+            **state,
+            "model.norm.weight": torch.full_like(state["model.norm.weight"], float("nan")),
+        }
+        with pytest.raises(NonFiniteTensor, match="refusing to push weights version 5"):
+            sync.submit(5, bad, config)
+        assert coord.version() == 4
+    finally:
+        sync.close()
+    if not torch.cuda.is_available():
+        cuda = load_config(None, ["engine.weight_sync=colocated", "engine.device=cuda"])
+        with pytest.raises(ValueError, match="colocated.*needs a GPU"):
+            make_weight_sync(cuda, store, coord)
