@@ -189,7 +189,7 @@ FEATURES: list[Feature] = [
     Feature(
         "update_weights_from_tensor",
         "SGLang",
-        "`POST /update_weights_from_tensor` (CUDA IPC, `engine.weight_sync = \"colocated\"`)",
+        '`POST /update_weights_from_tensor` (CUDA IPC, `engine.weight_sync = "colocated"`)',
         C,
         "CUDA engines only (400 on CPU; not run on a GPU yet)",
         "yes",
