@@ -26,8 +26,47 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # one fused kernel instead of five ops (bitwise equal in float32)
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x / rms(x)), normalised in float32 and cast back to x's dtype before the weight
+    (as HF); `weight` broadcasts over x's leading dims ((Dh,) or per head (heads, Dh)). With
+    autograd: `_RMSNormFn`, whose backward is 8 ops (autograd through the decomposed norm: ~20 on
+    CPU); forward bitwise equal to F.rms_norm's."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _RMSNormFn.apply(x, weight, eps)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """y = w * xhat.to(dtype), xhat = x * r, r = rsqrt(mean(x^2) + eps) (float32); backward
+    dx = r * (gxhat - xhat * mean(gxhat * xhat)), gxhat = g * w; dw = sum of g * xhat over the
+    dims w broadcasts over."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # type: ignore[override]
+        # aten's rms_norm kernel returning rstd too (CUDA: one fused kernel; CPU: its
+        # decomposition, bitwise equal to F.rms_norm)
+        xhat, rstd = torch.ops.aten._fused_rms_norm(x.float(), [x.shape[-1]], None, eps)
+        xhat_c = xhat.to(x.dtype)
+        ctx.save_for_backward(xhat, rstd, weight)
+        ctx.x_dtype = x.dtype
+        return weight * xhat_c
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        xhat, rstd, weight = ctx.saved_tensors
+        gw = None
+        if ctx.needs_input_grad[1]:
+            lead = g.dim() - weight.dim()
+            gw = (g * xhat.to(ctx.x_dtype)).sum(dim=tuple(range(lead))).to(weight.dtype)
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gxhat = (g * weight).float()
+            mean_N1 = (gxhat * xhat).mean(-1, keepdim=True)
+            gx = (rstd * torch.addcmul(gxhat, xhat, mean_N1, value=-1.0)).to(ctx.x_dtype)
+        return gx, gw, None
 
 
 def rope_cos_sin(
@@ -74,17 +113,22 @@ class Packing:
     """T, the padded length."""
 
     @classmethod
-    def from_mask(cls, real_BT: torch.Tensor) -> Packing:
-        """From a bool mask of the real tokens; raises if a row's real tokens are not a prefix."""
+    def from_mask(cls, real_BT: torch.Tensor, num_real: int | None = None) -> Packing:
+        """From a bool mask of the real tokens; raises if a row's real tokens are not a prefix.
+        `num_real`: the mask's count of real tokens, when the caller knows it on the host (the
+        trainer, from its samples' lengths): then no host sync (nonzero_static, no check; right
+        padding is the caller's promise). Without it: two host syncs (the check and nonzero)."""
         if real_BT.dtype != torch.bool or real_BT.dim() != 2:
             raise ValueError(f"the real-token mask must be bool (B, T), got {real_BT.dtype} "
                              f"{tuple(real_BT.shape)}")  # fmt: skip
+        B, T = real_BT.shape
+        if num_real is not None:
+            return cls(torch.nonzero_static(real_BT.reshape(-1), size=num_real).squeeze(1), B, T)
         if bool((real_BT[:, 1:] & ~real_BT[:, :-1]).any()):
             raise ValueError(
                 "skip_padding_BT must mark a prefix of every row (right padding): a real token "
                 "after a padded one would attend keys the packed forward does not compute"
             )
-        B, T = real_BT.shape
         return cls(real_BT.reshape(-1).nonzero().squeeze(1), B, T)
 
     def pack(self, x_N_: torch.Tensor) -> torch.Tensor:
@@ -217,15 +261,28 @@ class Attention(nn.Module):
         M = x_MD.shape[0]
         H, K, Dh = self.num_heads, self.num_kv_heads, self.head_dim
         B, T = packing.batch_size, packing.num_tokens
-        # apply_rope broadcasts the (M, Dh) tables over dim 1, here the heads of (M, heads, Dh)
-        q_MHD = apply_rope(self.q_norm(self.q_proj(x_MD).view(M, H, Dh)), *cos_sin)
-        k_MKD = apply_rope(self.k_norm(self.k_proj(x_MD).view(M, K, Dh)), *cos_sin)
-        v_MKD = self.v_proj(x_MD).view(M, K, Dh)
-        # one scatter for q, k and v together: C = H + 2K heads
-        qkv_BTCD = packing.unpack(torch.cat((q_MHD, k_MKD, v_MKD), dim=1)).view(B, T, H + 2 * K, Dh)
-        q_BHTD = qkv_BTCD[:, :, :H].transpose(1, 2)
-        k_BKTD = qkv_BTCD[:, :, H : H + K].transpose(1, 2)
-        v_BKTD = qkv_BTCD[:, :, H + K :].transpose(1, 2)
+        # Few ops (the trainer's step is launch-bound on a GPU): q, k and v as one matmul
+        # against their concatenated weights, q and k normed (per-head weights) and rotated
+        # together; C = H + 2K heads. apply_rope broadcasts the (M, Dh) tables over the heads.
+        # (split, not slicing: its backward is one cat, a slice's a zero-filled full-size copy)
+        w_qkv = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
+        qk_MCD, v_MKD = F.linear(x_MD, w_qkv).view(M, H + 2 * K, Dh).split((H + K, K), dim=1)
+        if self.q_norm.eps == self.k_norm.eps:
+            w_norm = torch.cat((self.q_norm.weight.expand(H, Dh), self.k_norm.weight.expand(K, Dh)))
+            qk_MCD = rms_norm(qk_MCD, w_norm, self.q_norm.eps)
+        else:
+            q_MHD, k_MKD = qk_MCD.split((H, K), dim=1)
+            qk_MCD = torch.cat((self.q_norm(q_MHD), self.k_norm(k_MKD)), dim=1)
+        qk_MCD = apply_rope(qk_MCD, *cos_sin)
+        # one scatter for q, k and v together
+        qkv_MCD = torch.cat((qk_MCD, v_MKD.to(qk_MCD.dtype)), dim=1)
+        qkv_BTCD = packing.unpack(qkv_MCD).view(B, T, H + 2 * K, Dh)
+        q_BTHD, k_BTKD, v_BTKD = qkv_BTCD.split((H, K, K), dim=2)
+        q_BHTD, k_BKTD, v_BKTD = (
+            q_BTHD.transpose(1, 2),
+            k_BTKD.transpose(1, 2),
+            v_BTKD.transpose(1, 2),
+        )
         out_BHTD = causal_attend(q_BHTD, k_BKTD, v_BKTD)
         return self.o_proj(packing.pack(out_BHTD.transpose(1, 2).reshape(B * T, H * Dh)))
 

@@ -175,6 +175,7 @@ class MoEForCausalLM(nn.Module):
         logits_to_keep: int = 0,
         replay_routing_LNk: torch.Tensor | None = None,
         skip_padding_BT: torch.Tensor | None = None,
+        num_real: int | None = None,
     ) -> ModelOutput:
         """Logits for every input position. Without a cache: causal attention over the T tokens
         given (no padding mask: right-pad batches). With a cache: see `KVCache`.
@@ -193,7 +194,9 @@ class MoEForCausalLM(nn.Module):
         rounding of the weight gradients may differ, since their sums run over M rows instead of
         N); the padding gets logits 0 and router logits 0, and is left out of the router losses
         whatever `token_mask_BT` says there. Only for experts in this process (the
-        expert-parallel dispatchers need the same token count on every rank)."""
+        expert-parallel dispatchers need the same token count on every rank). `num_real`: the
+        count of real tokens in `skip_padding_BT` if the caller knows it on the host (then the
+        packing costs no host sync; `Packing.from_mask`)."""
         B, T = input_ids_BT.shape
         if replay_routing_LNk is not None and replay_routing_LNk.shape[:2] != (
             len(self.moe_layer_ids),
@@ -209,7 +212,7 @@ class MoEForCausalLM(nn.Module):
         if skip_padding_BT is not None:
             if cache is not None or logits_to_keep > 0:
                 raise ValueError("skip_padding_BT is for training forwards: no cache, all logits")
-            packing = Packing.from_mask(skip_padding_BT)
+            packing = Packing.from_mask(skip_padding_BT, num_real)
             input_ids = packing.pack(input_ids_BT.reshape(-1))  # (M,)
             position_ids = packing.pack(position_ids_BT.reshape(-1))
             if replay_routing_LNk is not None:

@@ -369,7 +369,11 @@ class Trainer:
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16)
 
-    def _logp(self, model: nn.Module, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:
+    def _logp(
+        self, model: nn.Module, t: dict[str, torch.Tensor], num_real: int | None = None
+    ) -> tuple[torch.Tensor, Any]:
+        """Log-probabilities of the targets (and the model output). `num_real`: the real
+        positions in t (host-side count; the packing then costs no host sync)."""
         replay = None
         if self.cfg.routing_replay == "r3":  # route as the engine did for each position
             if "routing_BTLk" not in t:
@@ -384,7 +388,7 @@ class Trainer:
         skip = None if self.ranks.sharded else t["valid_BT"]
         with self._autocast():
             out = model(t["inputs_BT"], token_mask_BT=t["mask_BT"], replay_routing_LNk=replay,
-                        skip_padding_BT=skip)  # fmt: skip
+                        skip_padding_BT=skip, num_real=num_real)  # fmt: skip
         return token_logprobs(out.logits_BTV / self.temperature, t["targets_BT"]), out
 
     def _advantages(
@@ -428,6 +432,8 @@ class Trainer:
             local_T = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples) - 1
             pad_to = int(self.ranks.max(torch.tensor(local_T, device=self.ranks.device)))
         t = collate(samples, self.pad_id, self.device, pad_to)
+        # real positions per sample, known on the host (packing without a host sync)
+        real_B = [len(s.prompt_ids) + len(s.completion_ids) - 1 for s in samples]
         extra: dict[str, torch.Tensor] = {}
         if cfg.loss == "grpo":
             extra["adv_BT"], _ = self._advantages(groups, t)
@@ -436,11 +442,11 @@ class Trainer:
         old_logp_BT = None
         if cfg.num_minibatches > 1:
             with torch.no_grad():
-                old_logp_BT, _ = self._logp(self.model, t)
+                old_logp_BT, _ = self._logp(self.model, t, sum(real_B))
         ref_logp_BT = None
         if self.ref_model is not None:
             with torch.no_grad():
-                ref_logp_BT, _ = self._logp(self.ref_model, t)
+                ref_logp_BT, _ = self._logp(self.ref_model, t, sum(real_B))
         B = len(samples)
         mb = max(1, math.ceil(B / cfg.num_minibatches))
         num_mb = math.ceil(B / mb)
@@ -453,7 +459,8 @@ class Trainer:
             part = {k: v[sl] for k, v in t.items()}
             stats = self._minibatch(part, {k: v[sl] for k, v in extra.items()},
                                     None if old_logp_BT is None else old_logp_BT[sl],
-                                    None if ref_logp_BT is None else ref_logp_BT[sl])  # fmt: skip
+                                    None if ref_logp_BT is None else ref_logp_BT[sl],
+                                    sum(real_B[sl]))  # fmt: skip
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v / num_mb
         self.step_count += 1
@@ -499,14 +506,35 @@ class Trainer:
                             stale_BT.reshape(-1))  # fmt: skip
         return mis.sums
 
-    def _minibatch(self, t, extra, old_logp_BT, ref_logp_BT) -> dict[str, float]:
+    def _minibatch(self, t, extra, old_logp_BT, ref_logp_BT, num_real=None) -> dict[str, float]:
         """One optimizer step on a minibatch (this rank's slice of it). Loss terms are divided
         by the minibatch's counts over all ranks, so the ranks' losses add up to the whole
         minibatch's loss and its gradient is the sum of theirs."""
         cfg = self.cfg
+        stats_t, logp_BT, out = self._forward_backward(t, extra, old_logp_BT, ref_logp_BT,
+                                                       num_real)  # fmt: skip
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self.ranks.after_backward(params)
+        grad_norm = self.ranks.clip_grad_norm_(params, cfg.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        # the minibatch's metrics reach the host here, in one read, after its kernels are queued
+        names = list(stats_t)
+        values = torch.stack([stats_t[k].float() for k in names]).tolist() if names else []
+        stats = dict(zip(names, values, strict=True))
+        stats["grad_norm"] = grad_norm
+        old = logp_BT.detach() if old_logp_BT is None else old_logp_BT
+        stats.update(self._mismatch(t, old, out))
+        return stats
+
+    def _forward_backward(self, t, extra, old_logp_BT, ref_logp_BT, num_real=None):
+        """The minibatch's forward, loss and backward, with no host sync (the op-count test,
+        tests/unit/test_trainer_ops.py, counts this): -> (loss terms and stats as detached 0-d
+        tensors, logp_BT, model output)."""
+        cfg = self.cfg
         mask_BT = t["mask_BT"]
         denom = self.ranks.sum(count_for(mask_BT, cfg.aggregation))
-        logp_BT, out = self._logp(self.model, t)
+        logp_BT, out = self._logp(self.model, t, num_real)
         old = logp_BT.detach() if old_logp_BT is None else old_logp_BT
         pg_loss, stats = clipped_policy_loss(
             logp_BT, old, extra["adv_BT"], mask_BT, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
@@ -514,18 +542,17 @@ class Trainer:
             denom=denom,
         )  # fmt: skip
         loss = pg_loss + out.aux_loss
-        stats["pg_loss"] = float(pg_loss.detach())
-        stats["aux_loss"] = float(out.aux_loss.detach())
-        stats.update(self._mismatch(t, old, out))
+        stats["pg_loss"] = pg_loss.detach()
+        stats["aux_loss"] = out.aux_loss.detach()
         if cfg.entropy_coef > 0:
             ent = aggregate(entropy_from_logits(out.logits_BTV / self.temperature), mask_BT,
                             cfg.aggregation, denom)  # fmt: skip
             loss = loss - cfg.entropy_coef * ent
-            stats["entropy"] = float(ent.detach())
+            stats["entropy"] = ent.detach()
         if ref_logp_BT is not None:
             kl = aggregate(kl_k3(logp_BT, ref_logp_BT), mask_BT, cfg.aggregation, denom)
             loss = loss + cfg.kl_coef * kl
-            stats["kl"] = float(kl.detach())
+            stats["kl"] = kl.detach()
         if self.critic is not None:
             with self._autocast():
                 values_BT = self.critic(t["inputs_BT"]).logits_BTV[..., 0].float()
@@ -533,15 +560,10 @@ class Trainer:
                                         clip=cfg.value_clip, aggregation=cfg.aggregation,
                                         denom=denom)  # fmt: skip
             loss = loss + cfg.value_coef * v_loss
-            stats["value_loss"] = float(v_loss.detach())
+            stats["value_loss"] = v_loss.detach()
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        self.ranks.after_backward(params)
-        stats["grad_norm"] = self.ranks.clip_grad_norm_(params, cfg.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
-        return stats
+        return stats, logp_BT, out
 
 
 SUMMED_METRICS = ("pg_loss", "entropy", "kl", "value_loss", "num_tokens")
