@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from slipstream.model.layers import MLP
+from slipstream.model.layers import MLP, linear
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,9 @@ class _GroupedExperts(torch.autograd.Function):
         g_N1D = g_ND.to(y_NkD.dtype).unsqueeze(1)
         g_w = (y_NkD * g_N1D).sum(-1).to(w_Nk.dtype) if ctx.needs_input_grad[1] else None
         # gradient of each assignment's expert output, in sorted order
-        g_y_AD = (g_N1D * w_Nk.to(y_NkD.dtype)[:, :, None]).view(N * k, D).index_select(0, order_A)
+        g_y_AD = (
+            (g_N1D * w_Nk.to(y_NkD.dtype).unsqueeze(-1)).view(N * k, D).index_select(0, order_A)
+        )
         gate_AI, up_AI = h_A2I.chunk(2, dim=-1)
         silu_AI = F.silu(gate_AI)
         g_down = None
@@ -184,7 +186,7 @@ def combine_topk(w_Nk: torch.Tensor, y_NkD: torch.Tensor) -> torch.Tensor:
     combine of every expert path and EP dispatcher). Elementwise multiply + sum over k: the
     batched (1 x k) @ (k x D) product it replaces cost ~1 ms more per MoE layer fwd+bwd at the
     quickstart's shapes (N = 704, k = 2, D = 128; best of 6 rounds, 1 thread, this dev VM)."""
-    return (y_NkD * w_Nk.to(y_NkD.dtype)[:, :, None]).sum(dim=1)
+    return (y_NkD * w_Nk.to(y_NkD.dtype).unsqueeze(-1)).sum(dim=1)
 
 
 class Experts(nn.Module):
@@ -335,7 +337,7 @@ class SparseMoeBlock(nn.Module):
         their weights are the live router's probabilities at those ids (renormalised like the
         top-k's), so the router still gets its gradient. With the ids the router itself would
         pick, the result equals the plain routing."""
-        logits_NE = self.gate(x_ND)
+        logits_NE = linear(x_ND, self.gate.weight)
         if replay_ids_Nk is not None and replay_ids_Nk.shape != (x_ND.shape[0], self.top_k):
             raise ValueError(
                 f"replayed routing has shape {tuple(replay_ids_Nk.shape)}, the block routes "
@@ -366,6 +368,8 @@ class SparseMoeBlock(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x (..., D) -> (output of x's shape, router logits (N, E)), N = the tokens in x
         (row-major; (B, T, D) or the model's packed (M, D)). `replay_ids_Nk`: see `route`."""
+        if x_D.dim() == 2:  # already (N, D): no view ops (each one is dispatched, and again in
+            return self._tokens(x_D, replay_ids_Nk)  # backward)
         x_ND = x_D.reshape(-1, x_D.shape[-1])
         out_ND, logits_NE = self._tokens(x_ND, replay_ids_Nk)
         return out_ND.view_as(x_D), logits_NE

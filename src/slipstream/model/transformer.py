@@ -16,7 +16,14 @@ from torch import nn
 
 from slipstream.config.model import ModelConfig
 from slipstream.model.kv_cache import KVCache
-from slipstream.model.layers import MLP, Attention, Packing, RMSNorm, rope_cos_sin
+from slipstream.model.layers import (
+    MLP,
+    Attention,
+    Packing,
+    RMSNorm,
+    packed_rope_tables,
+    rope_cos_sin,
+)
 from slipstream.model.moe import Experts, SparseMoeBlock, load_balancing_loss, router_z_loss
 
 
@@ -222,6 +229,8 @@ class MoEForCausalLM(nn.Module):
         x_BTD = self.model.embed_tokens(input_ids)  # (M, D) when packed
         cos_sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta,
                                x_BTD.dtype)  # fmt: skip
+        if packing is not None:
+            cos_sin = packed_rope_tables(*cos_sin)
         router_logits: list[torch.Tensor] = []
         checkpoint = self.gradient_checkpointing and self.training and cache is None
         for layer in self.model.layers:
@@ -256,8 +265,8 @@ class MoEForCausalLM(nn.Module):
         z = router_z_loss(router_logits, mask_N, self.router_stats_sum)
         if cfg.router_z_loss_coef > 0:
             aux = aux + cfg.router_z_loss_coef * z
-        if packing is not None:
-            router_logits = [packing.unpack(rl) for rl in router_logits]
+        if packing is not None:  # one scatter for all layers (M, L, E) -> (N, L, E)
+            router_logits = list(packing.unpack(torch.stack(router_logits, dim=1)).unbind(1))
         return ModelOutput(
             logits_BTV,
             aux,
