@@ -3,7 +3,7 @@
 1-GPU NCCL process group runs the collectives the trainer and the EP dispatchers issue.
 
 What one GPU can show about NCCL: the trainer's all_reduce (SUM and MAX, float32 gradients and
-float64 metrics, `Trainer._reduce_metrics`), the data-parallel batch broadcast
+float64 metrics, `Ranks.reduce_metrics`), the data-parallel batch broadcast
 (broadcast_object_list) and the EP all_to_all_single (padded, exact and hierarchical
 dispatchers equal the local expert computation) on CUDA tensors, world size 1. A Trainer step
 with the NCCL group initialised runs too, but at world size 1 it issues no collective; several
@@ -38,7 +38,7 @@ def logp_gap(model: torch.nn.Module, device: torch.device) -> float:
 def test_bf16_grpo_step_on_cuda_learns(gpu, record) -> None:
     model = tiny_model().to(gpu)
     reference = copy.deepcopy(model)
-    trainer = Trainer(model, TrainerConfig(lr=1e-2, bf16=True), pad_id=0, device=gpu)
+    trainer = Trainer(model, TrainerConfig(lr=1e-2, precision="bf16"), pad_id=0, device=gpu)
     before = logp_gap(model, gpu)
     losses = []
     for _ in range(8):
@@ -83,7 +83,9 @@ def _nccl_rank(rank: int, init_file: str, out_dir: str, on_cpu: bool) -> None:
     trainer = Trainer(tiny_model().to(device), TrainerConfig(lr=1e-2), pad_id=0, device=device)
     metrics = trainer.step(make_batch())
     out["step_loss"] = metrics["loss"]
-    out["reduced"] = trainer._reduce_metrics({"loss": 1.5, "num_tokens": 10.0, "ratio_max": 2.0})
+    out["reduced"] = trainer.ranks.reduce_metrics(
+        {"loss": 1.5, "num_tokens": 10.0, "ratio_max": 2.0}, summed=("num_tokens",)
+    )
     # EP all_to_all_single over NCCL: every dispatcher equals the local experts
     group = EPGroup.create(1, 1, 4)
     block = _block(16, 4, 2, 8, seed=0).to(device)

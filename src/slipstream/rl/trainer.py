@@ -1,5 +1,6 @@
 """Trainer: one optimizer step per batch of groups (GRPO or PPO), AdamW, grad clipping, LR
-schedule, MoE aux loss, bf16 autocast, on one process or several ranks (slipstream.parallel).
+schedule, MoE aux loss, bf16/fp16 compute over float32 master weights (`trainer.precision`),
+on one process or several ranks (slipstream.parallel).
 
 Shape legend: B sequences (samples), T positions (prompt + completion - 1, right-padded),
 V vocabulary, N groups, G samples per group.
@@ -53,6 +54,7 @@ from slipstream.rl.losses import (
 )
 from slipstream.rl.routing import MismatchStats, collate_routing, mismatch_metrics
 from slipstream.rl.types import Batch, Group, Sample
+from slipstream.runtime import COMPUTE_DTYPES
 from slipstream.storage import CheckpointStore
 
 
@@ -258,6 +260,12 @@ class Trainer:
                 "reference model; trainer.loss = 'ppo' and trainer.kl_coef > 0 need "
                 "dp_shard = ep = 1"
             )
+        if self.ranks.sharded and cfg.precision == "fp16":
+            raise ValueError(
+                "trainer.precision = 'fp16' needs an unsharded layout (dp_shard = ep = 1): its "
+                "loss scaler checks gradients for overflow per rank, and sharded ranks hold "
+                "different gradients (use precision = 'bf16', which needs no scaling)"
+            )
         if self.ranks.world > 1:  # router losses of the whole batch, not of this rank's share
             model.router_stats_sum = self.ranks.sum_keep_grad
         self.ref_model = None
@@ -282,6 +290,9 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, self.cfg)
         )
+        # fp16's 5 exponent bits: small gradients underflow unless the loss is scaled
+        self.scaler = (torch.amp.GradScaler(self.device.type) if cfg.precision == "fp16"
+                       else None)  # fmt: skip
 
     @property
     def version(self) -> int:
@@ -367,7 +378,8 @@ class Trainer:
     # ---- step ----------------------------------------------------------------------------------
 
     def _autocast(self):
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16)
+        dtype = COMPUTE_DTYPES[self.cfg.precision]
+        return torch.autocast(self.device.type, dtype=dtype, enabled=dtype != torch.float32)
 
     def _logp(
         self, model: nn.Module, t: dict[str, torch.Tensor], num_real: int | None = None
@@ -515,8 +527,16 @@ class Trainer:
                                                        num_real)  # fmt: skip
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.ranks.after_backward(params)
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
         grad_norm = self.ranks.clip_grad_norm_(params, cfg.grad_clip)
-        self.optimizer.step()
+        if self.scaler is None:
+            self.optimizer.step()
+        else:  # skips the update when a gradient overflowed, and lowers the scale
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            stats_t["grad_scale_skipped"] = torch.tensor(float(self.scaler.get_scale() < scale))
         self.scheduler.step()
         # the minibatch's metrics reach the host here, in one read, after its kernels are queued
         names = list(stats_t)
@@ -562,7 +582,7 @@ class Trainer:
             loss = loss + cfg.value_coef * v_loss
             stats["value_loss"] = v_loss.detach()
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
         return stats, logp_BT, out
 
 
