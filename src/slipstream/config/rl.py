@@ -191,6 +191,10 @@ class TrainerConfig(Section):
     float32)`). `fp16` scales the loss (`torch.amp.GradScaler`; a step whose gradients overflow
     is skipped and reported as `grad_scale_skipped`). The old key `trainer.bf16 = true` is read
     as `precision = "bf16"`."""
+    logits_chunk_tokens: int = Field(default=4096, ge=0, le=1_048_576)
+    """Token positions per chunk of the LM head + log-softmax in the trainer's loss
+    (model/lm_loss.py): the float32 (B, T, V) logits are never materialised, only one chunk's
+    (chunk, V); backward recomputes each chunk. 0: the full logits (the reference path)."""
     eval_every: int = Field(default=0, ge=0)
     """Held-out pass@1 every this many steps (0 = only before and after the run)."""
     background_publish: bool = True

@@ -41,6 +41,7 @@ from torch import nn
 
 from slipstream.config import SlipstreamConfig
 from slipstream.config.rl import TrainerConfig
+from slipstream.model.lm_loss import chunked_logprobs
 from slipstream.parallel.ranks import Ranks
 from slipstream.rl.advantages import gae, grpo_advantages
 from slipstream.rl.losses import (
@@ -386,6 +387,16 @@ class Trainer:
     ) -> tuple[torch.Tensor, Any]:
         """Log-probabilities of the targets (and the model output). `num_real`: the real
         positions in t (host-side count; the packing then costs no host sync)."""
+        logp_BT, _, out = self._logp_entropy(model, t, num_real, with_entropy=False)
+        return logp_BT, out
+
+    def _logp_entropy(
+        self, model: nn.Module, t: dict[str, torch.Tensor], num_real: int | None,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, Any]:  # fmt: skip
+        """(log p(target) (B, T), entropy (B, T) or None, model output); 0 at padded positions
+        when the forward skips padding. trainer.logits_chunk_tokens > 0: through the chunked
+        LM head (model/lm_loss.py), else from the full float32 logits."""
         replay = None
         if self.cfg.routing_replay == "r3":  # route as the engine did for each position
             if "routing_BTLk" not in t:
@@ -398,10 +409,27 @@ class Trainer:
         # every per-token layer skips the padding unless the experts are sharded over ranks
         # (the expert-parallel dispatchers need one token count on every rank)
         skip = None if self.ranks.sharded else t["valid_BT"]
+        chunk = self.cfg.logits_chunk_tokens
         with self._autocast():
             out = model(t["inputs_BT"], token_mask_BT=t["mask_BT"], replay_routing_LNk=replay,
-                        skip_padding_BT=skip, num_real=num_real)  # fmt: skip
-        return token_logprobs(out.logits_BTV / self.temperature, t["targets_BT"]), out
+                        skip_padding_BT=skip, num_real=num_real, return_hidden=chunk > 0)  # fmt: skip
+            if chunk == 0:
+                logits_BTV = out.logits_BTV / self.temperature
+                ent = entropy_from_logits(logits_BTV) if with_entropy else None
+                return token_logprobs(logits_BTV, t["targets_BT"]), ent, out
+            targets_N = t["targets_BT"].reshape(-1)
+            if out.rows_M is not None:
+                targets_N = targets_N.index_select(0, out.rows_M)
+            logp_N, ent_N = chunked_logprobs(
+                out.hidden, model.lm_head.weight, targets_N, chunk_tokens=chunk,
+                temperature=self.temperature, with_entropy=with_entropy,
+            )  # fmt: skip
+        B, T = t["targets_BT"].shape
+        if out.rows_M is not None:  # back to (B, T), 0 at the padding
+            logp_N = logp_N.new_zeros(B * T).index_copy(0, out.rows_M, logp_N)
+            if ent_N is not None:
+                ent_N = ent_N.new_zeros(B * T).index_copy(0, out.rows_M, ent_N)
+        return logp_N.view(B, T), None if ent_N is None else ent_N.view(B, T), out
 
     def _advantages(
         self, groups: list[Group], t: dict[str, torch.Tensor]
@@ -554,7 +582,8 @@ class Trainer:
         cfg = self.cfg
         mask_BT = t["mask_BT"]
         denom = self.ranks.sum(count_for(mask_BT, cfg.aggregation))
-        logp_BT, out = self._logp(self.model, t, num_real)
+        logp_BT, ent_BT, out = self._logp_entropy(self.model, t, num_real,
+                                                  with_entropy=cfg.entropy_coef > 0)  # fmt: skip
         old = logp_BT.detach() if old_logp_BT is None else old_logp_BT
         pg_loss, stats = clipped_policy_loss(
             logp_BT, old, extra["adv_BT"], mask_BT, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
@@ -565,8 +594,7 @@ class Trainer:
         stats["pg_loss"] = pg_loss.detach()
         stats["aux_loss"] = out.aux_loss.detach()
         if cfg.entropy_coef > 0:
-            ent = aggregate(entropy_from_logits(out.logits_BTV / self.temperature), mask_BT,
-                            cfg.aggregation, denom)  # fmt: skip
+            ent = aggregate(ent_BT, mask_BT, cfg.aggregation, denom)
             loss = loss - cfg.entropy_coef * ent
             stats["entropy"] = ent.detach()
         if ref_logp_BT is not None:
