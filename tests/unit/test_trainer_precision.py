@@ -93,3 +93,24 @@ def test_low_precision_step_learns_with_fp32_master_weights(precision: str) -> N
     assert state["exp_avg"].dtype == torch.float32
     if precision == "fp16":
         assert trainer.scaler is not None and "grad_scale_skipped" in metrics
+
+
+def test_activation_checkpointing_step_equals_plain_step() -> None:
+    import copy
+
+    model = tiny_model()
+    states = []
+    for ckpt in (False, True):
+        m = copy.deepcopy(model)
+        trainer = Trainer(m, TrainerConfig(lr=1e-2, activation_checkpointing=ckpt), pad_id=0)
+        assert m.gradient_checkpointing is ckpt
+        metrics = trainer.step(make_batch())
+        states.append((metrics["loss"], m.state_dict()))
+    assert states[1][0] == pytest.approx(states[0][0], rel=1e-6)
+    for name, p in states[0][1].items():
+        torch.testing.assert_close(states[1][1][name], p, rtol=1e-6, atol=1e-7)
+
+
+def test_compile_blocks_needs_cuda() -> None:
+    with pytest.raises(ValueError, match="compile_blocks"):
+        Trainer(tiny_model(), TrainerConfig(compile_blocks=True), pad_id=0)

@@ -191,6 +191,14 @@ class TrainerConfig(Section):
     float32)`). `fp16` scales the loss (`torch.amp.GradScaler`; a step whose gradients overflow
     is skipped and reported as `grad_scale_skipped`). The old key `trainer.bf16 = true` is read
     as `precision = "bf16"`."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of keeping them (per-block
+    activation checkpointing, `torch.utils.checkpoint`): less memory for one more forward."""
+    compile_blocks: bool = False
+    """Compile each decoder layer with `torch.compile` (regional, as torchtitan; dynamic shapes,
+    since the packed token count changes every step). CUDA only (an error elsewhere): the
+    kernels it fuses are launch overhead on a GPU; on this project's CPUs it only adds compile
+    time. Never run here (no GPU in the sessions that wrote it; docs/gpu.md)."""
     logits_chunk_tokens: int = Field(default=4096, ge=0, le=1_048_576)
     """Token positions per chunk of the LM head + log-softmax in the trainer's loss
     (model/lm_loss.py): the float32 (B, T, V) logits are never materialised, only one chunk's

@@ -267,6 +267,16 @@ class Trainer:
                 "loss scaler checks gradients for overflow per rank, and sharded ranks hold "
                 "different gradients (use precision = 'bf16', which needs no scaling)"
             )
+        if cfg.activation_checkpointing:
+            model.gradient_checkpointing = True
+        if cfg.compile_blocks:
+            if self.device.type != "cuda":
+                raise ValueError(
+                    f"trainer.compile_blocks = true needs a CUDA device (got {self.device}): "
+                    "regional torch.compile is for GPU launch overhead"
+                )
+            for layer in model.model.layers:
+                layer.compile(dynamic=True)
         if self.ranks.world > 1:  # router losses of the whole batch, not of this rank's share
             model.router_stats_sum = self.ranks.sum_keep_grad
         self.ref_model = None
