@@ -13,12 +13,15 @@
 #      PYTHONPATH (no build step, nothing of the machine's own Python is changed)
 #   2. gpu-tests:  pytest -m "gpu and not slow" tests/gpu   (engine, trainer, NCCL, bench smoke)
 #   3. bench:      slipstream bench engine --device cuda     (native vs HF generate vs raw decode)
-#   4. quickstart: pytest -m "gpu and slow" tests/gpu        (quickstart on CUDA learns)
+#   4. bench-train: slipstream bench train --device cuda --preset mid (tokens/s, MFU vs the
+#      measured bf16 matmul peak, peak memory, transformers on the same batch), then
+#      --preset qwen3-30b-a3b-4l --no-hf (runs, MFU)
+#   5. quickstart: pytest -m "gpu and slow" tests/gpu        (quickstart on CUDA learns)
 # Each phase has a time limit; together they stay under 8 minutes (PHASE_LIMITS below, checked by
 # --dry-run). A failing phase does not stop the later ones. OUT_DIR receives at most 8 files:
 # gpu-check.json (summary: phases, test counts, every test's recorded figures, provenance),
 # gpu-check.log (all output), gpu-tests.jsonl, junit-gpu.xml, junit-quickstart.xml,
-# engine_gpu.json. Exit 0 when every phase passed. Provenance: set SLIPSTREAM_GIT_COMMIT to
+# engine_gpu.json, train_mid.json, train_qwen3.json. Exit 0 when every phase passed. Provenance: set SLIPSTREAM_GIT_COMMIT to
 # the commit you sent (the machine may get the tree without .git); a hash of the tree is
 # recorded either way.
 #
@@ -34,8 +37,8 @@ cd "$ROOT"
 
 WHEELHOUSE=${SLIPSTREAM_WHEELHOUSE:-.wheelhouse}
 BUDGET_S=480              # the whole check, install included (the device lends 15 min a session)
-INSTALL_LIMIT_S=30
-declare -A PHASE_LIMITS=([gpu-tests]=100 [bench]=75 [quickstart]=250)
+INSTALL_LIMIT_S=25
+declare -A PHASE_LIMITS=([gpu-tests]=80 [bench]=55 [bench-train]=45 [quickstart]=250)
 KILL_AFTER_S=5
 EXPECTED_GPU_FILES="test_gpu_bench.py test_gpu_engine.py test_gpu_quickstart.py test_gpu_trainer.py"
 
@@ -147,11 +150,31 @@ run_phase() {  # run_phase NAME LIMIT_S COMMAND...: time-limited, output to the 
   return $rc
 }
 
+bench_train() {  # bench_train OUT DEVICE PYTHON: the bench-train phase's two runs
+  local out=$1 device=$2 py=$3
+  local cli=("$py" -c 'from slipstream.cli import main; raise SystemExit(main())' bench train
+    --device "$device")
+  if [[ $device == cpu ]]; then  # rehearsal: the plumbing at a tiny shape
+    "${cli[@]}" --preset tiny --batch 2 --seq-len 32 --steps 1 --warmup 1 \
+      --out "$out/train_mid.json" || return 1
+    "${cli[@]}" --preset tiny --batch 2 --seq-len 32 --steps 1 --warmup 1 --no-hf \
+      --out "$out/train_qwen3.json"
+    return
+  fi
+  # mid with transformers' model as the baseline; then Qwen3-30B-A3B's layer x 4 without it
+  # (an HF copy of its 3B parameters and their AdamW state would not fit beside ours)
+  "${cli[@]}" --preset mid --batch 16 --seq-len 1024 --steps 3 --warmup 2 \
+    --out "$out/train_mid.json" || return 1
+  "${cli[@]}" --preset qwen3-30b-a3b-4l --batch 4 --seq-len 1024 --steps 2 --warmup 1 --no-hf \
+    --out "$out/train_qwen3.json"
+}
+
 full_check() {
   local out=$1 rehearse=$2 py device site failed=0
   mkdir -p "$out" || die "cannot create $out"
   out=$(cd "$out" && pwd)
-  rm -f "$out"/gpu-check.json "$out"/gpu-tests.jsonl "$out"/junit-*.xml "$out"/engine_gpu.json
+  rm -f "$out"/gpu-check.json "$out"/gpu-tests.jsonl "$out"/junit-*.xml "$out"/engine_gpu.json \
+    "$out"/train_*.json
   exec > >(tee "$out/gpu-check.log") 2>&1
   local t0=$SECONDS
   if ((rehearse)); then
@@ -196,6 +219,9 @@ import slipstream.config, slipstream.engine.server, slipstream.rl.trainer, slips
     run_phase bench "${PHASE_LIMITS[bench]}" "$py" -c \
       'from slipstream.cli import main; raise SystemExit(main())' bench engine "${bench[@]}" \
       --out "$out/engine_gpu.json" || failed=1
+    # the trainer at GPU scale (bench_train below), run by this script under the phase's limit
+    run_phase bench-train "${PHASE_LIMITS[bench-train]}" bash "$ROOT/scripts/gpu-check.sh" \
+      --bench-train "$out" "$device" "$py" || failed=1
     run_phase quickstart "${PHASE_LIMITS[quickstart]}" "${pt[@]}" -m "gpu and slow" \
       --junitxml="$out/junit-quickstart.xml" || failed=1
   fi
@@ -247,6 +273,7 @@ summary = {
     "pytest": {"gpu-tests": junit("junit-gpu.xml"), "quickstart": junit("junit-quickstart.xml")},
     "records": records,
     "engine_bench": "engine_gpu.json" if (out / "engine_gpu.json").exists() else None,
+    "train_bench": sorted(p.name for p in out.glob("train_*.json")),
     "provenance": collect_provenance({"git_commit_sent": os.environ.get("SLIPSTREAM_GIT_COMMIT"),
                                       "tree_sha256": h.hexdigest(), "nvidia_smi": smi}),
 }
@@ -260,6 +287,7 @@ EOF
 case "${1:-}" in
   --dry-run) dry_run "${2:-}" ;;
   --rehearse) [[ -n ${2:-} ]] || die "usage: $0 --rehearse OUT_DIR"; full_check "$2" 1 ;;
+  --bench-train) bench_train "$2" "$3" "$4" ;;  # the bench-train phase (run by full_check)
   -h|--help|"") sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; [[ -n ${1:-} ]] ;;
   -*) die "unknown option $1 (see --help)" ;;
   *) full_check "$1" 0 ;;
