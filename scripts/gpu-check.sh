@@ -12,7 +12,10 @@
 #      reachable, carried along) go to a --target directory; the project runs from src/ on
 #      PYTHONPATH (no build step, nothing of the machine's own Python is changed)
 #   2. gpu-tests:  pytest -m "gpu and not slow" tests/gpu   (engine, trainer, NCCL, bench smoke)
-#   3. engine-mid: slipstream bench engine --device cuda --preset mid (native vs HF generate vs
+#   3. bench-train: slipstream bench train --device cuda --preset mid (tokens/s, MFU vs the
+#      measured bf16 matmul peak, peak memory, transformers on the same batch), then
+#      --preset qwen3-30b-a3b-4l --no-hf (runs, MFU; issue 29)
+#   3b. engine-mid: slipstream bench engine --device cuda --preset mid (native vs HF generate vs
 #                  raw decode vs the bandwidth limit; bf16, CUDA graphs; issue 30)
 #   4. engine-qwen: the same, --preset qwen3-30b-a3b-4l (no HF baseline)
 #   5. e2e:        100 async GRPO steps of the mid shape, trainer and engine on the one GPU
@@ -24,7 +27,7 @@
 # A failing phase does not stop the later ones. OUT_DIR receives at most 8 files:
 # gpu-check.json (summary: phases, test counts, every test's recorded figures, provenance),
 # gpu-check.log (all output), gpu-tests.jsonl, junit-gpu.xml, engine_mid.json,
-# engine_qwen.json, and with the opt-in phases junit-quickstart.xml, engine_gpu.json.
+# engine_qwen.json, train_mid.json, train_qwen3.json, and with the opt-in phases junit-quickstart.xml, engine_gpu.json.
 # Exit 0 when every phase passed. Provenance: set SLIPSTREAM_GIT_COMMIT to
 # the commit you sent (the machine may get the tree without .git); a hash of the tree is
 # recorded either way.
@@ -44,7 +47,8 @@ BUDGET_S=480              # the whole check, install included (the device lends 
 INSTALL_LIMIT_S=30
 declare -A PHASE_LIMITS=([gpu-tests]=100 [bench]=75 [quickstart]=250)
 PHASE_LIMITS+=([engine-mid]=90 [engine-qwen]=60 [e2e]=120)  # issue 30: the engine at GPU scale
-DEFAULT_PHASES="gpu-tests engine-mid engine-qwen e2e"
+PHASE_LIMITS+=([bench-train]=45)  # issue 29: the trainer at GPU scale
+DEFAULT_PHASES="gpu-tests bench-train engine-mid engine-qwen e2e"
 PHASES=${GPU_CHECK_PHASES:-$DEFAULT_PHASES}
 KILL_AFTER_S=5
 EXPECTED_GPU_FILES="test_gpu_bench.py test_gpu_engine.py test_gpu_quickstart.py test_gpu_trainer.py"
@@ -183,6 +187,10 @@ run_named_phase() {  # one phase of the full check (uses full_check's locals: py
       ((rehearse)) && args=(--device cpu --models quickstart --workloads 4x4 --max-new-tokens 16
         --repeats 1 --dtype bfloat16 $([[ $name == engine-qwen ]] && echo --skip-hf))
       run_phase "$name" "$limit" "${slip[@]}" bench engine "${args[@]}" --out "$out/$json" ;;
+    bench-train)
+      # the trainer at GPU scale (bench_train below), run by this script under the phase's limit
+      run_phase "$name" "$limit" bash "$ROOT/scripts/gpu-check.sh" --bench-train "$out" "$device" \
+        "$py" ;;
     e2e)
       # The mid shape (bench/models.py "mid"; the task's own vocabulary) on one device: the
       # trainer in this process, one rollout worker process with the native engine, async GRPO.
@@ -206,11 +214,31 @@ run_named_phase() {  # one phase of the full check (uses full_check's locals: py
   esac
 }
 
+bench_train() {  # bench_train OUT DEVICE PYTHON: the bench-train phase's two runs
+  local out=$1 device=$2 py=$3
+  local cli=("$py" -c 'from slipstream.cli import main; raise SystemExit(main())' bench train
+    --device "$device")
+  if [[ $device == cpu ]]; then  # rehearsal: the plumbing at a tiny shape
+    "${cli[@]}" --preset tiny --batch 2 --seq-len 32 --steps 1 --warmup 1 \
+      --out "$out/train_mid.json" || return 1
+    "${cli[@]}" --preset tiny --batch 2 --seq-len 32 --steps 1 --warmup 1 --no-hf \
+      --out "$out/train_qwen3.json"
+    return
+  fi
+  # mid with transformers' model as the baseline; then Qwen3-30B-A3B's layer x 4 without it
+  # (an HF copy of its 3B parameters and their AdamW state would not fit beside ours)
+  "${cli[@]}" --preset mid --batch 16 --seq-len 1024 --steps 3 --warmup 2 \
+    --out "$out/train_mid.json" || return 1
+  "${cli[@]}" --preset qwen3-30b-a3b-4l --batch 4 --seq-len 1024 --steps 2 --warmup 1 --no-hf \
+    --out "$out/train_qwen3.json"
+}
+
 full_check() {
   local out=$1 rehearse=$2 py device site failed=0
   mkdir -p "$out" || die "cannot create $out"
   out=$(cd "$out" && pwd)
-  rm -f "$out"/gpu-check.json "$out"/gpu-tests.jsonl "$out"/junit-*.xml "$out"/engine_*.json
+  rm -f "$out"/gpu-check.json "$out"/gpu-tests.jsonl "$out"/junit-*.xml "$out"/engine_*.json \
+    "$out"/train_*.json
   exec > >(tee "$out/gpu-check.log") 2>&1
   local t0=$SECONDS
   if ((rehearse)); then
@@ -301,6 +329,7 @@ summary = {
     "pytest": {"gpu-tests": junit("junit-gpu.xml"), "quickstart": junit("junit-quickstart.xml")},
     "records": records,
     "engine_bench": sorted(p.name for p in out.glob("engine_*.json")),
+    "train_bench": sorted(p.name for p in out.glob("train_*.json")),
     "provenance": collect_provenance({"git_commit_sent": os.environ.get("SLIPSTREAM_GIT_COMMIT"),
                                       "tree_sha256": h.hexdigest(), "nvidia_smi": smi}),
 }
@@ -314,6 +343,7 @@ EOF
 case "${1:-}" in
   --dry-run) dry_run "${2:-}" ;;
   --rehearse) [[ -n ${2:-} ]] || die "usage: $0 --rehearse OUT_DIR"; full_check "$2" 1 ;;
+  --bench-train) bench_train "$2" "$3" "$4" ;;  # the bench-train phase (run by full_check)
   -h|--help|"") sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; [[ -n ${1:-} ]] ;;
   -*) die "unknown option $1 (see --help)" ;;
   *) full_check "$1" 0 ;;

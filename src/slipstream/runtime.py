@@ -62,6 +62,10 @@ def set_threads(run: RunConfig) -> None:
         torch.set_num_threads(run.num_threads)
 
 
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""trainer.precision -> the trainer's compute dtype (autocast; FSDP2's parameter dtype)."""
+
+
 def setup_torch(run: RunConfig) -> tuple[torch.device, torch.dtype]:
     """Threads, seeds (torch and python's `random`), device and dtype for a job, from [run]."""
     set_threads(run)

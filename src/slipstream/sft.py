@@ -39,6 +39,7 @@ from rich.console import Console
 from slipstream.config import ConfigError, SlipstreamConfig
 from slipstream.config.sft import SFTConfig
 from slipstream.evaluate import pass_at_1_greedy
+from slipstream.model.lm_loss import chunked_logprobs
 from slipstream.model.tokenizer import Tokenizer
 from slipstream.observe.metrics import MetricsWriter, fmt_rate, make_progress
 from slipstream.parallel.ranks import clip_grad_norm_
@@ -207,11 +208,21 @@ def run_sft(cfg: SlipstreamConfig, console: Console | None = None) -> SFTResult:
                 )
                 check_fits_context(inputs_BT.shape[1] + 1, cfg)
                 real_BT = inputs_BT != taskset.tokenizer.pad_id
-                out = model(inputs_BT, skip_padding_BT=real_BT)
-                ce_BT = F.cross_entropy(
-                    out.logits_BTV.flatten(0, 1), targets_BT.flatten(), reduction="none"
-                ).view_as(targets_BT)
-                loss = (ce_BT * mask_BT).sum() / mask_BT.sum()
+                chunk = sc.logits_chunk_tokens
+                out = model(inputs_BT, skip_padding_BT=real_BT, return_hidden=chunk > 0)
+                if chunk > 0:  # cross-entropy over the real positions, chunk by chunk
+                    rows_M = out.rows_M
+                    logp_M, _ = chunked_logprobs(
+                        out.hidden, model.lm_head.weight,
+                        targets_BT.reshape(-1).index_select(0, rows_M), chunk_tokens=chunk,
+                    )  # fmt: skip
+                    mask_M = mask_BT.reshape(-1).index_select(0, rows_M).to(logp_M.dtype)
+                    loss = -(logp_M * mask_M).sum() / mask_BT.sum()
+                else:
+                    ce_BT = F.cross_entropy(
+                        out.logits_BTV.flatten(0, 1), targets_BT.flatten(), reduction="none"
+                    ).view_as(targets_BT)
+                    loss = (ce_BT * mask_BT).sum() / mask_BT.sum()
                 optimizer.zero_grad(set_to_none=True)
                 (loss + out.aux_loss).backward()
                 grad_norm = clip_grad_norm_(list(model.parameters()), sc.grad_clip)

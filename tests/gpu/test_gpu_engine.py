@@ -86,7 +86,7 @@ def test_behaviour_logprobs_equal_trainer_recompute_on_cuda(gpu, cpu_model, reco
             for c, r in zip(outs, [r for r in reqs for _ in range(r.params.n)], strict=True)
             if r.params.temperature == temperature and c.token_ids
         ]
-        trainer = Trainer(model, TrainerConfig(bf16=bf16), pad_id=0, device=gpu,
+        trainer = Trainer(model, TrainerConfig(precision="bf16" if bf16 else "fp32"), pad_id=0, device=gpu,
                           temperature=temperature)  # fmt: skip
         t = collate(samples, 0, gpu)
         with torch.no_grad():

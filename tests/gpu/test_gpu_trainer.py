@@ -38,7 +38,7 @@ def logp_gap(model: torch.nn.Module, device: torch.device) -> float:
 def test_bf16_grpo_step_on_cuda_learns(gpu, record) -> None:
     model = tiny_model().to(gpu)
     reference = copy.deepcopy(model)
-    trainer = Trainer(model, TrainerConfig(lr=1e-2, bf16=True), pad_id=0, device=gpu)
+    trainer = Trainer(model, TrainerConfig(lr=1e-2, precision="bf16"), pad_id=0, device=gpu)
     before = logp_gap(model, gpu)
     losses = []
     for _ in range(8):

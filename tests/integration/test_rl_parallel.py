@@ -27,6 +27,14 @@ EP4_2NODES = ["trainer.num_processes=4", "trainer.parallel.ep=4",
 FSDP4 = ["trainer.num_processes=4", "trainer.parallel.dp_shard=4"]
 REPLICAS2 = ["trainer.num_processes=2"]
 TOL = 1e-5  # fp32, 3 steps of AdamW at lr 0.01
+# Weights after those steps, a sharded layout against the one process: the one process runs the
+# packed path (hand-written backwards of the norms, projections and experts), the sharded ones
+# the unpacked path through autograd, and FSDP sums gradients over ranks in another order; Adam's
+# first steps move an element whose gradient is near 0 by ~lr whatever its size, so rounding
+# differences there grow. Measured max |diff|: 0.8-6.6e-6 at f59355b, up to 1.3e-5 (layer 0's
+# o_proj, fsdp4 and dp2xep2) with the packed-path Functions; a wrong gradient moves weights by
+# ~lr = 1e-2.
+STATE_TOL = 3e-5
 
 
 def _world(layout: list[str]) -> int:
@@ -56,7 +64,7 @@ def test_layouts_take_the_single_process_step(reference, layout: list[str]) -> N
         for key in ("pg_loss", "aux_loss", "loss", "grad_norm", "num_tokens"):
             assert have[key] == pytest.approx(want[key], abs=TOL), (key, want[key], have[key])
         assert want["aux_loss"] > 0  # the load-balancing loss is on
-    assert _max_diff(ref["state"], got["state"]) < TOL
+    assert _max_diff(ref["state"], got["state"]) < STATE_TOL
 
 
 def test_sharded_checkpoint_resumes_exactly_and_reshards(reference, tmp_path: Path) -> None:
@@ -83,7 +91,7 @@ def test_sharded_checkpoint_resumes_exactly_and_reshards(reference, tmp_path: Pa
                             {**kw, "overrides": EP4_2NODES, "step": 2, "num_steps": 3},
                             timeout_s=120)[0]  # fmt: skip
     assert resharded["metrics"][0]["loss"] == pytest.approx(ref["metrics"][2]["loss"], abs=TOL)
-    assert _max_diff(resharded["state"], ref["state"]) < TOL
+    assert _max_diff(resharded["state"], ref["state"]) < STATE_TOL
 
 
 def test_unsharded_checkpoint_is_refused_by_a_sharded_layout(reference, tmp_path: Path) -> None:

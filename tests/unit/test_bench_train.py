@@ -69,3 +69,25 @@ def test_bench_train_without_a_profile(tmp_path) -> None:
     assert not list(tmp_path.glob("train-profile-*"))
     with pytest.raises(SystemExit):
         main(["bench", "train", "--profile-steps", "-1", "--out", str(out)])
+
+
+def test_bench_train_preset_on_cpu(tmp_path) -> None:
+    """`bench train --preset tiny`: the real Trainer.step at a preset shape, MFU against the
+    matmul peak measured in the same run, and transformers' model on the same weights."""
+    from slipstream.cli import main
+
+    out = tmp_path / "preset.json"
+    argv = ["bench", "train", "--preset", "tiny", "--batch", "2", "--seq-len", "32",
+            "--steps", "2", "--warmup", "1", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    row = json.loads(out.read_text())["results"][0]
+    assert row["preset"] == "tiny" and row["tokens_per_step"] == 64
+    assert row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1
+    assert row["peak"]["peak_flops_per_s"] >= row["peak"]["square_gemm_flops_per_s"] > 0
+    assert row["moe_fallbacks"] == []
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        assert row["hf"]["tokens_per_s"] is None and "not installed" in row["hf"]["reason"]
+    else:
+        assert row["hf"]["tokens_per_s"] > 0 and row["vs_hf"] > 0

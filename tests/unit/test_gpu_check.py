@@ -48,8 +48,10 @@ def test_rehearsal_runs_every_phase_and_writes_the_summary(tmp_path: Path) -> No
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     summary = json.loads((out / "gpu-check.json").read_text())
     assert summary["mode"] == "rehearsal" and summary["ok"] is True
-    assert [p["name"] for p in summary["phases"]] == ["gpu-tests", "engine-mid", "engine-qwen",
-                                                      "e2e"]  # fmt: skip
+    assert [p["name"] for p in summary["phases"]] == [
+        "gpu-tests", "bench-train", "engine-mid", "engine-qwen", "e2e"
+    ]  # fmt: skip
+    assert summary["train_bench"] == ["train_mid.json", "train_qwen3.json"]
     assert summary["pytest"]["gpu-tests"]["tests"] >= 7
     assert summary["provenance"]["tree_sha256"]
     assert summary["engine_bench"] == ["engine_mid.json", "engine_qwen.json"]

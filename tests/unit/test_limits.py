@@ -31,10 +31,21 @@ def _model(cfg: ModelConfig = TINY) -> MoEForCausalLM:
     return MoEForCausalLM(cfg)
 
 
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """torch._grouped_mm (the grouped experts; not in the counter's table): 2D x 3D, each of
+    the M rows times its group's (K, N) matrix; 2D x 2D (weight gradients), (P, M) x (M, Q)
+    split along M into the groups: 2 M K N / 2 P M Q in all."""
+    if len(b_shape) == 3:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[2]
+    return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+
+
 def _count(fn) -> int:
     # The math SDPA backend runs attention as plain matmuls, which the counter sees (the CPU
     # flash kernel is not in its table); it computes all T keys per query, as causal=False counts.
-    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+    mapping = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False,
+                                                       custom_mapping=mapping) as counter:  # fmt: skip
         fn()
     return counter.get_total_flops()
 

@@ -41,7 +41,7 @@ def test_clipped_surrogate_low_high_and_clip_frac() -> None:
     # per token: max(-1.5,-1.28)=-1.28 (clipped), max(1.5,1.28)=1.5, max(-0.5,-0.8)=-0.5,
     # max(0.5,0.8)=0.8 (clipped)
     assert loss.item() == pytest.approx((-1.28 + 1.5 - 0.5 + 0.8) / 4)
-    assert stats["clip_frac"] == pytest.approx(0.5)
+    assert float(stats["clip_frac"]) == pytest.approx(0.5)
     loss.backward()
     # clipped tokens carry no gradient; d(-A r)/d logp = -A r on the others, / 4 tokens
     assert logp.grad[0].tolist() == pytest.approx([0.0, 1.5 / 4, -0.5 / 4, 0.0])
@@ -61,8 +61,8 @@ def test_truncated_is_weights_and_stats() -> None:
         logp, old, adv, torch.ones(1, 2), behaviour_logp_BT=behaviour, is_cap=2.0
     )
     assert loss.item() == pytest.approx(-(2.0 + 0.5) / 2)
-    assert stats["is_ratio_mean"] == pytest.approx(2.25)
-    assert stats["is_truncated_frac"] == pytest.approx(0.5)
+    assert float(stats["is_ratio_mean"]) == pytest.approx(2.25)
+    assert float(stats["is_truncated_frac"]) == pytest.approx(0.5)
 
 
 def test_aggregation_token_vs_sequence_mean() -> None:

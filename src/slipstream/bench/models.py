@@ -4,7 +4,8 @@ GPU-scale shapes of issue 30: "mid" (hidden 1024, 16 layers, 16 / 4 heads of 64,
 top-4 of width 512; 0.91B parameters at vocab 32,000) and "qwen3-30b-a3b-4l" (Qwen3-30B-A3B's
 layer shape, 4 of its 48 layers: hidden 2048, 32 / 4 heads of 128, 128 experts top-8 of width
 768; vocab 151,936 is the caller's `vocab_size`). `VOCAB` gives "mid" its
-32,000 vocabulary where a bench (weights) needs it; 3.6 GB in fp32."""
+32,000 vocabulary where a bench (weights) needs it; 3.6 GB in fp32. `GPU_PRESETS`: the
+complete shapes of `bench train --preset` (vocabulary included)."""
 
 MODELS = {
     "quickstart": dict(hidden_size=128, num_hidden_layers=4, num_experts=8, num_experts_per_tok=2),
@@ -24,3 +25,24 @@ MODELS = {
 
 VOCAB = {"mid": 32_000}
 """Vocabulary of a preset whose vocabulary is not the task tokenizer's."""
+
+GPU_PRESETS = {
+    # issue 29's mid shape: 0.91B parameters, 176M active
+    "mid": dict(
+        vocab_size=32_000, hidden_size=1024, num_hidden_layers=16, num_attention_heads=16,
+        num_key_value_heads=4, head_dim=64, moe_intermediate_size=512, num_experts=32,
+        num_experts_per_tok=4, max_position_embeddings=4096,
+    ),
+    # Qwen3-30B-A3B's real decoder layer, 4 of them, and its vocabulary
+    "qwen3-30b-a3b-4l": dict(
+        vocab_size=151_936, hidden_size=2048, num_hidden_layers=4, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, moe_intermediate_size=768, num_experts=128,
+        num_experts_per_tok=8, max_position_embeddings=4096, rope_theta=1_000_000.0,
+    ),
+    # a CPU-test scale (tests/unit/test_bench_train.py)
+    "tiny": dict(
+        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, max_position_embeddings=256,
+    ),
+}  # fmt: skip

@@ -78,7 +78,7 @@ def _bench_shape(
     import torch
     import torch.nn.functional as F
 
-    from slipstream.model.moe import SparseMoeBlock, _grouped_mm_ok
+    from slipstream.model.moe import SparseMoeBlock, grouped_mm_unavailable
 
     n, d, i, e, k = shape
     torch.manual_seed(0)
@@ -92,7 +92,7 @@ def _bench_shape(
         blocks[impl] = block.to(device=device, dtype=dtype)
     x = torch.randn(1, n, d, device=device, dtype=dtype)
     xg = x.detach().clone().requires_grad_(True)
-    if _grouped_mm_ok(x, (d, i)) is not None:
+    if grouped_mm_unavailable(x.device, x.dtype, (d, i)) is not None:
         del blocks["grouped_mm"]
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     # dense-equivalent limit: the same matmul FLOPs over N*k rows, no routing

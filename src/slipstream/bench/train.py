@@ -58,6 +58,26 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="steps profiled after the timed ones (summaries: the median per series); "
                         "0: no profile")  # fmt: skip
     p.add_argument("--out", default="benchmarks/results/train.json", help="JSON output path")
+    # GPU-scale presets (bench/train_preset.py): instead of the config's models
+    p.add_argument("--preset", default="", help="mid | qwen3-30b-a3b-4l | tiny: the trainer at "
+                   "that shape on --device (bench/train_preset.py), not the config's models")  # fmt: skip
+    p.add_argument("--device", default="cpu", help="--preset only: cpu or cuda[:i]")
+    p.add_argument("--batch", type=int, default=16, help="--preset only: sequences per step")
+    p.add_argument("--seq-len", type=int, default=1024, help="--preset only: positions each")
+    p.add_argument(
+        "--precision",
+        default="",
+        choices=["", "fp32", "bf16", "fp16"],
+        help="--preset only: compute dtype (default bf16 on CUDA, fp32 on CPU)",
+    )
+    p.add_argument("--activation-checkpointing", action="store_true", help="--preset only")
+    p.add_argument("--compile-blocks", action="store_true", help="--preset only (CUDA)")
+    p.add_argument(
+        "--no-hf",
+        dest="hf",
+        action="store_false",
+        help="--preset only: skip transformers' Qwen3MoeForCausalLM baseline",
+    )
     p.set_defaults(func=run)
 
 
@@ -209,6 +229,10 @@ def _spread(windows: list[dict[str, Any]], key: str) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.preset:
+        from slipstream.bench.train_preset import run_preset
+
+        return run_preset(args)
     import torch
 
     from slipstream.bench.models import MODELS

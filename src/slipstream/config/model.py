@@ -54,6 +54,8 @@ class ModelConfig(Section):
     initializer_range: float = Field(default=0.02, gt=0)
     """Std of the normal init of linear/embedding/expert weights (random init only)."""
     moe_impl: Literal["grouped", "grouped_mm", "loop"] = "grouped"
-    """Expert compute path (runtime choice, not part of the checkpoint): `grouped` sorts tokens by
-    expert and runs one matmul per non-empty expert; `grouped_mm` uses torch._grouped_mm (falls
-    back to `grouped` where unsupported); `loop` is the slow per-expert reference."""
+    """Expert compute path (runtime choice, not part of the checkpoint): `grouped` sorts the
+    assignments by expert and runs two torch._grouped_mm calls, no host sync (where _grouped_mm
+    cannot run, e.g. float32 on CUDA, a per-expert loop: a logged, recorded fallback);
+    `grouped_mm` the same but an error instead of the fallback; `loop` is the slow per-expert
+    reference (model/moe.py)."""

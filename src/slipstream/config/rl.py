@@ -1,6 +1,6 @@
 """`[rollout]`, `[buffer]`, `[trainer]`, `[store]`: the asynchronous RL loop."""
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -182,8 +182,27 @@ class TrainerConfig(Section):
     """PPO: value clip range."""
     value_lr: float = Field(default=0.0, ge=0)
     """PPO: critic learning rate; 0 = lr."""
-    bf16: bool = False
-    """Run the forward pass under bfloat16 autocast (weights and optimizer stay float32)."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute dtype of the trainer's forward and backward; weights, gradients and optimizer
+    state stay in run.dtype (float32 master weights) on every layout. `bf16`/`fp16`: one process
+    and replicas run under autocast (matmuls, SDPA and the grouped experts in that dtype; norms,
+    softmaxes and losses in float32); the sharded layout also gathers parameters in that dtype
+    and reduces gradients in float32 (FSDP2 `MixedPrecisionPolicy(param_dtype, reduce_dtype =
+    float32)`). `fp16` scales the loss (`torch.amp.GradScaler`; a step whose gradients overflow
+    is skipped and reported as `grad_scale_skipped`). The old key `trainer.bf16 = true` is read
+    as `precision = "bf16"`."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of keeping them (per-block
+    activation checkpointing, `torch.utils.checkpoint`): less memory for one more forward."""
+    compile_blocks: bool = False
+    """Compile each decoder layer with `torch.compile` (regional, as torchtitan; dynamic shapes,
+    since the packed token count changes every step). CUDA only (an error elsewhere): the
+    kernels it fuses are launch overhead on a GPU; on this project's CPUs it only adds compile
+    time. Never run here (no GPU in the sessions that wrote it; docs/gpu.md)."""
+    logits_chunk_tokens: int = Field(default=4096, ge=0, le=1_048_576)
+    """Token positions per chunk of the LM head + log-softmax in the trainer's loss
+    (model/lm_loss.py): the float32 (B, T, V) logits are never materialised, only one chunk's
+    (chunk, V); backward recomputes each chunk. 0: the full logits (the reference path)."""
     eval_every: int = Field(default=0, ge=0)
     """Held-out pass@1 every this many steps (0 = only before and after the run)."""
     background_publish: bool = True
@@ -200,6 +219,24 @@ class TrainerConfig(Section):
     that are nondeterministic on CUDA."""
     batch_timeout_s: float = Field(default=600.0, gt=0)
     """Fail loudly when no batch arrives for this long (workers dead or stuck)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bf16_alias(cls, data: Any) -> Any:
+        """`trainer.bf16` (before `precision` existed): true means precision = "bf16"."""
+        if isinstance(data, dict) and "bf16" in data:
+            data = dict(data)
+            bf16 = data.pop("bf16")
+            if not isinstance(bf16, bool):
+                raise ValueError(f"trainer.bf16 = {bf16!r}: expected true or false")
+            if bf16 and data.get("precision", "bf16") != "bf16":
+                raise ValueError(
+                    f"trainer.bf16 = true contradicts trainer.precision = "
+                    f"{data['precision']!r} (bf16 is the old spelling of precision = 'bf16')"
+                )
+            if bf16:
+                data["precision"] = "bf16"
+        return data
 
     @model_validator(mode="after")
     def _groups_split_over_ranks(self) -> "TrainerConfig":

@@ -20,6 +20,9 @@ class SFTConfig(Section):
     """AdamW weight decay."""
     grad_clip: float = Field(default=1.0, gt=0)
     """Max global gradient norm."""
+    logits_chunk_tokens: int = Field(default=4096, ge=0, le=1_048_576)
+    """Token positions per chunk of the LM head + cross-entropy (model/lm_loss.py): the float32
+    (B, T, V) logits are never materialised; 0: the full logits (the reference path)."""
     log_every: int = Field(default=10, ge=1)
     """Write a metrics line (and refresh the progress bar's loss) every this many steps."""
     min_pass_at_1: float = Field(default=0.0, ge=0, le=1)

@@ -30,8 +30,47 @@ class RMSNorm(nn.Module):
             # Inference in float32: one op with the weight folded in (bitwise equal to the line
             # below; decode is per-op overhead bound). Training keeps the HF form's backward.
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        # one fused kernel instead of five ops (bitwise equal in float32)
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x / rms(x)), normalised in float32 and cast back to x's dtype before the weight
+    (as HF); `weight` broadcasts over x's leading dims ((Dh,) or per head (heads, Dh)). With
+    autograd: `_RMSNormFn`, whose backward is 8 ops (autograd through the decomposed norm: ~20 on
+    CPU); forward bitwise equal to F.rms_norm's."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _RMSNormFn.apply(x, weight, eps)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """y = w * xhat.to(dtype), xhat = x * r, r = rsqrt(mean(x^2) + eps) (float32); backward
+    dx = r * (gxhat - xhat * mean(gxhat * xhat)), gxhat = g * w; dw = sum of g * xhat over the
+    dims w broadcasts over."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # type: ignore[override]
+        # aten's rms_norm kernel returning rstd too (CUDA: one fused kernel; CPU: its
+        # decomposition, bitwise equal to F.rms_norm)
+        xhat, rstd = torch.ops.aten._fused_rms_norm(x.float(), [x.shape[-1]], None, eps)
+        xhat_c = xhat.to(x.dtype)
+        ctx.save_for_backward(xhat, rstd, weight)
+        ctx.x_dtype = x.dtype
+        return weight * xhat_c
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        xhat, rstd, weight = ctx.saved_tensors
+        gw = None
+        if ctx.needs_input_grad[1]:
+            lead = g.dim() - weight.dim()
+            gw = (g * xhat.to(ctx.x_dtype)).sum(dim=tuple(range(lead))).to(weight.dtype)
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gxhat = (g * weight).float()
+            mean_N1 = (gxhat * xhat).mean(-1, keepdim=True)
+            gx = (rstd * torch.addcmul(gxhat, xhat, mean_N1, value=-1.0)).to(ctx.x_dtype)
+        return gx, gw, None
 
 
 class CosSin(tuple):
@@ -82,6 +121,49 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def packed_rope_tables(
+    cos_MD: torch.Tensor, sin_MD: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed training path's RoPE tables, built once per forward: (cos, signed sin), each
+    (M, 1, Dh) to broadcast over the heads, with the sign of rotate_half folded into sin, so
+    RoPE is x * cos + x.roll(Dh / 2) * sin_signed: 4 ops forward and 4 backward per call instead
+    of ~15 (bitwise the same: the sign moves from x to sin)."""
+    s1, s2 = sin_MD.chunk(2, dim=-1)
+    return cos_MD[:, None], torch.cat((-s1, s2), dim=-1)[:, None]
+
+
+def _rope_packed(x_MCD: torch.Tensor, cos_M1D: torch.Tensor, sin_signed_M1D: torch.Tensor):
+    return x_MCD * cos_M1D + x_MCD.roll(x_MCD.shape[-1] // 2, dims=-1) * sin_signed_M1D
+
+
+def linear(x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+    """x @ cat(weights)^T (no bias): F.linear, but with autograd a Function with 3 ops forward
+    (cat, t, mm) and 3-4 backward, where autograd through cat + F.linear takes ~10. Under
+    autocast the concatenated weight is cast once."""
+    if not torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type) or x.dim() != 2:
+        return F.linear(x, torch.cat(weights) if len(weights) > 1 else weights[0])
+    return _Linear.apply(x, *weights)
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        w = torch.cat(weights) if len(weights) > 1 else weights[0]
+        ctx.save_for_backward(x, w)
+        ctx.rows = [wi.shape[0] for wi in weights]
+        return torch.mm(x, w.t())
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        gx = torch.mm(g, w) if ctx.needs_input_grad[0] else None
+        if not any(ctx.needs_input_grad[1:]):
+            return (gx, *([None] * len(ctx.rows)))
+        gw = torch.mm(g.t(), x)
+        gws = gw.split(ctx.rows) if len(ctx.rows) > 1 else (gw,)
+        return (gx, *gws)
+
+
 def apply_rope(x_BNTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
     cos, sin = cos_BTD[:, None], sin_BTD[:, None]
     return x_BNTD * cos + _rotate_half(x_BNTD) * sin
@@ -101,17 +183,22 @@ class Packing:
     """T, the padded length."""
 
     @classmethod
-    def from_mask(cls, real_BT: torch.Tensor) -> Packing:
-        """From a bool mask of the real tokens; raises if a row's real tokens are not a prefix."""
+    def from_mask(cls, real_BT: torch.Tensor, num_real: int | None = None) -> Packing:
+        """From a bool mask of the real tokens; raises if a row's real tokens are not a prefix.
+        `num_real`: the mask's count of real tokens, when the caller knows it on the host (the
+        trainer, from its samples' lengths): then no host sync (nonzero_static, no check; right
+        padding is the caller's promise). Without it: two host syncs (the check and nonzero)."""
         if real_BT.dtype != torch.bool or real_BT.dim() != 2:
             raise ValueError(f"the real-token mask must be bool (B, T), got {real_BT.dtype} "
                              f"{tuple(real_BT.shape)}")  # fmt: skip
+        B, T = real_BT.shape
+        if num_real is not None:
+            return cls(torch.nonzero_static(real_BT.reshape(-1), size=num_real).squeeze(1), B, T)
         if bool((real_BT[:, 1:] & ~real_BT[:, :-1]).any()):
             raise ValueError(
                 "skip_padding_BT must mark a prefix of every row (right padding): a real token "
                 "after a padded one would attend keys the packed forward does not compute"
             )
-        B, T = real_BT.shape
         return cls(real_BT.reshape(-1).nonzero().squeeze(1), B, T)
 
     def pack(self, x_N_: torch.Tensor) -> torch.Tensor:
@@ -229,8 +316,8 @@ class Attention(nn.Module):
         cache: KVCache | None = None,
         packing: Packing | None = None,
     ) -> torch.Tensor:
-        """(B, T, D) -> (B, T, D); with `packing` (training without a cache) x is (M, D) and so
-        are cos/sin and the output: see `Packing`."""
+        """(B, T, D) -> (B, T, D); with `packing` (training without a cache) x is (M, D), so is
+        the output (see `Packing`), and cos_sin are `packed_rope_tables`."""
         if packing is not None:
             return self._forward_packed(x_BTD, cos_sin, packing)
         B, T, _ = x_BTD.shape
@@ -266,17 +353,31 @@ class Attention(nn.Module):
         M = x_MD.shape[0]
         H, K, Dh = self.num_heads, self.num_kv_heads, self.head_dim
         B, T = packing.batch_size, packing.num_tokens
-        # apply_rope broadcasts the (M, Dh) tables over dim 1, here the heads of (M, heads, Dh)
-        q_MHD = apply_rope(self.q_norm(self.q_proj(x_MD).view(M, H, Dh)), *cos_sin)
-        k_MKD = apply_rope(self.k_norm(self.k_proj(x_MD).view(M, K, Dh)), *cos_sin)
-        v_MKD = self.v_proj(x_MD).view(M, K, Dh)
-        # one scatter for q, k and v together: C = H + 2K heads
-        qkv_BTCD = packing.unpack(torch.cat((q_MHD, k_MKD, v_MKD), dim=1)).view(B, T, H + 2 * K, Dh)
-        q_BHTD = qkv_BTCD[:, :, :H].transpose(1, 2)
-        k_BKTD = qkv_BTCD[:, :, H : H + K].transpose(1, 2)
-        v_BKTD = qkv_BTCD[:, :, H + K :].transpose(1, 2)
+        # Few ops (the trainer's step is launch-bound on a GPU): q, k and v as one matmul
+        # against their concatenated weights, q and k normed (per-head weights) and rotated
+        # together; C = H + 2K heads. apply_rope broadcasts the (M, Dh) tables over the heads.
+        # (split, not slicing: its backward is one cat, a slice's a zero-filled full-size copy)
+        qkv_w = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
+        qk_MCD, v_MKD = linear(x_MD, *qkv_w).view(M, H + 2 * K, Dh).split((H + K, K), dim=1)
+        if self.q_norm.eps == self.k_norm.eps:
+            w_norm = torch.cat((self.q_norm.weight.expand(H, Dh), self.k_norm.weight.expand(K, Dh)))
+            qk_MCD = rms_norm(qk_MCD, w_norm, self.q_norm.eps)
+        else:
+            q_MHD, k_MKD = qk_MCD.split((H, K), dim=1)
+            qk_MCD = torch.cat((self.q_norm(q_MHD), self.k_norm(k_MKD)), dim=1)
+        qk_MCD = _rope_packed(qk_MCD, *cos_sin)
+        # one scatter for q, k and v together
+        qkv_MCD = torch.cat((qk_MCD, v_MKD.to(qk_MCD.dtype)), dim=1)
+        qkv_BTCD = packing.unpack(qkv_MCD).view(B, T, H + 2 * K, Dh)
+        q_BTHD, k_BTKD, v_BTKD = qkv_BTCD.split((H, K, K), dim=2)
+        q_BHTD, k_BKTD, v_BKTD = (
+            q_BTHD.transpose(1, 2),
+            k_BTKD.transpose(1, 2),
+            v_BTKD.transpose(1, 2),
+        )
         out_BHTD = causal_attend(q_BHTD, k_BKTD, v_BKTD)
-        return self.o_proj(packing.pack(out_BHTD.transpose(1, 2).reshape(B * T, H * Dh)))
+        return linear(packing.pack(out_BHTD.transpose(1, 2).reshape(B * T, H * Dh)),
+                      self.o_proj.weight)  # fmt: skip
 
 
 class MLP(nn.Module):

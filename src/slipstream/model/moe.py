@@ -1,15 +1,21 @@
-"""Mixture-of-experts FFN: softmax top-k router, stacked SwiGLU experts with three interchangeable
+"""Mixture-of-experts FFN: softmax top-k router, stacked SwiGLU experts with interchangeable
 compute paths, optional Qwen2-MoE shared expert, and the router losses.
 
 Shape legend: N tokens (flattened B*T), D hidden_size, E experts, k experts per token, I expert
 FFN width, A = N*k token-expert assignments, M the tokens a block computes when it skips padding.
 
 Expert paths (`moe_impl`), all numerically the same function:
-- "grouped": sort the A assignments by expert (stable argsort + bincount offsets), run each
-  non-empty expert segment as one matmul, unsort and combine. One host sync for the segment sizes.
-- "grouped_mm": same sort, then one `torch._grouped_mm` call per projection (no host sync, no
-  Python loop). Needs 16-byte aligned rows (D, I multiples of 4 in fp32 / 8 in bf16) and, on CUDA,
-  bf16; otherwise falls back to "grouped" with one logged warning.
+- "grouped" (default): sort the A assignments by expert (one stable sort), expert offsets by a
+  binary search of the sorted ids (on the device, static shapes), one `torch._grouped_mm` per
+  projection, unsort with one index_copy and combine: ~30 aten ops per MoE layer forward and
+  backward whatever E, and no host sync (no `.tolist()`, `nonzero` or `.item()`). Computes in
+  the autocast dtype when autocast is on (bf16 on CUDA: `_grouped_mm`'s only CUDA dtype).
+  Where `_grouped_mm` cannot run (rows not 16-byte aligned, fp32 on CUDA, a torch without it) it
+  runs the per-expert segment loop instead (one host sync for the segment sizes, ~5 ops per
+  expert), a fallback logged once and recorded in `fallbacks`.
+- "grouped_mm": the same, but a case `_grouped_mm` cannot run is an error (no fallback).
+- "batched": two bmm over a zero-padded (E, C, D) buffer (C = the largest expert's count: one
+  host sync); "grouped" switches to it under no-grad at small expert sizes (decode).
 - "loop": the reference per-expert loop with masks (as transformers), kept for tests/benchmarks.
 - "static" (inference engines, `static_experts`): the grouped_mm path with the expert offsets
   counted on device: static shapes, no host sync, so a decode step can be captured in a CUDA
@@ -26,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from slipstream.model.layers import MLP
+from slipstream.model.layers import MLP, linear
 
 log = logging.getLogger(__name__)
 
@@ -69,15 +75,113 @@ class _ContiguousGrad(torch.autograd.Function):
         return g.contiguous()
 
 
-def _grouped_mm_ok(x: torch.Tensor, inner_sizes: Sequence[int]) -> str | None:
+def grouped_mm_unavailable(
+    device: torch.device, dtype: torch.dtype, inner_sizes: Sequence[int]
+) -> str | None:
     """None if torch._grouped_mm can run here, else the reason it cannot."""
     if not hasattr(torch, "_grouped_mm"):
         return "torch._grouped_mm is not available in this torch build"
-    if any((s * x.element_size()) % 16 for s in inner_sizes):
-        return f"row sizes {list(inner_sizes)} x {x.element_size()} bytes not 16-byte aligned"
-    if x.device.type == "cuda" and x.dtype != torch.bfloat16:
-        return f"torch._grouped_mm on CUDA needs bfloat16, got {x.dtype}"
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"torch._grouped_mm takes float32, bfloat16 or float16, got {dtype}"
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if any((s * itemsize) % 16 for s in inner_sizes):
+        return f"row sizes {list(inner_sizes)} x {itemsize} bytes not 16-byte aligned"
+    if device.type == "cuda" and dtype != torch.bfloat16:
+        return (
+            f"torch._grouped_mm on CUDA needs bfloat16, got {dtype} (set trainer.precision = "
+            "'bf16')"
+        )
     return None
+
+
+def _expert_offsets(sorted_ids_A: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """offs[e] = assignments to experts 0..e (the end of expert e's segment), int32, computed on
+    the device by a binary search of the sorted ids (bincount on CUDA reads its max on the
+    host)."""
+    experts_E = torch.arange(num_experts, device=sorted_ids_A.device, dtype=sorted_ids_A.dtype)
+    return torch.searchsorted(sorted_ids_A, experts_E, right=True, out_int32=True)
+
+
+class _GroupedExperts(torch.autograd.Function):
+    """sum_j w[n, j] * SwiGLU_{ids[n, j]}(x[n]) through torch._grouped_mm, with a hand-written
+    backward: ~16 aten ops forward and ~20 backward per MoE layer whatever E (autograd through
+    the same forward: ~70), no host sync. Sort the N*k assignments by expert (stable), gather
+    their rows, two grouped matmuls over the experts' segments (offsets by a binary search of
+    the sorted ids, on the device), unsort, gate-weighted sum over k. Computes in `dtype`
+    (weights and x cast to it, as autocast casts a Linear's); returns `dtype`. Saves the gathered
+    rows, the gate/up activations and the unsorted expert outputs (what autograd would save; the
+    SwiGLU product is recomputed in backward)."""
+
+    @staticmethod
+    def forward(ctx, x_ND, w_Nk, gate_up_w_E, down_w_E, ids_Nk, dtype):  # type: ignore[override]
+        N, k = ids_Nk.shape
+        sorted_ids_A, order_A = torch.sort(ids_Nk.reshape(-1), stable=True)
+        tok_A = order_A // k
+        offs_E = _expert_offsets(sorted_ids_A, gate_up_w_E.shape[0])
+        x_AD = x_ND.to(dtype).index_select(0, tok_A)
+        gate_up_c, down_c = gate_up_w_E.to(dtype), down_w_E.to(dtype)
+        h_A2I = torch._grouped_mm(x_AD, gate_up_c.transpose(1, 2), offs=offs_E)
+        gate_AI, up_AI = h_A2I.chunk(2, dim=-1)
+        y_AD = torch._grouped_mm(F.silu(gate_AI) * up_AI, down_c.transpose(1, 2), offs=offs_E)
+        # unsort: row order_A[a] of the (N*k) assignments is sorted row a
+        y_NkD = y_AD.new_empty(y_AD.shape).index_copy_(0, order_A, y_AD).view(N, k, y_AD.shape[-1])
+        ctx.save_for_backward(x_AD, h_A2I, y_NkD, w_Nk, order_A, tok_A, offs_E, gate_up_c, down_c)
+        ctx.dtypes = (x_ND.dtype, gate_up_w_E.dtype, down_w_E.dtype)
+        return combine_topk(w_Nk, y_NkD)
+
+    @staticmethod
+    def backward(ctx, g_ND):  # type: ignore[override]
+        x_AD, h_A2I, y_NkD, w_Nk, order_A, tok_A, offs_E, gate_up_c, down_c = ctx.saved_tensors
+        x_dtype, gate_up_dtype, down_dtype = ctx.dtypes
+        N, k, D = y_NkD.shape
+        g_N1D = g_ND.to(y_NkD.dtype).unsqueeze(1)
+        g_w = (y_NkD * g_N1D).sum(-1).to(w_Nk.dtype) if ctx.needs_input_grad[1] else None
+        # gradient of each assignment's expert output, in sorted order
+        g_y_AD = (
+            (g_N1D * w_Nk.to(y_NkD.dtype).unsqueeze(-1)).view(N * k, D).index_select(0, order_A)
+        )
+        gate_AI, up_AI = h_A2I.chunk(2, dim=-1)
+        silu_AI = F.silu(gate_AI)
+        g_down = None
+        if ctx.needs_input_grad[3]:  # per expert: g_y^T @ act, (E, D, I)
+            g_down = torch._grouped_mm(g_y_AD.t(), silu_AI * up_AI, offs=offs_E).to(down_dtype)
+        g_act_AI = torch._grouped_mm(g_y_AD, down_c, offs=offs_E)
+        g_h_A2I = torch.cat(
+            (torch.ops.aten.silu_backward(g_act_AI * up_AI, gate_AI), g_act_AI * silu_AI), dim=-1
+        )
+        g_gate_up = None
+        if ctx.needs_input_grad[2]:  # per expert: g_h^T @ x, (E, 2I, D)
+            g_gate_up = torch._grouped_mm(g_h_A2I.t(), x_AD, offs=offs_E).to(gate_up_dtype)
+        g_x = None
+        if ctx.needs_input_grad[0]:
+            g_x_AD = torch._grouped_mm(g_h_A2I, gate_up_c, offs=offs_E)
+            g_x = g_x_AD.new_zeros(N, D).index_add_(0, tok_A, g_x_AD).to(x_dtype)
+        return g_x, g_w, g_gate_up, g_down, None, None
+
+
+def _segment_loop_swiglu(
+    x_AD: torch.Tensor,
+    sorted_ids_A: torch.Tensor,
+    gate_up_w_E: torch.Tensor,
+    down_w_E: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """`_grouped_swiglu` as one matmul per non-empty expert segment (the fallback): reads the
+    segment sizes on the host."""
+    num_experts = gate_up_w_E.shape[0]
+    counts = torch.bincount(sorted_ids_A, minlength=num_experts).tolist()
+    # unbind once: indexing W[e] per expert would make backward allocate and add a full
+    # (E, ...) gradient per expert (O(E^2) traffic); unbind's backward is one stack.
+    gate_up_w, down_w = gate_up_w_E.to(dtype).unbind(0), down_w_E.to(dtype).unbind(0)
+    # split (backward: one cat), not per-segment slicing (backward: a full-size zero
+    # gradient per expert)
+    outs = []
+    for e, seg in enumerate(x_AD.to(dtype).split(counts)):
+        if seg.shape[0] == 0:
+            continue
+        gate, up = F.linear(seg, gate_up_w[e]).chunk(2, dim=-1)
+        outs.append(F.linear(F.silu(gate) * up, down_w[e]))
+    return torch.cat(outs) if outs else x_AD.new_zeros(x_AD.shape, dtype=dtype)
 
 
 def combine_topk(w_Nk: torch.Tensor, y_NkD: torch.Tensor) -> torch.Tensor:
@@ -85,7 +189,7 @@ def combine_topk(w_Nk: torch.Tensor, y_NkD: torch.Tensor) -> torch.Tensor:
     combine of every expert path and EP dispatcher). Elementwise multiply + sum over k: the
     batched (1 x k) @ (k x D) product it replaces cost ~1 ms more per MoE layer fwd+bwd at the
     quickstart's shapes (N = 704, k = 2, D = 128; best of 6 rounds, 1 thread, this dev VM)."""
-    return (y_NkD * w_Nk.to(y_NkD.dtype)[:, :, None]).sum(dim=1)
+    return (y_NkD * w_Nk.to(y_NkD.dtype).unsqueeze(-1)).sum(dim=1)
 
 
 class Experts(nn.Module):
@@ -128,7 +232,9 @@ class Experts(nn.Module):
         gate_up_w_E, down_w_E = self.weights()
         num_experts = gate_up_w_E.shape[0]
         if impl == "static":
-            reason = _grouped_mm_ok(x_ND, (x_ND.shape[1], self.intermediate_size))
+            reason = grouped_mm_unavailable(
+                x_ND.device, x_ND.dtype, (x_ND.shape[1], self.intermediate_size)
+            )
             if reason is None:
                 return static_experts(x_ND, ids_Nk, w_Nk, *self._static_weights())
             _fallback_once(f"static:{reason}", f"moe_impl='static' -> 'grouped': {reason}")
@@ -145,40 +251,25 @@ class Experts(nn.Module):
             and gate_up_w_E[0].numel() <= BATCHED_MAX_EXPERT_NUMEL
         ):
             return self._batched(x_ND, ids_Nk, w_Nk, gate_up_w_E, down_w_E)
-        flat_ids_A = ids_Nk.reshape(-1)
-        order_A = torch.argsort(flat_ids_A, stable=True)
-        x_AD = x_ND.index_select(0, order_A // k)
-        if impl == "grouped_mm":
-            reason = _grouped_mm_ok(x_ND, (x_ND.shape[1], self.intermediate_size))
-            if reason is not None:
-                _fallback_once(reason, f"moe_impl='grouped_mm' -> 'grouped': {reason}")
-                impl = "grouped"
-        if impl == "grouped_mm":
-            offs_E = torch.bincount(flat_ids_A, minlength=num_experts).cumsum(0).to(torch.int32)
-            h = torch._grouped_mm(x_AD, gate_up_w_E.transpose(1, 2), offs=offs_E)
-            gate, up = _ContiguousGrad.apply(h).chunk(2, dim=-1)
-            y_AD = torch._grouped_mm(
-                (F.silu(gate) * up).contiguous(), down_w_E.transpose(1, 2), offs=offs_E
+        # compute dtype: autocast's when on (the experts are matmuls, which autocast would cast)
+        dtype = x_ND.dtype
+        if torch.is_autocast_enabled(x_ND.device.type):
+            dtype = torch.get_autocast_dtype(x_ND.device.type)
+        reason = grouped_mm_unavailable(x_ND.device, dtype, (x_ND.shape[1], self.intermediate_size))
+        if reason is not None and impl == "grouped_mm":
+            raise RuntimeError(
+                f"moe_impl='grouped_mm' cannot run here: {reason} (moe_impl='grouped' falls back "
+                "to a per-expert loop)"
             )
-            y_AD = _ContiguousGrad.apply(y_AD)
-        else:
-            counts = torch.bincount(flat_ids_A, minlength=num_experts).tolist()
-            # unbind once: indexing W[e] per expert would make backward allocate and add a full
-            # (E, ...) gradient per expert (O(E^2) traffic); unbind's backward is one stack.
-            gate_up_w, down_w = gate_up_w_E.unbind(0), down_w_E.unbind(0)
-            # split (backward: one cat), not per-segment slicing (backward: a full-size zero
-            # gradient per expert)
-            outs = []
-            for e, seg in enumerate(x_AD.split(counts)):
-                if seg.shape[0] == 0:
-                    continue
-                gate, up = F.linear(seg, gate_up_w[e]).chunk(2, dim=-1)
-                outs.append(F.linear(F.silu(gate) * up, down_w[e]))
-            y_AD = torch.cat(outs) if outs else x_AD.new_zeros(x_AD.shape)
-        inverse_A = torch.empty_like(order_A)
-        inverse_A[order_A] = torch.arange(order_A.numel(), device=order_A.device)
-        y_NkD = y_AD.index_select(0, inverse_A).view(N, k, y_AD.shape[-1])
-        return combine_topk(w_Nk, y_NkD)
+        if reason is None:
+            return _GroupedExperts.apply(x_ND, w_Nk, gate_up_w_E, down_w_E, ids_Nk, dtype)
+        _fallback_once(reason, f"moe_impl='grouped': per-expert loop: {reason}")
+        sorted_ids_A, order_A = torch.sort(ids_Nk.reshape(-1), stable=True)
+        x_AD = x_ND.index_select(0, order_A // k)
+        y_AD = _segment_loop_swiglu(x_AD, sorted_ids_A, gate_up_w_E, down_w_E, dtype)
+        # unsort: row order_A[a] of the (N*k) assignments is sorted row a
+        y_NkD = y_AD.new_empty(y_AD.shape).index_copy(0, order_A, y_AD).view(N, k, y_AD.shape[-1])
+        return combine_topk(w_Nk, y_NkD).to(x_ND.dtype)
 
     @staticmethod
     def _batched(
@@ -244,7 +335,7 @@ def static_experts(
     (`Experts._static_weights`). ~20 ops whatever E, capturable in a CUDA graph. The same function as the other
     paths (tests/unit/test_engine_ops.py). On CPU `_grouped_mm` measured as fast as "grouped" or
     faster (1 thread: E=32 top-4 D=1024 I=512 N=64: 23.9 vs 25.3 ms; E=8 top-2 D=I=128 N=64: 245
-    vs 308 us). Caller checks `_grouped_mm_ok` (Experts.forward with impl "static")."""
+    vs 308 us). Caller checks `grouped_mm_unavailable` (Experts.forward with impl "static")."""
     N, k = ids_Nk.shape
     sorted_ids_A, order_A = ids_Nk.reshape(-1).sort(stable=True)
     x_AD = x_ND.index_select(0, order_A // k)
@@ -298,20 +389,30 @@ class SparseMoeBlock(nn.Module):
         their weights are the live router's probabilities at those ids (renormalised like the
         top-k's), so the router still gets its gradient. With the ids the router itself would
         pick, the result equals the plain routing."""
-        logits_NE = self.gate(x_ND)
+        logits_NE = linear(x_ND, self.gate.weight)
+        if replay_ids_Nk is not None and replay_ids_Nk.shape != (x_ND.shape[0], self.top_k):
+            raise ValueError(
+                f"replayed routing has shape {tuple(replay_ids_Nk.shape)}, the block routes "
+                f"{x_ND.shape[0]} tokens to top-{self.top_k}"
+            )
+        if self.norm_topk_prob:
+            # softmax over all E, top-k, renormalised == softmax over the k selected logits (the
+            # same function, ~10 fewer ops forward and backward; top-k of the logits is top-k of
+            # the probabilities)
+            logits32_NE = logits_NE.float()
+            if replay_ids_Nk is None:
+                sel_Nk, ids_Nk = torch.topk(logits32_NE, self.top_k, dim=-1)
+            else:
+                ids_Nk = replay_ids_Nk.to(device=logits_NE.device, dtype=torch.long)
+                sel_Nk = logits32_NE.gather(-1, ids_Nk)
+            w_Nk = F.softmax(sel_Nk, dim=-1)
+            return logits_NE, w_Nk.to(logits_NE.dtype), ids_Nk
         probs_NE = F.softmax(logits_NE, dim=-1, dtype=torch.float32)
         if replay_ids_Nk is None:
             w_Nk, ids_Nk = torch.topk(probs_NE, self.top_k, dim=-1)
         else:
-            if replay_ids_Nk.shape != (x_ND.shape[0], self.top_k):
-                raise ValueError(
-                    f"replayed routing has shape {tuple(replay_ids_Nk.shape)}, the block routes "
-                    f"{x_ND.shape[0]} tokens to top-{self.top_k}"
-                )
             ids_Nk = replay_ids_Nk.to(device=probs_NE.device, dtype=torch.long)
             w_Nk = probs_NE.gather(-1, ids_Nk)
-        if self.norm_topk_prob:
-            w_Nk = w_Nk / w_Nk.sum(dim=-1, keepdim=True)
         return logits_NE, w_Nk.to(logits_NE.dtype), ids_Nk
 
     def forward(
@@ -319,6 +420,8 @@ class SparseMoeBlock(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x (..., D) -> (output of x's shape, router logits (N, E)), N = the tokens in x
         (row-major; (B, T, D) or the model's packed (M, D)). `replay_ids_Nk`: see `route`."""
+        if x_D.dim() == 2:  # already (N, D): no view ops (each one is dispatched, and again in
+            return self._tokens(x_D, replay_ids_Nk)  # backward)
         x_ND = x_D.reshape(-1, x_D.shape[-1])
         out_ND, logits_NE = self._tokens(x_ND, replay_ids_Nk)
         return out_ND.view_as(x_D), logits_NE
@@ -356,16 +459,20 @@ def load_balancing_loss(
     logits_LNE = torch.cat([g.float() for g in router_logits], dim=0)
     probs = F.softmax(logits_LNE, dim=-1)
     _, ids = torch.topk(probs, top_k, dim=-1)
-    onehot = F.one_hot(ids, num_experts).float()  # (LN, k, E)
+    # per (choice j, expert e): the (masked) tokens whose j-th choice is e, by one scatter-add
+    # (F.one_hot checks its input's range on the host, and its (LN, k, E) product is larger)
+    LN = probs.shape[0]
+    if token_mask_N is None:
+        m = torch.ones(LN, device=probs.device)
+    else:
+        m = token_mask_N.reshape(-1).float().repeat(len(router_logits))
+    frac_sum_kE = probs.new_zeros(top_k, num_experts).scatter_add_(
+        1, ids.t(), m[None].expand(top_k, LN)
+    )
     if token_mask_N is None and sum_over_ranks is None:
-        frac_kE = onehot.mean(dim=0)
+        frac_kE = frac_sum_kE / LN
         prob_E = probs.mean(dim=0)
     else:
-        if token_mask_N is None:
-            m = torch.ones(probs.shape[0], device=probs.device)
-        else:
-            m = token_mask_N.reshape(-1).float().repeat(len(router_logits))
-        frac_sum_kE = (onehot * m[:, None, None]).sum(0)
         prob_sum_E = (probs * m[:, None]).sum(0)
         count = m.sum()
         if sum_over_ranks is not None:

@@ -16,14 +16,21 @@ from torch import nn
 
 from slipstream.config.model import ModelConfig
 from slipstream.model.kv_cache import KVCache
-from slipstream.model.layers import MLP, Attention, Packing, RMSNorm, rope_cos_sin
+from slipstream.model.layers import (
+    MLP,
+    Attention,
+    Packing,
+    RMSNorm,
+    packed_rope_tables,
+    rope_cos_sin,
+)
 from slipstream.model.moe import Experts, SparseMoeBlock, load_balancing_loss, router_z_loss
 
 
 @dataclass
 class ModelOutput:
-    logits_BTV: torch.Tensor
-    """Next-token logits, always float32."""
+    logits_BTV: torch.Tensor | None
+    """Next-token logits, always float32; None when the forward was asked for `hidden` instead."""
     aux_loss: torch.Tensor
     """router_aux_loss_coef * load_balance + router_z_loss_coef * z_loss (scalar, float32, part of
     the graph); 0 when the model has no MoE layer."""
@@ -34,6 +41,11 @@ class ModelOutput:
     """Unweighted load-balancing loss, detached (for logging); None without MoE layers."""
     z_loss: torch.Tensor | None = None
     """Unweighted router z-loss, detached (for logging); None without MoE layers."""
+    hidden: torch.Tensor | None = None
+    """With `return_hidden`: the final-norm hidden states the LM head would read, (B*T, D), or
+    (M, D) for the real tokens `rows_M` of a packed forward (model/lm_loss.py takes them)."""
+    rows_M: torch.Tensor | None = None
+    """With `return_hidden` and `skip_padding_BT`: which of the B*T positions `hidden` holds."""
 
 
 def is_moe_layer(cfg: ModelConfig, layer_idx: int) -> bool:
@@ -175,6 +187,8 @@ class MoEForCausalLM(nn.Module):
         logits_to_keep: int = 0,
         replay_routing_LNk: torch.Tensor | None = None,
         skip_padding_BT: torch.Tensor | None = None,
+        num_real: int | None = None,
+        return_hidden: bool = False,
     ) -> ModelOutput:
         """Logits for every input position. Without a cache: causal attention over the T tokens
         given (no padding mask: right-pad batches). With a cache: see `KVCache`.
@@ -193,7 +207,11 @@ class MoEForCausalLM(nn.Module):
         rounding of the weight gradients may differ, since their sums run over M rows instead of
         N); the padding gets logits 0 and router logits 0, and is left out of the router losses
         whatever `token_mask_BT` says there. Only for experts in this process (the
-        expert-parallel dispatchers need the same token count on every rank)."""
+        expert-parallel dispatchers need the same token count on every rank). `num_real`: the
+        count of real tokens in `skip_padding_BT` if the caller knows it on the host (then the
+        packing costs no host sync; `Packing.from_mask`). `return_hidden` (training, no cache):
+        skip the LM head and return the final-norm hidden states (`ModelOutput.hidden`), for a
+        loss that never materialises the (B, T, V) logits (model/lm_loss.py)."""
         B, T = input_ids_BT.shape
         if replay_routing_LNk is not None and replay_routing_LNk.shape[:2] != (
             len(self.moe_layer_ids),
@@ -209,7 +227,7 @@ class MoEForCausalLM(nn.Module):
         if skip_padding_BT is not None:
             if cache is not None or logits_to_keep > 0:
                 raise ValueError("skip_padding_BT is for training forwards: no cache, all logits")
-            packing = Packing.from_mask(skip_padding_BT)
+            packing = Packing.from_mask(skip_padding_BT, num_real)
             input_ids = packing.pack(input_ids_BT.reshape(-1))  # (M,)
             position_ids = packing.pack(position_ids_BT.reshape(-1))
             if replay_routing_LNk is not None:
@@ -219,6 +237,8 @@ class MoEForCausalLM(nn.Module):
         x_BTD = self.model.embed_tokens(input_ids)  # (M, D) when packed
         cos_sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta,
                                x_BTD.dtype)  # fmt: skip
+        if packing is not None:
+            cos_sin = packed_rope_tables(*cos_sin)
         router_logits: list[torch.Tensor] = []
         checkpoint = self.gradient_checkpointing and self.training and cache is None
         for layer in self.model.layers:
@@ -235,14 +255,24 @@ class MoEForCausalLM(nn.Module):
                 router_logits.append(rl)
         if logits_to_keep > 0:
             x_BTD = x_BTD[:, -logits_to_keep:]
-        logits_BTV = self.lm_head(self.model.norm(x_BTD)).float()
-        if packing is not None:
-            logits_BTV = packing.unpack(logits_BTV).view(B, T, -1)
+        hidden = rows_M = logits_BTV = None
+        if return_hidden:
+            if cache is not None or logits_to_keep > 0:
+                raise ValueError("return_hidden is for training forwards: no cache, all positions")
+            hidden = self.model.norm(x_BTD)
+            hidden = hidden if packing is not None else hidden.reshape(B * T, -1)
+            rows_M = None if packing is None else packing.rows_M
+        else:
+            logits_BTV = self.lm_head(self.model.norm(x_BTD)).float()
+            if packing is not None:
+                logits_BTV = packing.unpack(logits_BTV).view(B, T, -1)
+        device = input_ids_BT.device
         # Router losses are a training signal: skip them for cached inference without autograd
         # (the engine's decode loop), where they cost ~10% of a small model's step for nothing.
         if not router_logits or (cache is not None and not torch.is_grad_enabled()):
-            zero = torch.zeros((), device=logits_BTV.device)
-            return ModelOutput(logits_BTV, zero, tuple(router_logits) or None)
+            zero = torch.zeros((), device=device)
+            return ModelOutput(logits_BTV, zero, tuple(router_logits) or None, hidden=hidden,
+                               rows_M=rows_M)  # fmt: skip
         cfg = self.config
         mask_N = None if token_mask_BT is None else token_mask_BT.reshape(-1)
         if packing is not None and mask_N is not None:
@@ -253,14 +283,16 @@ class MoEForCausalLM(nn.Module):
         z = router_z_loss(router_logits, mask_N, self.router_stats_sum)
         if cfg.router_z_loss_coef > 0:
             aux = aux + cfg.router_z_loss_coef * z
-        if packing is not None:
-            router_logits = [packing.unpack(rl) for rl in router_logits]
+        if packing is not None:  # one scatter for all layers (M, L, E) -> (N, L, E)
+            router_logits = list(packing.unpack(torch.stack(router_logits, dim=1)).unbind(1))
         return ModelOutput(
             logits_BTV,
             aux,
             tuple(router_logits),
             lb.detach(),
             z.detach(),
+            hidden,
+            rows_M,
         )
 
     def num_parameters(self, active: bool = False) -> int:

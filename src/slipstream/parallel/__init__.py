@@ -16,6 +16,7 @@ from slipstream.model.layers import Attention
 from slipstream.parallel.layout import Layout, Meshes, build_ep_group, build_meshes
 from slipstream.parallel.ranks import Ranks
 from slipstream.parallel.sharding import build_sharded_model, gather_full_state
+from slipstream.runtime import COMPUTE_DTYPES
 
 
 def build_parallel_model(
@@ -30,8 +31,10 @@ def build_parallel_model(
         num_experts = reader.config.num_experts
     meshes = build_meshes(layout, device.type)
     ep_group = build_ep_group(layout, num_experts)
+    # bf16/fp16: FSDP2 gathers parameters in the compute dtype, reduces gradients in float32
+    param_dtype = None if tc.precision == "fp32" else COMPUTE_DTYPES[tc.precision]
     model = build_sharded_model(checkpoint_dir, layout, meshes, ep_group, tc.ep_dispatcher,
-                                device, dtype)  # fmt: skip
+                                device, dtype, param_dtype)  # fmt: skip
     for m in model.modules():
         if isinstance(m, Attention):
             m.fused_inference = False  # see Attention.fused_inference

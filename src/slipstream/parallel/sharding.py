@@ -16,9 +16,12 @@ this rank's shards materialised and read from the start checkpoint.
   expert set or the full optimizer state at any time. `gather_full_state` is what publishing and
   export use: rank 0 then holds one full copy of the weights (not the optimizer) in memory.
 
+- `param_dtype` (trainer.precision bf16/fp16): every unit's `MixedPrecisionPolicy(param_dtype,
+  reduce_dtype=float32)`: the forward gathers parameters in that dtype, gradients are reduced
+  in float32 into the float32 shards (the master weights the optimizer updates).
+
 Not covered: tied embeddings across FSDP units (they stay in the root unit), parameters that are
-not row-shardable (all of this model's are), CPU offload, mixed-precision FSDP policies (the
-forward's bf16 autocast is the Trainer's).
+not row-shardable (all of this model's are), CPU offload.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from slipstream.model import MoEForCausalLM, RowReader
@@ -47,8 +50,10 @@ def build_sharded_model(
     dispatcher: str,
     device: torch.device,
     dtype: torch.dtype,
+    param_dtype: torch.dtype | None = None,
 ) -> MoEForCausalLM:
-    """The policy of an HF-format checkpoint, sharded per the layout (collective)."""
+    """The policy of an HF-format checkpoint, sharded per the layout (collective).
+    `param_dtype`: the compute dtype FSDP2 gathers parameters in (None: their own)."""
     with RowReader(checkpoint_dir, dtype=dtype) as reader:
         cfg = reader.config
         if layout.ep > 1 and cfg.num_experts % layout.ep:
@@ -61,7 +66,7 @@ def build_sharded_model(
         if layout.ep > 1:
             assert ep_group is not None
             _expert_parallel(model, ep_group, meshes, dispatcher, device)
-        _fully_shard(model, meshes)
+        _fully_shard(model, meshes, param_dtype)
         model.to_empty(device=device)
         _load_rows(model, reader)
     model.tie_weights()
@@ -87,13 +92,16 @@ def _expert_parallel(model: MoEForCausalLM, group: EPGroup, meshes: Meshes, disp
         block.experts = experts
 
 
-def _fully_shard(model: MoEForCausalLM, meshes: Meshes) -> None:
+def _fully_shard(model: MoEForCausalLM, meshes: Meshes, param_dtype: torch.dtype | None) -> None:
+    mp = MixedPrecisionPolicy()
+    if param_dtype is not None:
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     units: list[FSDPModule] = []
     for layer in model.model.layers:
         if isinstance(layer.mlp, SparseMoeBlock):
-            units.append(fully_shard(layer.mlp.experts, mesh=meshes.experts))
-        units.append(fully_shard(layer, mesh=meshes.dense))
-    units.append(fully_shard(model, mesh=meshes.dense))
+            units.append(fully_shard(layer.mlp.experts, mesh=meshes.experts, mp_policy=mp))
+        units.append(fully_shard(layer, mesh=meshes.dense, mp_policy=mp))
+    units.append(fully_shard(model, mesh=meshes.dense, mp_policy=mp))
     for unit in units:
         unit.set_gradient_divide_factor(1.0)
         # a plain SUM (gloo has no PREMUL_SUM, which a divide factor otherwise uses)

@@ -95,27 +95,36 @@ def clipped_policy_loss(
     is_cap: float = 2.0,
     aggregation: Aggregation = "token_mean",
     denom: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """-w * min(r A, clip(r, 1 - clip_low, 1 + clip_high) A), aggregated; r = exp(logp - old).
 
-    Stats: clip_frac (valid tokens where the clipped branch is the active one), is_ratio_mean and
-    is_ratio_max (raw proximal/behaviour ratio), is_truncated_frac (tokens whose weight hit cap)."""
+    Stats (detached 0-d tensors, so the step reads them on the host once, after its backward):
+    clip_frac (valid tokens where the clipped branch is the active one), ratio_mean,
+    is_ratio_mean and is_ratio_max (raw proximal/behaviour ratio), is_truncated_frac (tokens
+    whose weight hit cap)."""
     ratio_BT = torch.exp(logp_BT - old_logp_BT.detach())
     clipped_BT = ratio_BT.clamp(1.0 - clip_low, 1.0 + clip_high)
     surr_BT = torch.maximum(-advantages_BT * ratio_BT, -advantages_BT * clipped_BT)
     m_BT = mask_BT.to(logp_BT.dtype)
     n_tok = m_BT.sum().clamp(min=1.0)
-    stats: dict[str, float] = {}
+    stats: dict[str, torch.Tensor] = {}
     if behaviour_logp_BT is not None:
         w_BT, raw_BT = truncated_is_weights(old_logp_BT, behaviour_logp_BT, is_cap)
-        surr_BT = w_BT * surr_BT
-        stats["is_ratio_mean"] = float((raw_BT * m_BT).sum() / n_tok)
-        stats["is_ratio_max"] = float((raw_BT * m_BT).max()) if m_BT.any() else 1.0
-        trunc_BT = (raw_BT > is_cap).to(m_BT.dtype) if is_cap > 0 else torch.zeros_like(m_BT)
-        stats["is_truncated_frac"] = float((trunc_BT * m_BT).sum() / n_tok)
-    active_clip_BT = (-advantages_BT * clipped_BT > -advantages_BT * ratio_BT).to(m_BT.dtype)
-    stats["clip_frac"] = float((active_clip_BT * m_BT).sum() / n_tok)
-    stats["ratio_mean"] = float((ratio_BT.detach() * m_BT).sum() / n_tok)
+        surr_BT = w_BT * surr_BT  # the weight is detached; the surrogate keeps its gradient
+    with torch.no_grad():
+        if behaviour_logp_BT is not None:
+            stats["is_ratio_mean"] = (raw_BT * m_BT).sum() / n_tok
+            # 1 when no token is valid (a where, not a Python branch on a device value)
+            stats["is_ratio_max"] = torch.where(
+                m_BT.sum() > 0, (raw_BT * m_BT).max(), torch.ones_like(n_tok)
+            )
+            if is_cap > 0:
+                stats["is_truncated_frac"] = ((raw_BT > is_cap) * m_BT).sum() / n_tok
+            else:
+                stats["is_truncated_frac"] = torch.zeros_like(n_tok)
+        active_clip_BT = -advantages_BT * clipped_BT > -advantages_BT * ratio_BT
+        stats["clip_frac"] = (active_clip_BT * m_BT).sum() / n_tok
+        stats["ratio_mean"] = (ratio_BT * m_BT).sum() / n_tok
     return aggregate(surr_BT, mask_BT, aggregation, denom), stats
 
 

@@ -1,5 +1,6 @@
 """Trainer: one optimizer step per batch of groups (GRPO or PPO), AdamW, grad clipping, LR
-schedule, MoE aux loss, bf16 autocast, on one process or several ranks (slipstream.parallel).
+schedule, MoE aux loss, bf16/fp16 compute over float32 master weights (`trainer.precision`),
+on one process or several ranks (slipstream.parallel).
 
 Shape legend: B sequences (samples), T positions (prompt + completion - 1, right-padded),
 V vocabulary, N groups, G samples per group.
@@ -40,6 +41,7 @@ from torch import nn
 
 from slipstream.config import SlipstreamConfig
 from slipstream.config.rl import TrainerConfig
+from slipstream.model.lm_loss import chunked_logprobs
 from slipstream.parallel.ranks import Ranks
 from slipstream.rl.advantages import gae, grpo_advantages
 from slipstream.rl.losses import (
@@ -53,6 +55,7 @@ from slipstream.rl.losses import (
 )
 from slipstream.rl.routing import MismatchStats, collate_routing, mismatch_metrics
 from slipstream.rl.types import Batch, Group, Sample
+from slipstream.runtime import COMPUTE_DTYPES
 from slipstream.storage import CheckpointStore
 
 
@@ -258,6 +261,22 @@ class Trainer:
                 "reference model; trainer.loss = 'ppo' and trainer.kl_coef > 0 need "
                 "dp_shard = ep = 1"
             )
+        if self.ranks.sharded and cfg.precision == "fp16":
+            raise ValueError(
+                "trainer.precision = 'fp16' needs an unsharded layout (dp_shard = ep = 1): its "
+                "loss scaler checks gradients for overflow per rank, and sharded ranks hold "
+                "different gradients (use precision = 'bf16', which needs no scaling)"
+            )
+        if cfg.activation_checkpointing:
+            model.gradient_checkpointing = True
+        if cfg.compile_blocks:
+            if self.device.type != "cuda":
+                raise ValueError(
+                    f"trainer.compile_blocks = true needs a CUDA device (got {self.device}): "
+                    "regional torch.compile is for GPU launch overhead"
+                )
+            for layer in model.model.layers:
+                layer.compile(dynamic=True)
         if self.ranks.world > 1:  # router losses of the whole batch, not of this rank's share
             model.router_stats_sum = self.ranks.sum_keep_grad
         self.ref_model = None
@@ -282,6 +301,9 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, self.cfg)
         )
+        # fp16's 5 exponent bits: small gradients underflow unless the loss is scaled
+        self.scaler = (torch.amp.GradScaler(self.device.type) if cfg.precision == "fp16"
+                       else None)  # fmt: skip
 
     @property
     def version(self) -> int:
@@ -367,9 +389,24 @@ class Trainer:
     # ---- step ----------------------------------------------------------------------------------
 
     def _autocast(self):
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16)
+        dtype = COMPUTE_DTYPES[self.cfg.precision]
+        return torch.autocast(self.device.type, dtype=dtype, enabled=dtype != torch.float32)
 
-    def _logp(self, model: nn.Module, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:
+    def _logp(
+        self, model: nn.Module, t: dict[str, torch.Tensor], num_real: int | None = None
+    ) -> tuple[torch.Tensor, Any]:
+        """Log-probabilities of the targets (and the model output). `num_real`: the real
+        positions in t (host-side count; the packing then costs no host sync)."""
+        logp_BT, _, out = self._logp_entropy(model, t, num_real, with_entropy=False)
+        return logp_BT, out
+
+    def _logp_entropy(
+        self, model: nn.Module, t: dict[str, torch.Tensor], num_real: int | None,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, Any]:  # fmt: skip
+        """(log p(target) (B, T), entropy (B, T) or None, model output); 0 at padded positions
+        when the forward skips padding. trainer.logits_chunk_tokens > 0: through the chunked
+        LM head (model/lm_loss.py), else from the full float32 logits."""
         replay = None
         if self.cfg.routing_replay == "r3":  # route as the engine did for each position
             if "routing_BTLk" not in t:
@@ -382,10 +419,27 @@ class Trainer:
         # every per-token layer skips the padding unless the experts are sharded over ranks
         # (the expert-parallel dispatchers need one token count on every rank)
         skip = None if self.ranks.sharded else t["valid_BT"]
+        chunk = self.cfg.logits_chunk_tokens
         with self._autocast():
             out = model(t["inputs_BT"], token_mask_BT=t["mask_BT"], replay_routing_LNk=replay,
-                        skip_padding_BT=skip)  # fmt: skip
-        return token_logprobs(out.logits_BTV / self.temperature, t["targets_BT"]), out
+                        skip_padding_BT=skip, num_real=num_real, return_hidden=chunk > 0)  # fmt: skip
+            if chunk == 0:
+                logits_BTV = out.logits_BTV / self.temperature
+                ent = entropy_from_logits(logits_BTV) if with_entropy else None
+                return token_logprobs(logits_BTV, t["targets_BT"]), ent, out
+            targets_N = t["targets_BT"].reshape(-1)
+            if out.rows_M is not None:
+                targets_N = targets_N.index_select(0, out.rows_M)
+            logp_N, ent_N = chunked_logprobs(
+                out.hidden, model.lm_head.weight, targets_N, chunk_tokens=chunk,
+                temperature=self.temperature, with_entropy=with_entropy,
+            )  # fmt: skip
+        B, T = t["targets_BT"].shape
+        if out.rows_M is not None:  # back to (B, T), 0 at the padding
+            logp_N = logp_N.new_zeros(B * T).index_copy(0, out.rows_M, logp_N)
+            if ent_N is not None:
+                ent_N = ent_N.new_zeros(B * T).index_copy(0, out.rows_M, ent_N)
+        return logp_N.view(B, T), None if ent_N is None else ent_N.view(B, T), out
 
     def _advantages(
         self, groups: list[Group], t: dict[str, torch.Tensor]
@@ -428,6 +482,8 @@ class Trainer:
             local_T = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples) - 1
             pad_to = int(self.ranks.max(torch.tensor(local_T, device=self.ranks.device)))
         t = collate(samples, self.pad_id, self.device, pad_to)
+        # real positions per sample, known on the host (packing without a host sync)
+        real_B = [len(s.prompt_ids) + len(s.completion_ids) - 1 for s in samples]
         extra: dict[str, torch.Tensor] = {}
         if cfg.loss == "grpo":
             extra["adv_BT"], _ = self._advantages(groups, t)
@@ -436,11 +492,11 @@ class Trainer:
         old_logp_BT = None
         if cfg.num_minibatches > 1:
             with torch.no_grad():
-                old_logp_BT, _ = self._logp(self.model, t)
+                old_logp_BT, _ = self._logp(self.model, t, sum(real_B))
         ref_logp_BT = None
         if self.ref_model is not None:
             with torch.no_grad():
-                ref_logp_BT, _ = self._logp(self.ref_model, t)
+                ref_logp_BT, _ = self._logp(self.ref_model, t, sum(real_B))
         B = len(samples)
         mb = max(1, math.ceil(B / cfg.num_minibatches))
         num_mb = math.ceil(B / mb)
@@ -453,7 +509,8 @@ class Trainer:
             part = {k: v[sl] for k, v in t.items()}
             stats = self._minibatch(part, {k: v[sl] for k, v in extra.items()},
                                     None if old_logp_BT is None else old_logp_BT[sl],
-                                    None if ref_logp_BT is None else ref_logp_BT[sl])  # fmt: skip
+                                    None if ref_logp_BT is None else ref_logp_BT[sl],
+                                    sum(real_B[sl]))  # fmt: skip
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v / num_mb
         self.step_count += 1
@@ -499,14 +556,44 @@ class Trainer:
                             stale_BT.reshape(-1))  # fmt: skip
         return mis.sums
 
-    def _minibatch(self, t, extra, old_logp_BT, ref_logp_BT) -> dict[str, float]:
+    def _minibatch(self, t, extra, old_logp_BT, ref_logp_BT, num_real=None) -> dict[str, float]:
         """One optimizer step on a minibatch (this rank's slice of it). Loss terms are divided
         by the minibatch's counts over all ranks, so the ranks' losses add up to the whole
         minibatch's loss and its gradient is the sum of theirs."""
         cfg = self.cfg
+        stats_t, logp_BT, out = self._forward_backward(t, extra, old_logp_BT, ref_logp_BT,
+                                                       num_real)  # fmt: skip
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self.ranks.after_backward(params)
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        grad_norm = self.ranks.clip_grad_norm_(params, cfg.grad_clip)
+        if self.scaler is None:
+            self.optimizer.step()
+        else:  # skips the update when a gradient overflowed, and lowers the scale
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            stats_t["grad_scale_skipped"] = torch.tensor(float(self.scaler.get_scale() < scale))
+        self.scheduler.step()
+        # the minibatch's metrics reach the host here, in one read, after its kernels are queued
+        names = list(stats_t)
+        values = torch.stack([stats_t[k].float() for k in names]).tolist() if names else []
+        stats = dict(zip(names, values, strict=True))
+        stats["grad_norm"] = grad_norm
+        old = logp_BT.detach() if old_logp_BT is None else old_logp_BT
+        stats.update(self._mismatch(t, old, out))
+        return stats
+
+    def _forward_backward(self, t, extra, old_logp_BT, ref_logp_BT, num_real=None):
+        """The minibatch's forward, loss and backward, with no host sync (the op-count test,
+        tests/unit/test_trainer_ops.py, counts this): -> (loss terms and stats as detached 0-d
+        tensors, logp_BT, model output)."""
+        cfg = self.cfg
         mask_BT = t["mask_BT"]
         denom = self.ranks.sum(count_for(mask_BT, cfg.aggregation))
-        logp_BT, out = self._logp(self.model, t)
+        logp_BT, ent_BT, out = self._logp_entropy(self.model, t, num_real,
+                                                  with_entropy=cfg.entropy_coef > 0)  # fmt: skip
         old = logp_BT.detach() if old_logp_BT is None else old_logp_BT
         pg_loss, stats = clipped_policy_loss(
             logp_BT, old, extra["adv_BT"], mask_BT, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
@@ -514,18 +601,16 @@ class Trainer:
             denom=denom,
         )  # fmt: skip
         loss = pg_loss + out.aux_loss
-        stats["pg_loss"] = float(pg_loss.detach())
-        stats["aux_loss"] = float(out.aux_loss.detach())
-        stats.update(self._mismatch(t, old, out))
+        stats["pg_loss"] = pg_loss.detach()
+        stats["aux_loss"] = out.aux_loss.detach()
         if cfg.entropy_coef > 0:
-            ent = aggregate(entropy_from_logits(out.logits_BTV / self.temperature), mask_BT,
-                            cfg.aggregation, denom)  # fmt: skip
+            ent = aggregate(ent_BT, mask_BT, cfg.aggregation, denom)
             loss = loss - cfg.entropy_coef * ent
-            stats["entropy"] = float(ent.detach())
+            stats["entropy"] = ent.detach()
         if ref_logp_BT is not None:
             kl = aggregate(kl_k3(logp_BT, ref_logp_BT), mask_BT, cfg.aggregation, denom)
             loss = loss + cfg.kl_coef * kl
-            stats["kl"] = float(kl.detach())
+            stats["kl"] = kl.detach()
         if self.critic is not None:
             with self._autocast():
                 values_BT = self.critic(t["inputs_BT"]).logits_BTV[..., 0].float()
@@ -533,15 +618,10 @@ class Trainer:
                                         clip=cfg.value_clip, aggregation=cfg.aggregation,
                                         denom=denom)  # fmt: skip
             loss = loss + cfg.value_coef * v_loss
-            stats["value_loss"] = float(v_loss.detach())
+            stats["value_loss"] = v_loss.detach()
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        self.ranks.after_backward(params)
-        stats["grad_norm"] = self.ranks.clip_grad_norm_(params, cfg.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
-        return stats
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+        return stats, logp_BT, out
 
 
 SUMMED_METRICS = ("pg_loss", "entropy", "kl", "value_loss", "num_tokens")
