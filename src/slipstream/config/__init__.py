@@ -17,6 +17,7 @@ from slipstream.config.engine import EngineConfig
 from slipstream.config.eval import EvalConfig
 from slipstream.config.model import ModelConfig
 from slipstream.config.rl import BufferConfig, RolloutConfig, StoreConfig, TrainerConfig
+from slipstream.config.rm import RewardConfig, RMConfig
 from slipstream.config.run import RunConfig
 from slipstream.config.sandbox import SandboxConfig
 from slipstream.config.sft import SFTConfig
@@ -40,6 +41,8 @@ class SlipstreamConfig(Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    rm: RMConfig = Field(default_factory=RMConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
 
     @model_validator(mode="after")
     def _resolve_derived(self) -> SlipstreamConfig:
