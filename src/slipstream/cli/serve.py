@@ -23,7 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="serve a model over HTTP (SGLang native API + OpenAI /v1 completions and chat)",
         description="Serve an HF-format model directory with slipstream's native engine. Endpoints: "
         "/generate, /update_weights_from_disk, /flush_cache, /abort_request, /get_model_info, "
-        "/health, /health_generate, /v1/completions, /v1/chat/completions, /v1/models.",
+        "/health, /health_generate, /v1/completions, /v1/chat/completions, /v1/models; a reward "
+        "model directory (a *ForSequenceClassification config.json) serves POST /classify.",
     )
     p.add_argument("--model", required=True, metavar="DIR", help="HF-format model directory")
     p.add_argument(
@@ -124,6 +125,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
+    from slipstream.rm.model import is_reward_checkpoint
+
+    if is_reward_checkpoint(model_dir):  # a reward model: POST /classify (rm/server.py)
+        from slipstream.rm.server import serve_reward_model
+
+        return serve_reward_model(args.model, args.tokenizer, options, cfg.engine.device,
+                                  args.host, args.port, args.log_level)  # fmt: skip
     model = load_pretrained(args.model, device=cfg.engine.device)
     tok_spec = args.tokenizer
     if tok_spec is None and (model_dir / TOKENIZER_FILE).is_file():
