@@ -233,6 +233,24 @@ def reward_model_dir(cfg: SlipstreamConfig) -> Path:
     )
 
 
+def reward_summary(cfg: SlipstreamConfig) -> dict[str, Any]:
+    """The report lines of a run rewarded by a reward model: the source, and the model's held-out
+    pairwise accuracy when its rm_summary.json is readable here."""
+    import json
+
+    rc = cfg.reward
+    out: dict[str, Any] = {"reward source": rc.source if rc.source != "combined"
+                           else f"combined ({rc.combine})"}  # fmt: skip
+    out["reward model"] = rc.url or str(reward_model_dir(cfg))
+    summary = reward_model_dir(cfg) / "rm_summary.json"
+    if not rc.url and summary.is_file():
+        data = json.loads(summary.read_text())
+        out["RM held-out pairwise accuracy"] = data.get("heldout_accuracy")
+        out["RM held-out pairs"] = data.get("heldout_pairs")
+    out["batch reward is"] = "sigmoid(RM score); held-out pass@1 is the task's verifier"
+    return out
+
+
 def make_reward_source(cfg: SlipstreamConfig, verifier: Verifier) -> Verifier:
     """The worker's Verifier per [reward]: `verifier` itself for source = "verifier", else a
     RewardModelVerifier over it, scoring through reward.url or in-process (reward.model)."""

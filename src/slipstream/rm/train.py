@@ -32,6 +32,7 @@ from slipstream.model.tokenizer import Tokenizer, load_tokenizer
 from slipstream.observe.metrics import MetricsWriter
 from slipstream.parallel.ranks import clip_grad_norm_
 from slipstream.rm.model import (
+    SUMMARY_FILE,
     MoERewardModel,
     is_reward_checkpoint,
     load_reward_model,
@@ -72,12 +73,17 @@ def sft_checkpoint(cfg: SlipstreamConfig) -> Path:
 
 
 def init_reward_model(
-    cfg: SlipstreamConfig, device: torch.device, dtype: torch.dtype
+    cfg: SlipstreamConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    policy: str | Path | None = None,
 ) -> tuple[MoERewardModel, Tokenizer, str]:
-    """(reward model, tokenizer, where it came from) per rm.init (see RMConfig.init)."""
+    """(reward model, tokenizer, where it came from) per rm.init (see RMConfig.init); `policy`
+    replaces the SFT checkpoint as the default."""
     from slipstream.model import MoEForCausalLM, load_pretrained
 
-    init = cfg.rm.init or (str(sft_checkpoint(cfg)) if sft_checkpoint(cfg).is_dir() else "")
+    start = Path(policy) if policy else sft_checkpoint(cfg)
+    init = cfg.rm.init or (str(start) if start.is_dir() else "")
     if not init:
         tok = load_tokenizer(cfg.task.tokenizer)
         model_cfg = cfg.model.model_copy(deep=True)
@@ -121,15 +127,18 @@ def split_pairs(
     return order[: len(order) - n_held], order[len(order) - n_held :]
 
 
-def train_reward_model(cfg: SlipstreamConfig, console: Console | None = None) -> RMResult:
-    """Train per [rm] and save the checkpoint (see the module docstring)."""
+def train_reward_model(
+    cfg: SlipstreamConfig, console: Console | None = None, policy: str | Path | None = None
+) -> RMResult:
+    """Train per [rm] and save the checkpoint (see the module docstring). `policy` (default: the
+    SFT checkpoint) is what missing pairs are sampled from and what rm.init = "" starts from."""
     console = console or Console()
     device, dtype = setup_torch(cfg.run)
     path = pairs_path(cfg)
     if not path.is_file():
         if cfg.rm.pairs:
             raise FileNotFoundError(f"rm.pairs = {cfg.rm.pairs}: no such file")
-        ckpt = sft_checkpoint(cfg)
+        ckpt = Path(policy) if policy else sft_checkpoint(cfg)
         if not ckpt.is_dir():
             raise FileNotFoundError(f"{path}: no pairs, and no SFT checkpoint at {ckpt} to make "
                                     "them from (run `slipstream sft` first, or set rm.pairs)")  # fmt: skip
@@ -140,7 +149,7 @@ def train_reward_model(cfg: SlipstreamConfig, console: Console | None = None) ->
         raise ValueError(f"{path}: {len(pairs)} pair; rm train needs at least 2 (train + held-out)")
     train, held = split_pairs(pairs, cfg.rm.heldout_fraction, cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
-    rm, tok, origin = init_reward_model(cfg, device, dtype)
+    rm, tok, origin = init_reward_model(cfg, device, dtype, policy)
     rc = cfg.rm
     acc0 = pairwise_accuracy(rm, tok, held)
     console.print(f"[bold]rm train[/] init={origin} pairs: {len(train)} train, {len(held)} held-out "
@@ -189,3 +198,26 @@ def train_reward_model(cfg: SlipstreamConfig, console: Console | None = None) ->
     console.print(f"[bold]rm[/] held-out pairwise accuracy {acc:.3f} ({len(held)} pairs; "
                   f"{acc0:.3f} before training) -> {result.checkpoint_dir}")  # fmt: skip
     return result
+
+
+def reward_model_complete(directory: str | Path) -> bool:
+    """A finished `rm train` checkpoint (rm_summary.json is written last)."""
+    return (Path(directory) / SUMMARY_FILE).is_file() and (
+        Path(directory) / "config.json"
+    ).is_file()
+
+
+def ensure_reward_model(
+    cfg: SlipstreamConfig, policy: str | Path, console: Console | None = None
+) -> Path | None:
+    """What `slipstream run` does before RL when [reward] needs a reward model scored in-process
+    from <run.output_dir>/rm/checkpoint (reward.url and reward.model empty): train it (pairs from
+    the SFT checkpoint, `train_reward_model`) unless a complete one is there. -> its directory,
+    or None when the job needs no local reward model."""
+    rc = cfg.reward
+    if rc.source == "verifier" or rc.url or rc.model:
+        return None
+    ckpt = rm_dir(cfg) / "checkpoint"
+    if not reward_model_complete(ckpt):
+        train_reward_model(cfg, console, policy)
+    return ckpt
