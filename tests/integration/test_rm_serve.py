@@ -151,3 +151,21 @@ def test_worker_rewards_from_served_rm_and_requeues_when_it_dies(
         want = score_ids(rm, [tok.encode_prompt(t) for t in texts], tok.pad_id)
         for s, w in zip(g["samples"], want, strict=True):
             assert math.isclose(s["reward"], sigmoid(w), abs_tol=1e-5), (s, w)
+
+
+def test_bench_rm_reports_figure_baseline_and_limit(tmp_path: Path, rm_dir: Path) -> None:
+    import json
+
+    from slipstream.cli import main
+
+    out = tmp_path / "rm.json"
+    overrides = [f"--{o}" for o in TINY]
+    rc = main(["bench", "rm", "--model", str(rm_dir), "--num", "48", "--concurrency", "8",
+               "--max-batch", "16", "--out", str(out), *overrides])  # fmt: skip
+    assert rc == 0
+    rec = json.loads(out.read_text())
+    assert rec["benchmark"] == "rm" and rec["num"] == 48
+    for key in ("figure", "baseline", "limit"):
+        assert rec[key]["value"] > 0
+    assert rec["served"]["calls"] < 48  # the served texts were batched
+    assert rec["provenance"]["cpu_model"] is not None or rec["provenance"]["nproc"] > 0

@@ -17,6 +17,7 @@ BENCHMARKS = [
     "r3",
     "limits",
     "train",
+    "rm",
 ]
 
 

@@ -34,8 +34,11 @@ class RMConfig(Section):
     pair_prompts: int = Field(default=2000, ge=1, le=10_000_000)
     """Train tasks sampled from (the first this many)."""
     pair_samples: int = Field(default=8, ge=2, le=256)
-    """Completions sampled per prompt from the SFT checkpoint (at eval.temperature); each prompt
+    """Completions sampled per prompt from the SFT checkpoint (at pair_temperature); each prompt
     with at least one passing and one failing completion gives one pair per failing one."""
+    pair_temperature: float = Field(default=1.0, gt=0, le=4.0)
+    """Sampling temperature of those completions. Above 1 the SFT model also produces the odd,
+    malformed answers an RL policy drifts to, so the pairs teach the RM to rank them low too."""
     label_noise: float = Field(default=0.1, ge=0, le=0.5)
     """Share of pairs whose chosen/rejected are swapped (a seeded coin per pair): the stated
     noise of the preference labels (human labels disagree ~20-30% on real data)."""

@@ -52,7 +52,7 @@ def make_task_pairs(
     cfg: SlipstreamConfig, checkpoint: str | Path, out: str | Path
 ) -> dict[str, Any]:
     """Sample rm.pair_samples completions for each of the first rm.pair_prompts train tasks from
-    `checkpoint` (eval.temperature, eval.max_new_tokens), verify them, and write one pair per
+    `checkpoint` (rm.pair_temperature, eval.max_new_tokens), verify them, and write one pair per
     (passing, failing) completion of a prompt: chosen = a passing one (cycled), rejected = the
     failing one; a seeded coin (run.seed) swaps rm.label_noise of them. Returns counts."""
     from slipstream.evaluate import decode, load_for_eval
@@ -61,7 +61,7 @@ def make_task_pairs(
     tasks = taskset.train_batch(0, cfg.rm.pair_prompts)
     tok = taskset.tokenizer
     outs = decode(model, [taskset.prompt_ids(t) for t in tasks], cfg.eval.max_new_tokens,
-                  tok.eos_id, temperature=cfg.eval.temperature, num_samples=cfg.rm.pair_samples,
+                  tok.eos_id, temperature=cfg.rm.pair_temperature, num_samples=cfg.rm.pair_samples,
                   seed=cfg.run.seed, max_batch_size=cfg.eval.batch_size)  # fmt: skip
     rng = random.Random(f"rm-pairs/{cfg.run.seed}")
     rows: list[dict[str, Any]] = []
