@@ -82,6 +82,11 @@ class SlipstreamConfig(Section):
                     f"task.num_heldout = {self.task.num_heldout} must be >= eval.num_prompts + "
                     f"sft.val_prompts = {need}"
                 )
+        if self.reward.server == "ray_actor" and self.run.launcher != "ray":
+            raise ValueError(
+                f"reward.server = 'ray_actor' needs run.launcher = 'ray' (got "
+                f"{self.run.launcher!r})"
+            )
         # The layout against the model it splits (a start checkpoint's own architecture is
         # checked again when it loads, launch/dp.py).
         self.trainer.parallel.check(self.trainer.num_processes, self.model.num_experts)

@@ -59,6 +59,12 @@ class RewardConfig(Section):
     model: str = ""
     """The reward model (HF sequence-classification directory) for in-process scoring. "" =
     <run.output_dir>/rm/checkpoint."""
+    server: Literal["none", "ray_actor"] = "none"
+    """"ray_actor" (run.launcher = "ray", reward.url empty): the launcher serves `model` from one
+    Ray actor of its own (`server_resources`; POST /classify on its node's IP) and points every
+    rollout actor's reward.url at it. "none": reward.url, else in-process scoring."""
+    server_resources: dict[str, float] = Field(default_factory=lambda: {"CPU": 1.0})
+    """Ray resources of that actor, e.g. {"GPU": 1} (placed on a node that has them)."""
     timeout_s: float = Field(default=30.0, gt=0, le=3600)
     """A scoring call (HTTP request or in-process batch) that takes longer is an infrastructure
     failure: never a reward (the episode is re-run, its task requeued)."""
@@ -70,6 +76,16 @@ class RewardConfig(Section):
 
     @model_validator(mode="after")
     def _weights(self) -> "RewardConfig":
+        if self.server == "ray_actor" and (self.url or self.source == "verifier"):
+            raise ValueError(
+                "reward.server = 'ray_actor' serves the reward model for the workers: it needs "
+                "reward.source = 'reward_model' or 'combined' and an empty reward.url"
+            )
+        for key, amount in self.server_resources.items():
+            if not 0 <= amount <= 1024:
+                raise ValueError(
+                    f"reward.server_resources[{key!r}] = {amount} is outside [0, 1024]"
+                )
         if self.source == "combined" and self.combine == "sum":
             if self.verifier_weight + self.rm_weight == 0:
                 raise ValueError(
