@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
             torch.manual_seed(0)
             model_cfg = cfg.model.model_copy(update={"vocab_size": tok.vocab_size})
             model_dir = save_reward_model(MoERewardModel(model_cfg).eval(), Path(tmp) / "rm", tok)
-        torch.set_num_threads(max(1, cfg.run.num_threads or 1))
+        # torch's default thread count here, as in the server process (which sets none)
         rm = load_reward_model(model_dir)
         seqs = [tok.encode_prompt(t) for t in texts]
         score_ids(rm, seqs[:8], tok.pad_id)  # warm-up
@@ -145,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
         "mean_tokens": sum(map(len, seqs)) / len(seqs),
         "model": str(args.model or "random [model]"),
         "params": rm.num_parameters(),
+        "torch_threads": torch.get_num_threads(),
         "provenance": collect_provenance({"loadavg_1_5_15": load}),
     }  # fmt: skip
     out = write_result(args.out, record)
