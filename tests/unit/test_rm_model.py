@@ -93,7 +93,7 @@ def test_packed_training_score_equals_padded():
     ids_BT, lengths_B = pad_batch(seqs, tok.pad_id)
     with torch.no_grad():
         a = rm.score(ids_BT, lengths_B)
-        b = rm.score(ids_BT, lengths_B, skip_padding=True)
+        b = rm.score_with_aux(ids_BT, lengths_B, skip_padding=True)[0]
         single = [rm.score(*pad_batch([s], tok.pad_id)).item() for s in seqs]
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(a, torch.tensor(single), atol=1e-5, rtol=1e-5)

@@ -23,13 +23,16 @@ class RMConfig(Section):
     lr: float = Field(default=3e-4, gt=0, le=1.0)
     """Peak AdamW learning rate (linear warm-up, then constant)."""
     warmup_steps: int = Field(default=10, ge=0, le=1_000_000)
+    """Linear warm-up steps of the learning rate."""
     weight_decay: float = Field(default=0.0, ge=0, le=1.0)
+    """AdamW weight decay."""
     grad_clip: float = Field(default=1.0, gt=0, le=1e6)
     """Max global gradient norm."""
     heldout_fraction: float = Field(default=0.1, gt=0, lt=1)
     """Share of the pairs (after a seeded shuffle) kept out of training; pairwise accuracy on
     them (reward(chosen) > reward(rejected)) is the figure `rm train` reports."""
     log_every: int = Field(default=20, ge=1, le=1_000_000)
+    """Write a metrics line (rm/metrics.jsonl) every this many steps."""
     # ---- pairs made from the task (`slipstream rm pairs`) --------------------------------------
     pair_prompts: int = Field(default=2000, ge=1, le=10_000_000)
     """Train tasks sampled from (the first this many)."""
@@ -52,7 +55,9 @@ class RewardConfig(Section):
     """For source = "combined": "sum" = verifier_weight x verifier + rm_weight x sigmoid(score);
     "gate" = sigmoid(score) when the verifier passes (reward >= 0.5), else 0."""
     verifier_weight: float = Field(default=0.5, ge=0, le=100)
+    """combine = "sum": weight of the verifier's reward."""
     rm_weight: float = Field(default=0.5, ge=0, le=100)
+    """combine = "sum": weight of sigmoid(RM score)."""
     url: str = ""
     """A running reward-model server (`slipstream serve --model RM_DIR`: POST /classify), e.g.
     http://10.0.0.5:30001. "" = score in each rollout worker's process (`model`)."""

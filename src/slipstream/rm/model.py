@@ -45,6 +45,9 @@ from slipstream.model.transformer import MoEForCausalLM
 ARCHITECTURE = "Qwen3MoeForSequenceClassification"
 HEAD_HF = "score.weight"
 HEAD_INTERNAL = "lm_head.weight"
+SUMMARY_FILE = "rm_summary.json"
+"""Written last by `save_reward_model`: `rm train`'s figures; its presence marks a complete
+checkpoint."""
 
 
 class MoERewardModel(MoEForCausalLM):
@@ -71,14 +74,15 @@ class MoERewardModel(MoEForCausalLM):
         rm.load_state_dict({**backbone, HEAD_INTERNAL: rm.lm_head.weight.detach()}, strict=True)
         return rm.to(next(policy.parameters()).device)
 
-    def score(
-        self,
-        input_ids_BT: torch.Tensor,
-        lengths_B: torch.Tensor,
-        skip_padding: bool = False,
-    ) -> torch.Tensor:
-        """Reward of each right-padded row: the head at its last real token (float32, (B,)).
-        `skip_padding` runs the per-token layers on real tokens only (training)."""
+    def score(self, input_ids_BT: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tensor:
+        """Reward of each right-padded row: the head at its last real token (float32, (B,))."""
+        return self.score_with_aux(input_ids_BT, lengths_B)[0]
+
+    def score_with_aux(
+        self, input_ids_BT: torch.Tensor, lengths_B: torch.Tensor, skip_padding: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rewards (B,), the backbone's weighted router aux loss) for training; `skip_padding`
+        runs the per-token layers on the real tokens only."""
         B, T = input_ids_BT.shape
         lengths_B = lengths_B.to(input_ids_BT.device)
         if bool((lengths_B < 1).any()) or bool((lengths_B > T).any()):
@@ -87,9 +91,8 @@ class MoERewardModel(MoEForCausalLM):
         if skip_padding:
             mask_BT = torch.arange(T, device=input_ids_BT.device)[None] < lengths_B[:, None]
         out = self(input_ids_BT, skip_padding_BT=mask_BT, token_mask_BT=mask_BT)
-        self.last_aux_loss = out.aux_loss
         rows = torch.arange(B, device=input_ids_BT.device)
-        return out.logits_BTV[rows, lengths_B - 1, 0]
+        return out.logits_BTV[rows, lengths_B - 1, 0], out.aux_loss
 
 
 def pad_batch(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,9 +161,6 @@ def save_reward_model(
     tokenizer.save(directory)
     (directory / SUMMARY_FILE).write_text(json.dumps(extra or {}, indent=2) + "\n")
     return directory
-
-
-SUMMARY_FILE = "rm_summary.json"
 
 
 def is_reward_checkpoint(directory: str | Path) -> bool:

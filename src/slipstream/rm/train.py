@@ -171,13 +171,13 @@ def train_reward_model(
             batch, order = [train[i] for i in order[: rc.batch_size]], order[rc.batch_size :]
             seqs = [tok.encode_prompt(p.prompt + c) for p in batch for c in (p.chosen, p.rejected)]
             ids_BT, lengths_B = pad_batch(seqs, tok.pad_id)
-            r_B = rm.score(ids_BT.to(device), lengths_B.to(device), skip_padding=True)
+            r_B, aux = rm.score_with_aux(ids_BT.to(device), lengths_B.to(device), skip_padding=True)
             margin = r_B[0::2] - r_B[1::2]
             loss = -F.logsigmoid(margin).mean()
             for group in optimizer.param_groups:
                 group["lr"] = rc.lr * min(1.0, (step + 1) / max(1, rc.warmup_steps))
             optimizer.zero_grad(set_to_none=True)
-            (loss + rm.last_aux_loss).backward()
+            (loss + aux).backward()
             clip_grad_norm_(list(rm.parameters()), rc.grad_clip)
             optimizer.step()
             window_loss += loss.item()
