@@ -558,3 +558,38 @@ def test_keda_rollout_pods_join_the_head_and_equal_the_rayjob_rollout_pod() -> N
     # the same pod as the RayJob's rollout group (node group, Spot drain, SGLang, volumes, the
     # sandbox agent's socket), but for the `ray start` KubeRay writes for its own pods
     assert without_ray_command(pod["spec"]) == without_ray_command(fixed["template"]["spec"])
+
+
+def test_reward_model_service_is_a_valid_serve_the_job_can_reach() -> None:
+    deployment, service = load("kuberay/rm-server.yaml")
+    assert (deployment["kind"], service["kind"]) == ("Deployment", "Service")
+    pod = deployment["spec"]["template"]
+    c = container(pod, "rm-server")
+    argv = c["command"]
+    assert argv[:2] == ["slipstream", "serve"]
+    rest, overrides = split_overrides(argv[1:])
+    args = build_parser().parse_args(rest)
+    load_config(args.config, overrides)
+    port = int(next(a for a in argv if a.startswith("--port=")).split("=", 1)[1])
+    assert [p["containerPort"] for p in c["ports"]] == [port]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": port}
+    assert mount_of(c, args.model + "/config.json") == "rm"
+    # its own node group, whose taints it tolerates
+    g = node_groups()["reward"]
+    selector = pod["spec"]["nodeSelector"]
+    assert all(g["labels"].get(k) == v for k, v in selector.items())
+    tolerated = {(t["key"], t["effect"]) for t in pod["spec"]["tolerations"]}
+    assert {(t["key"], t["effect"]) for t in g.get("taints", [])} <= tolerated
+    assert "spot" not in g
+    # the job's overrides load on top of the RayJob's and point at this Service's port
+    cfg, job_overrides = job_config()
+    extra = shlex.split(deployment["metadata"]["annotations"]["slipstream.io/job-overrides"])
+    _, extra_overrides = split_overrides(extra)
+    rl = load_config(None, [*job_overrides, *extra_overrides])
+    assert rl.reward.source == "reward_model"
+    assert (
+        rl.reward.url
+        == f"http://{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
+    )
+    assert service["spec"]["ports"][0]["targetPort"] == c["ports"][0]["name"]
+    assert service["spec"]["selector"] == pod["metadata"]["labels"]

@@ -41,6 +41,7 @@ __all__ = [
 SUBCOMMANDS = [
     "run",
     "sft",
+    "rm",
     "eval",
     "serve",
     "sandbox",

@@ -18,6 +18,7 @@ BENCHMARKS = [
     "limits",
     "train",
     "weights",
+    "rm",
 ]
 
 

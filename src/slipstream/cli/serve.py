@@ -24,7 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Serve an HF-format model directory with slipstream's native engine. Endpoints: "
         "/generate, /update_weights_from_disk, /flush_cache, /abort_request, /get_model_info, "
         "/get_weight_version, /update_weight_version, /health, /health_generate, /metrics, "
-        "/v1/completions, /v1/chat/completions, /v1/models.",
+        "/v1/completions, /v1/chat/completions, /v1/models; a reward model directory (a "
+        "*ForSequenceClassification config.json) serves POST /classify.",
     )
     p.add_argument("--model", required=True, metavar="DIR", help="HF-format model directory")
     p.add_argument(
@@ -140,6 +141,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
+    from slipstream.rm.model import is_reward_checkpoint
+
+    if is_reward_checkpoint(model_dir):  # a reward model: POST /classify (rm/server.py)
+        from slipstream.rm.server import serve_reward_model
+
+        return serve_reward_model(args.model, args.tokenizer, options, cfg.engine.device,
+                                  args.host, args.port, args.log_level)  # fmt: skip
     model = load_pretrained(args.model, device=cfg.engine.device)
     tok_spec = args.tokenizer
     if tok_spec is None and (model_dir / TOKENIZER_FILE).is_file():

@@ -17,6 +17,7 @@ from slipstream.config.engine import EngineConfig
 from slipstream.config.eval import EvalConfig
 from slipstream.config.model import ModelConfig
 from slipstream.config.rl import BufferConfig, RolloutConfig, StoreConfig, TrainerConfig
+from slipstream.config.rm import RewardConfig, RMConfig
 from slipstream.config.run import RunConfig
 from slipstream.config.sandbox import SandboxConfig
 from slipstream.config.sft import SFTConfig
@@ -40,6 +41,8 @@ class SlipstreamConfig(Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    rm: RMConfig = Field(default_factory=RMConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
 
     @model_validator(mode="after")
     def _resolve_derived(self) -> SlipstreamConfig:
@@ -79,6 +82,11 @@ class SlipstreamConfig(Section):
                     f"task.num_heldout = {self.task.num_heldout} must be >= eval.num_prompts + "
                     f"sft.val_prompts = {need}"
                 )
+        if self.reward.server == "ray_actor" and self.run.launcher != "ray":
+            raise ValueError(
+                f"reward.server = 'ray_actor' needs run.launcher = 'ray' (got "
+                f"{self.run.launcher!r})"
+            )
         # The layout against the model it splits (a start checkpoint's own architecture is
         # checked again when it loads, launch/dp.py).
         self.trainer.parallel.check(self.trainer.num_processes, self.model.num_experts)

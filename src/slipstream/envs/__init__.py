@@ -28,6 +28,7 @@ from slipstream.envs.base import (
     EpisodeLimits,
     InfraError,
     Scorer,
+    ServiceUnavailable,
     StepResult,
     encode_observation,
 )
@@ -111,6 +112,7 @@ __all__ = [
     "GroupOutcome",
     "GroupRollout",
     "InfraError",
+    "ServiceUnavailable",
     "Scorer",
     "StepResult",
     "demonstration",

@@ -43,6 +43,12 @@ class InfraError(RuntimeError):
     """An infrastructure failure during an episode: not a reward (see the module docstring)."""
 
 
+class ServiceUnavailable(InfraError):
+    """A shared service the reward needs (a reward-model server) did not answer. Not the task's
+    fault, and re-running the episode at once would hit the same outage: the group is given up
+    without a reward and its task requeued (`aborted`, the worker nacks it), not dropped."""
+
+
 @dataclass
 class StepResult:
     observation_ids: list[int]

@@ -25,7 +25,9 @@ How a group runs:
 4. An InfraError from `reset` or `step` closes that episode's environment (its sandbox goes
    back) and re-runs the episode from `reset` with a fresh seed, at most `max_infra_retries`
    times; one more and the group is given up (`status = "dropped"`, the other episodes are
-   aborted). A failed attempt's tokens are discarded: nothing of it can be trained on.
+   aborted). A failed attempt's tokens are discarded: nothing of it can be trained on. A
+   `ServiceUnavailable` (a reward-model server that did not answer) gives the group up at once
+   as `aborted`: the worker nacks it and the task is redelivered, never rewarded.
 5. Every environment is closed exactly once, however its episode ends (done, aborted, failed,
    dropped), before `on_done` runs.
 
@@ -50,7 +52,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from slipstream.engine.base import Completion, Engine, GenerateRequest, SamplingParams
-from slipstream.envs.base import EnvFactory, Environment, EnvUsage, EpisodeLimits, InfraError
+from slipstream.envs.base import (
+    EnvFactory,
+    Environment,
+    EnvUsage,
+    EpisodeLimits,
+    InfraError,
+    ServiceUnavailable,
+)
 from slipstream.tasks import Task
 
 log = logging.getLogger(__name__)
@@ -439,11 +448,16 @@ class GroupRollout:
         self.runner.log_infra(f"task {self.task.task_id} episode {ep.index} {what}", error)
         ep.close_env()
         ep.request_id = ""
+        # a shared service that did not answer: give the group up as aborted (its task is
+        # requeued), without re-running into the same outage
+        requeue = isinstance(error, ServiceUnavailable)
         with self._lock:
             self.infra_failures += 1
             ep.failures += 1
-            give_up = ep.failures > self.runner.limits.max_infra_retries
-            if give_up and not self._dropped:
+            give_up = requeue or ep.failures > self.runner.limits.max_infra_retries
+            if requeue and not self._error:
+                self._error = f"{what}: {error} (task requeued)"
+            elif give_up and not requeue and not self._dropped:
                 self._dropped = True
                 self._error = f"{ep.failures} infrastructure failures in a row: {error}"
         if give_up:

@@ -58,6 +58,9 @@ def run_job(cfg: SlipstreamConfig, console: Any = None, *, display: bool = True)
     console = console or Console()
     set_threads(cfg.run)
     init = setup_start_checkpoint(cfg, console)
+    from slipstream.rm.train import ensure_reward_model
+
+    ensure_reward_model(cfg, init, console)  # [reward] needs a local reward model: train it
     progress = RLProgress(console, plain=None if display else True)
     metrics = None  # run.metrics_port > 0: Prometheus /metrics (observe/prometheus.py)
     if cfg.run.metrics_port:
@@ -122,6 +125,10 @@ def write_job_report(cfg: SlipstreamConfig, result: Any, controller: Any, launch
         **launcher.summary(), "worker exit codes": codes,
         "buffer": controller.coord.buffer.metrics(),
     }  # fmt: skip
+    if cfg.reward.source != "verifier":  # RLHF: what the policy was trained against
+        from slipstream.rm.source import reward_summary
+
+        summary.update(reward_summary(cfg))
     if controller.skipped_checkpoints:
         summary["skipped checkpoints"] = controller.skipped_checkpoints
     if dp_codes is not None:

@@ -38,6 +38,12 @@ Contract:
 - Each started actor is recorded in `<run.output_dir>/launch/ray_workers.jsonl` (index, worker
   id, pid, node IP, node id) once it reports in.
 
+- Reward model (`reward.server = "ray_actor"`): before the rollout actors, one
+  `RewardServerActor` (reward.server_resources) loads reward.model and serves POST /classify on
+  its node's IP; the workers' reward.url is set to it; it is killed after the workers stop. Not
+  restarted if it dies: the workers then requeue every task (never a reward) until the job is
+  stopped. Its checkpoint directory must be readable on the actor's node.
+
 Not covered: KubeRay / autoscaling (never run here), several nodes (never run here; only a local
 instance was), Ray client (`ray://`) drivers (the coordinator would be served on the client
 machine), the sandbox backend check on worker nodes (only the driver's node is checked), GPUs for
@@ -48,6 +54,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import threading
@@ -85,7 +92,8 @@ def _import_ray() -> Any:
 def init_ray(cfg: SlipstreamConfig) -> bool:
     """Join Ray per run.ray_address (see the module docstring) unless this process already has;
     -> whether this call started a private local instance (which its caller then shuts down).
-    The private instance has a CPU for every rollout worker and every trainer rank but rank 0."""
+    The private instance has a CPU for every rollout worker and every trainer rank but rank 0
+    (and the reward model's actor's CPUs, reward.server = "ray_actor")."""
     ray = _import_ray()
     if ray.is_initialized():
         return False
@@ -95,6 +103,8 @@ def init_ray(cfg: SlipstreamConfig) -> bool:
         kwargs["address"] = cfg.run.ray_address
     else:
         cpus = cfg.rollout.num_workers + (cfg.trainer.num_processes - 1)
+        if cfg.reward.server == "ray_actor":  # the reward model's own actor
+            cpus += math.ceil(cfg.reward.server_resources.get("CPU", 0.0))
         kwargs.update(address="local", num_cpus=cpus, object_store_memory=_OBJECT_STORE_BYTES)
     # ray.init installs its own SIGTERM handler (sys.exit); keep the job's.
     on_main = threading.current_thread() is threading.main_thread()
@@ -160,6 +170,42 @@ class RolloutActor:
             self.worker.request_stop()
 
 
+class RewardServerActor:
+    """The reward model of reward.server = "ray_actor": POST /classify (rm/server.py) served by
+    uvicorn on a thread of this actor, on its node's IP and a free port."""
+
+    def __init__(self, model_dir: str, device: str) -> None:
+        import socket
+
+        import uvicorn
+
+        from slipstream.engine.guard import ServeOptions
+        from slipstream.model.tokenizer import load_tokenizer
+        from slipstream.rm.model import load_reward_model
+        from slipstream.rm.server import create_reward_app
+
+        ray = _import_ray()
+        rm = load_reward_model(model_dir, device=device)
+        app = create_reward_app(rm, load_tokenizer(model_dir), ServeOptions(served_model_name="rm"))
+        ip = ray.util.get_node_ip_address()
+        sock = socket.socket()
+        sock.bind((ip, 0))
+        self._url = f"http://{ip}:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
+                                       daemon=True, name="rm-server")  # fmt: skip
+        self.thread.start()
+
+    def url(self, timeout_s: float = 120.0) -> str:
+        """The base URL once the server accepts connections."""
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"reward model server at {self._url} did not start")
+            time.sleep(0.05)
+        return self._url
+
+
 class RayLauncher:
     """Rollout workers as Ray actors; see the module docstring."""
 
@@ -172,6 +218,8 @@ class RayLauncher:
         self._spec: dict[str, Any] = {}
         self._actor_cls: Any = None
         self._started_ray = False
+        self._rm_actor: Any = None
+        self.reward_url = ""
         self.launch_dir = Path(cfg.run.output_dir) / "launch"
         self.supervisor = Supervisor(
             coordinator, RestartPolicy.from_config(cfg.rollout), range(cfg.rollout.num_workers),
@@ -202,6 +250,9 @@ class RayLauncher:
                     "s3://bucket/prefix or to file:///path on a filesystem shared by every node"
                 )
             spec = serve_coordinator(self.coord, self.cfg, host=ray.util.get_node_ip_address())
+            if self.cfg.reward.server == "ray_actor":  # the workers score at the RM's actor
+                url = self._start_reward_server(ray)
+                spec.config["reward"].update(url=url, server="none")  # workers only score there
             self._spec = spec.to_json()
             # Actors on a cluster inherit their raylet's environment, not this process's: pass
             # the S3 credentials/region the driver has (a node's IAM role needs none of them).
@@ -214,6 +265,19 @@ class RayLauncher:
         except BaseException:
             self._shutdown_ray(ray)
             raise
+
+    def _start_reward_server(self, ray: Any) -> str:
+        """reward.server = "ray_actor": the reward model's own actor; -> its URL."""
+        from slipstream.rm.source import reward_model_dir
+
+        res = dict(self.cfg.reward.server_resources)
+        cls = ray.remote(num_cpus=res.pop("CPU", 0.0), num_gpus=res.pop("GPU", 0.0),
+                         resources=res or None)(RewardServerActor)  # fmt: skip
+        device = "cuda" if self.cfg.reward.server_resources.get("GPU", 0) > 0 else "cpu"
+        self._rm_actor = cls.remote(str(reward_model_dir(self.cfg).resolve()), device)
+        self.reward_url = ray.get(self._rm_actor.url.remote(), timeout=300)
+        log.info("reward model served by a Ray actor at %s", self.reward_url)
+        return self.reward_url
 
     def _init_ray(self, ray: Any) -> None:
         self._started_ray = init_ray(self.cfg)
@@ -271,8 +335,11 @@ class RayLauncher:
 
     def summary(self) -> dict[str, Any]:
         """What the run's report shows about the workers."""
-        return {"worker restarts": self.num_restarts,
-                "worker drain re-placements": self.num_drain_retries}  # fmt: skip
+        out = {"worker restarts": self.num_restarts,
+               "worker drain re-placements": self.num_drain_retries}  # fmt: skip
+        if self.reward_url:
+            out["reward model server (Ray actor)"] = self.reward_url
+        return out
 
     def stop(self) -> dict[int, int | None]:
         """Drain via the coordinator, then request_stop() on stragglers, then ray.kill; codes."""
@@ -291,6 +358,8 @@ class RayLauncher:
             codes[i] = None
         for actor in self.actors.values():
             ray.kill(actor)
+        if self._rm_actor is not None:  # after the workers: they score until they drain
+            ray.kill(self._rm_actor)
         self._shutdown_ray(ray)
         return dict(sorted(codes.items()))
 

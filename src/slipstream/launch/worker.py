@@ -112,6 +112,7 @@ def build_worker(spec: WorkerSpec, worker_id: str, coord: Any = None) -> Any:
     from slipstream.rl.coordinator import connect
     from slipstream.rl.verifier import LatencyInjector, make_verifier
     from slipstream.rl.worker import RolloutWorker
+    from slipstream.rm.source import make_reward_source
     from slipstream.storage import open_stores
     from slipstream.tasks import get_taskset
 
@@ -132,6 +133,12 @@ def build_worker(spec: WorkerSpec, worker_id: str, coord: Any = None) -> Any:
         # private SandboxPool the verifier owns
         verifier: Any = make_verifier(cfg.sandbox, taskset, cfg.rollout.sandbox_agent)
     except BaseException:
+        engine.close()
+        raise
+    try:  # [reward]: the verifier alone, or a reward model over it (rm/source.py)
+        verifier = make_reward_source(cfg, verifier)
+    except BaseException:
+        verifier.close()
         engine.close()
         raise
     rc = cfg.rollout
