@@ -206,3 +206,42 @@ def test_waiters_timing_out_and_cancelled_at_random_lose_nothing(tmp_path, reuse
         assert pool.stats().live == 0 and pool.journal.entries() == []
 
     asyncio.run(go())
+
+
+def test_a_caller_cancelled_during_release_or_health_check_strands_nothing(tmp_path):
+    """The leak the random test once found (in_use=1 with every caller gone): a caller cancelled
+    while its sandbox resets in release(), or while acquire() pings a reused one, must leave the
+    sandbox to the pool, not counted in use forever."""
+
+    async def settle(pool: SandboxPool) -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (pool.stats().in_use or pool._tasks):
+            await asyncio.sleep(0.01)
+
+    async def go():
+        async with one_slot_pool(tmp_path, health_check=True) as pool:
+            sb = await pool.acquire()
+            releasing = asyncio.ensure_future(pool.release(sb))
+            await asyncio.sleep(0)  # the reset has started
+            releasing.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await releasing
+            await settle(pool)
+            st = pool.stats()
+            assert (st.in_use, st.idle) == (0, 1)
+
+            acquiring = asyncio.ensure_future(pool.acquire())
+            await asyncio.sleep(0)  # taken from the idle set, now in its health check
+            assert pool.stats().in_use == 1
+            acquiring.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await acquiring
+            await settle(pool)
+            st = pool.stats()
+            assert (st.in_use, st.idle, st.created) == (0, 1, 1)
+            again = await pool.acquire(timeout_s=30)  # and it is served again
+            assert again is sb
+            await pool.release(again)
+        assert pool.journal.entries() == []
+
+    asyncio.run(go())

@@ -306,10 +306,11 @@ class SandboxPool:
         self._put_idle(sb)
         await self._notify()
 
-    def _spawn(self, coro: object) -> None:
+    def _spawn(self, coro: object) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _notify(self) -> None:
         async with self._changed:
@@ -374,20 +375,27 @@ class SandboxPool:
                 sb = await self._create_one()
                 self._in_use.add(sb)
             assert sb is not None
-            if self.opts.health_check and not create:
-                try:
-                    await sb.ping()
-                except SandboxError as e:
-                    if sb not in self._in_use:  # stop() destroyed it meanwhile; the loop raises
+            try:
+                if self.opts.health_check and not create:
+                    try:
+                        await sb.ping()
+                    except SandboxError as e:
+                        if sb not in self._in_use:  # stop() destroyed it meanwhile; loop raises
+                            continue
+                        self._counts["health_failures"] += 1
+                        log.warning("pool: %s failed its health check (%s); replacing it", sb, e)
+                        self._in_use.discard(sb)
+                        self._spawn(self._destroy(sb))
                         continue
-                    self._counts["health_failures"] += 1
-                    log.warning("pool: %s failed its health check (%s); replacing it", sb, e)
-                    self._in_use.discard(sb)
-                    self._spawn(self._destroy(sb))
-                    continue
-            self._acquires += 1
-            self._waits_s.append(time.perf_counter() - t0)
-            await self._notify()  # the refill loop may now want a replacement
+                self._acquires += 1
+                self._waits_s.append(time.perf_counter() - t0)
+                await self._notify()  # the refill loop may now want a replacement
+            except asyncio.CancelledError:
+                # Cancelled after the sandbox became ours but before the caller got it: nobody
+                # would ever release it, so it goes back to the pool here.
+                if sb in self._in_use:
+                    self._spawn(self._give_back(sb, self.opts.reuse))
+                raise
             return sb
 
     async def _wait_turn(self, timeout_s: float, *, front: bool) -> AgentSandbox | None:
@@ -425,6 +433,12 @@ class SandboxPool:
         if sb not in self._in_use:
             raise SandboxError(f"{sb} was not acquired from this pool")
         reuse = self.opts.reuse if reuse is None else reuse
+        # The reset runs as a pool task the caller only waits on: a caller cancelled while the
+        # sandbox resets (a rollout torn down mid-release) must not strand it in _in_use.
+        await asyncio.shield(self._spawn(self._give_back(sb, reuse)))
+
+    async def _give_back(self, sb: AgentSandbox, reuse: bool) -> None:
+        """Reset a returned sandbox for the next caller (or destroy it); runs as a pool task."""
         if reuse and not self._stopping and not sb.conn.closed:
             try:
                 await sb.reset()
