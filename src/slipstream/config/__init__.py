@@ -25,6 +25,15 @@ from slipstream.config.task import TaskConfig
 
 QUICKSTART = Path(__file__).with_name("quickstart.toml")
 
+_STALENESS_OF_MODE = {"sync": 0, "one_step_off": 1}  # "async" keeps the configured bound
+
+
+def staleness_bound(mode: str, max_staleness: int) -> int:
+    """The staleness bound a `trainer.mode` implies: "sync" 0, "one_step_off" 1, "async" the
+    configured `buffer.max_staleness`. The one place this mapping lives (the job config and the
+    planner's rates both resolve through it)."""
+    return _STALENESS_OF_MODE.get(mode, max_staleness)
+
 
 class SlipstreamConfig(Section):
     """The whole job. Every section has defaults (an empty file is valid); the embedded quickstart
@@ -58,9 +67,9 @@ class SlipstreamConfig(Section):
         - `trainer.parallel.dp_replicate` 0 -> num_processes / (dp_shard x ep); the layout is
           checked against trainer.num_processes and model.num_experts.
         """
-        implied = {"sync": 0, "one_step_off": 1}.get(self.trainer.mode)
-        if implied is not None and self.buffer.max_staleness != implied:
-            self.buffer.max_staleness = implied
+        bound = staleness_bound(self.trainer.mode, self.buffer.max_staleness)
+        if self.buffer.max_staleness != bound:
+            self.buffer.max_staleness = bound
         if self.trainer.deterministic:
             if self.trainer.mode != "sync":
                 raise ValueError(
@@ -109,4 +118,5 @@ __all__ = [
     "load_config",
     "load_model",
     "parse_override",
+    "staleness_bound",
 ]

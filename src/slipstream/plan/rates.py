@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from slipstream.config import staleness_bound
 from slipstream.config.base import ConfigError, Section, load_model
 from slipstream.plan.dists import Dist, resolve_paths
 
@@ -46,7 +47,7 @@ class LoopRates(Section):
 
     @property
     def staleness_bound(self) -> int:
-        return {"sync": 0, "one_step_off": 1}.get(self.mode, self.max_staleness)
+        return staleness_bound(self.mode, self.max_staleness)
 
     @model_validator(mode="after")
     def _warmup_below_steps(self) -> LoopRates:
