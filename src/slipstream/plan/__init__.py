@@ -16,9 +16,9 @@ from slipstream.plan.results import SimResult
 from slipstream.plan.sim import Simulator
 
 
-def simulate(plan: PlanConfig, *, record_trace: bool = False) -> SimResult:
+def simulate(plan: PlanConfig) -> SimResult:
     """Run one simulation of `plan`."""
-    return Simulator(plan, record_trace=record_trace).run()
+    return Simulator(plan).run()
 
 
 __all__ = [

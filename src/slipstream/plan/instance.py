@@ -56,7 +56,7 @@ class Instance:
     waiting: str = ""
     loop_token: int = 0
     sync_min_version: int = -1
-    sync_lease: tuple[int, list[int], int] | None = None
+    sync_lease: tuple[int, list[int]] | None = None  # (lease id, task ids) to start after sync
     # engine
     version: int = 0
     queue: list[Work] = field(default_factory=list)  # submitted, not admitted (FIFO)

@@ -20,11 +20,12 @@ import math
 import numpy as np
 
 from slipstream.plan.instance import Instance, Work
+from slipstream.rl.types import Group, Sample, TaskRef
 
 
 class RolloutMixin:
     """Methods of Simulator that model one rollout instance (see the module docstring). They use
-    the Simulator's state (`now`, `plan`, `at`, the instances' and the loop's fields); this module
+    the Simulator's state (`now`, `plan`, `at`, the instances' fields, `coordinator` and `_call`); this module
     does not import sim.py, so the mixin is not typed against it."""
 
     # ---- weights -------------------------------------------------------------------------------
@@ -176,7 +177,12 @@ class RolloutMixin:
     def _acked(self, inst: Instance, gen: int, w: Work) -> None:
         if not self._live(inst, gen) or w.done:
             return
-        ok = self.loop.ack(w.lease_id, w.task_id, w.oldest_version, self.now)
+        # One sample stands for the group's G: the buffer reads only the group's oldest token
+        # version (staleness), and the simulator counts samples itself; G copies would make each
+        # get_batch's staleness scan over the buffered groups G times slower.
+        sample = Sample([], [0], [0.0], [w.oldest_version])
+        group = Group(TaskRef(w.task_id, w.task_id), [sample], worker_id=inst.worker_id)
+        ok = self._call(self.coordinator.ack, w.lease_id, group)
         if not ok:
             self.wasted_samples += self.G
         else:

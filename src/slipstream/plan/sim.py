@@ -6,8 +6,10 @@ What is simulated (one event heap, simulated seconds):
   wait is trainer idle time), trains for a drawn step time (compute at its node count by Amdahl,
   plus EP all-to-all time from plan/ep.py, plus publish), then publishes version v + 1 and tells
   the coordinator; a per-step overhead follows.
-- **Coordinator** (plan/loop.py): the queue, buffer, staleness bound and admission rule of
-  rl/queue.py, rl/buffer.py and rl/coordinator.py.
+- **Coordinator**: the real one (rl/coordinator.py over rl/queue.py's TaskQueue and
+  rl/buffer.py's ExperienceBuffer: redelivery, fencing, staleness bound, admission rule), its
+  queue reading the simulated clock. Live instances heartbeat, so their leases get a TTL that
+  never runs out here; a reclaimed node's last heartbeat sets its leases' real deadline.
 - **Rollout instances** (rl/worker.py + engine/native.py): the worker loop leases up to
   `tasks_per_lease` tasks while it holds fewer than `max_inflight_tasks`, backs off 5 -> 50 ms
   when nothing is granted, brings its engine to the store's latest version before starting a
@@ -41,11 +43,17 @@ import numpy as np
 from slipstream.plan.dists import Sampler, dist_mean
 from slipstream.plan.ep import ep_comm_s
 from slipstream.plan.instance import Instance, Work, backoff_chain, wake_on_notify
-from slipstream.plan.loop import LoopState
 from slipstream.plan.pool import ServerPool
 from slipstream.plan.rates import PlanConfig
 from slipstream.plan.results import SimResult, window_figures
 from slipstream.plan.rollout import RolloutMixin
+from slipstream.rl.buffer import ExperienceBuffer
+from slipstream.rl.coordinator import Coordinator
+from slipstream.rl.queue import TaskQueue
+from slipstream.rl.types import Lease
+
+INFINITE_TTL_S = 1e12  # live instances heartbeat: their leases never expire in the simulation
+ENDLESS_TASK_STREAM = 1 << 62  # prompts in the simulated train split: a task id is its own index
 
 
 def tokens_per_step(plan: PlanConfig) -> float:
@@ -66,15 +74,23 @@ def trainer_step_parts_s(plan: PlanConfig, dispatch: str | None = None) -> tuple
 
 
 class Simulator(RolloutMixin):
-    """One run of the loop. `run()` returns a SimResult; with `record_trace` the coordinator
-    calls are kept in `self.loop.trace` (for replay against the real Coordinator)."""
+    """One run of the loop. `run()` returns a SimResult. The coordinator (`self.coordinator`,
+    with its `queue` and `buffer`) is the real one on the simulated clock `self.now`; every call
+    to it goes through `_call`, which integrates the number of leased tasks over time."""
 
-    def __init__(self, plan: PlanConfig, *, record_trace: bool = False) -> None:
+    def __init__(self, plan: PlanConfig) -> None:
         self.plan = plan
         lp, ro, eng, vf = plan.loop, plan.rollout, plan.rollout.engine, plan.verifier
         self.rng = np.random.default_rng(lp.seed)
-        self.loop = LoopState(lp.groups_per_step, lp.staleness_bound, lp.group_size,
-                              record=record_trace)  # fmt: skip
+        self.now = 0.0
+        self.queue = TaskQueue(ENDLESS_TASK_STREAM, clock=lambda: self.now)
+        self.buffer = ExperienceBuffer(lp.groups_per_step, lp.staleness_bound)
+        self.coordinator = Coordinator(self.queue, self.buffer)
+        self.trained_task_ids: list[int] = []
+        # leased, unacked tasks after the last coordinator call, and their integral over time
+        self._in_flight = 0
+        self._in_flight_area = 0.0
+        self._in_flight_t = 0.0
         self.G = lp.group_size
         self.step_sampler = Sampler(plan.trainer.step_s, self.rng)
         self.verify_sampler = Sampler(vf.latency_s, self.rng)
@@ -97,7 +113,6 @@ class Simulator(RolloutMixin):
         self.hb_period_s = min(ro.lease_ttl_s / 3, 1.0)
         self._events: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self._seq = 0
-        self.now = 0.0
         self.num_events = 0
         self.store_version = 0
         self.blocked: set[int] = set()
@@ -121,6 +136,18 @@ class Simulator(RolloutMixin):
         self.engine_busy_s = 0.0
         self.staleness_violations = 0
         self._stale_counted = 0
+
+    # ---- coordinator calls ---------------------------------------------------------------------
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the coordinator now, keeping the in-flight integral (Little's law):
+        the count is constant between calls. The count after the call is read with the queue's
+        stats, which reap leases past their deadline now, as the next call would."""
+        self._in_flight_area += self._in_flight * (self.now - self._in_flight_t)
+        self._in_flight_t = self.now
+        result = fn(*args)
+        self._in_flight = self.queue.stats().num_leased
+        return result
 
     # ---- event plumbing ------------------------------------------------------------------------
 
@@ -163,8 +190,9 @@ class Simulator(RolloutMixin):
         lp = sim.plan.loop
         spp = [float(lp.groups_per_step * lp.group_size)] * len(sim.step_end_s)
         sps, idle, window = window_figures(sim.step_end_s, sim.idle_s, spp, lp.warmup_steps)
-        loop = sim.loop
         t = sim.now
+        stats = sim.queue.stats()
+        in_flight_area = sim._in_flight_area + sim._in_flight * (t - sim._in_flight_t)
         num_inst = max(1, len(sim.instances))
         durations = sim.in_flight_durations_s
         return SimResult(
@@ -174,23 +202,23 @@ class Simulator(RolloutMixin):
             trainer_idle_frac=idle,
             window_s=window,
             sim_time_s=t,
-            staleness_hist=dict(sorted(loop.staleness_hist.items())),
+            staleness_hist=dict(sorted(sim.buffer.staleness_hist.items())),
             staleness_bound=lp.staleness_bound,
             staleness_violations=sim.staleness_violations,
             wasted_samples=sim.wasted_samples,
             wasted_tokens=sim.wasted_tokens,
-            dropped_stale_groups=loop.num_dropped_stale,
-            rejected_acks=loop.num_rejected_acks,
+            dropped_stale_groups=sim.buffer.num_dropped_stale,
+            rejected_acks=stats.num_rejected_acks,
             nacked_tasks=sim.num_nacked_tasks,
             abandoned_tasks=sim.num_abandoned_tasks,
-            expired_leases=loop.num_expired_leases,
+            expired_leases=stats.num_expired_leases,
             interruptions=sim.num_interruptions,
             mean_request_latency_s=float(np.mean(sim.request_latency_s))
             if sim.request_latency_s
             else float("nan"),
             num_requests=len(sim.request_latency_s),
             mean_train_s=float(np.mean(sim.train_s)) if sim.train_s else float("nan"),
-            mean_in_flight=loop.inflight_area(t) / t if t > 0 else 0.0,
+            mean_in_flight=in_flight_area / t if t > 0 else 0.0,
             mean_in_flight_time_s=float(np.mean(durations)) if durations else float("nan"),
             completion_rate_per_s=len(durations) / t if t > 0 else 0.0,
             rollout_busy_frac=sim.engine_busy_s / (t * num_inst) if t > 0 else 0.0,
@@ -206,13 +234,13 @@ class Simulator(RolloutMixin):
     def _trainer_try(self) -> None:
         if self.trainer_state != "waiting" or self.finished:
             return
-        res = self.loop.get_batch(self.plan.loop.groups_per_step, self.now)
-        if res is None:
-            self._after_stale_drop()
-            return
-        _, staleness, _ = res
+        batch = self._call(self.coordinator.get_batch, self.plan.loop.groups_per_step, 0.0)
         self._after_stale_drop()
-        self.staleness_violations += sum(1 for s in staleness if s > self.plan.loop.staleness_bound)
+        if batch is None:
+            return
+        self.trained_task_ids.extend(batch.task_ids)
+        bound = self.plan.loop.staleness_bound
+        self.staleness_violations += sum(1 for s in batch.staleness if s > bound)
         self.idle_s.append(self.now - self.wait_start_s)
         step = self.step_sampler.draw_one() * self.step_scale + self.ep_s
         step += self.plan.trainer.publish_s
@@ -221,7 +249,7 @@ class Simulator(RolloutMixin):
         self.at(self.now + step, self._train_done)
 
     def _after_stale_drop(self) -> None:
-        dropped = self.loop.num_dropped_stale * self.G
+        dropped = self.buffer.num_dropped_stale * self.G
         if dropped > self._stale_counted:
             self.wasted_samples += dropped - self._stale_counted
             self._stale_counted = dropped
@@ -229,8 +257,8 @@ class Simulator(RolloutMixin):
 
     def _train_done(self) -> None:
         self._after_stale_drop()
-        v = self.loop.version + 1
-        self.loop.set_version(v, self.now)
+        v = self.coordinator.version() + 1
+        self.coordinator.set_version(v)
         self.store_version = v
         self.step_end_s.append(self.now)
         if len(self.step_end_s) >= self.plan.loop.steps:
@@ -307,7 +335,7 @@ class Simulator(RolloutMixin):
             self._abort(inst, w)
         for lease_id, tids in list(inst.leases.items()):
             if tids:
-                self.num_nacked_tasks += self.loop.nack(lease_id, sorted(tids), self.now)
+                self.num_nacked_tasks += self._call(self.coordinator.nack, lease_id, sorted(tids))
         inst.leases.clear()
         self._slots_changed()
         self._worker_exit(inst)
@@ -319,10 +347,9 @@ class Simulator(RolloutMixin):
         last_beat = self.now - float(self.rng.uniform(0, self.hb_period_s))
         for lease_id, tids in inst.leases.items():
             if tids:
-                self.loop.extend(lease_id, max(ttl - (self.now - last_beat), 1e-6), self.now)
-                deadline = self.loop.lease_deadline(lease_id)
-                if deadline is not None:
-                    self.at(deadline, self._reap)
+                left_s = max(ttl - (self.now - last_beat), 1e-6)
+                if self._call(self.coordinator.extend, lease_id, left_s):
+                    self.at(self.now + left_s, self._reap)  # the lease's deadline
         for w in list(inst.inflight.values()):
             self._abort(inst, w)
             self.num_abandoned_tasks += 1
@@ -330,7 +357,10 @@ class Simulator(RolloutMixin):
         self._worker_exit(inst)
 
     def _reap(self) -> None:
-        if self.loop.reap(self.now):
+        """A reclaimed node's lease reached its deadline: the queue takes its tasks back at the
+        next call that reaps (this one)."""
+        before = self._in_flight
+        if self._call(self.queue.num_in_flight) < before:
             self._slots_changed()
 
     def _worker_exit(self, inst: Instance) -> None:
@@ -374,19 +404,21 @@ class Simulator(RolloutMixin):
             return
         ro = self.plan.rollout
         room = ro.max_inflight_tasks - inst.num_inflight()
-        res = self.loop.lease(inst.worker_id, min(room, ro.tasks_per_lease), self.now)
-        if res is None:
+        lease: Lease | None = self._call(self.coordinator.lease, inst.worker_id,
+                                         min(room, ro.tasks_per_lease), INFINITE_TTL_S)  # fmt: skip
+        if lease is None:
             inst.waiting = "admission"
             inst.wait_start_s, inst.wait_len_s = self.now, inst.idle_s
             self.chain_eval.pop(inst.idx, None)
             self.blocked.add(inst.idx)
             return
-        lease_id, task_ids, policy_version = res
+        lease_id, policy_version = lease.lease_id, lease.policy_version
+        task_ids = [t.task_id for t in lease.tasks]
         for tid in task_ids:
             self.lease_time_s[tid] = self.now
         inst.idle_s = ro.lease_backoff_min_s
         inst.leases[lease_id] = set(task_ids)
-        inst.sync_lease, inst.sync_min_version = res, policy_version
+        inst.sync_lease, inst.sync_min_version = (lease_id, task_ids), policy_version
         inst.waiting = "version_rpc"
         # sync_weights asks the coordinator for its version (one more round trip) first
         self.at(self.now + self._rpc(inst), self._sync_after_rpc, inst, gen)
@@ -405,7 +437,7 @@ class Simulator(RolloutMixin):
             self._load_start(inst, self.store_version, "loop")
             return
         assert inst.sync_lease is not None
-        lease_id, task_ids, _ = inst.sync_lease
+        lease_id, task_ids = inst.sync_lease
         inst.sync_lease = None
         inst.waiting = ""
         self._start_tasks(inst, lease_id, task_ids)
