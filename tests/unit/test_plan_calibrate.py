@@ -150,3 +150,24 @@ def test_engine_weight_probe_failure_falls_back_to_numpy(tmp_path: Path, caplog)
         probes = run_probes(run, 1, rpc_calls=10)
     assert probes["weight_probe"] == "numpy" and probes["weight_fetch_s"] > 0
     assert "numpy imitation" in caplog.text and "probe" in caplog.text
+
+
+@pytest.mark.slow  # a subprocess that imports torch and builds the engine: ~10-20 s
+def test_engine_weight_probe_times_the_factory_built_native_engine(tmp_path: Path) -> None:
+    import torch
+
+    from slipstream.config.model import ModelConfig
+    from slipstream.model import MoEForCausalLM, hf_config_from_model_config, hf_from_internal
+    from slipstream.plan.calibrate import probe_engine_weight_load
+    from slipstream.storage.weights import WeightStore
+
+    cfg = ModelConfig(vocab_size=64, num_hidden_layers=2)
+    torch.manual_seed(0)
+    state = MoEForCausalLM(cfg).state_dict()
+    dtype = next(iter(state.values())).dtype
+    WeightStore(str(tmp_path / "store")).publish(
+        1, hf_from_internal(state, cfg), hf_config_from_model_config(cfg, dtype)
+    )
+    got = probe_engine_weight_load(tmp_path / "store", 1, repeats=2)
+    assert got["fetch_s"] > 0 and got["apply_s"] > 0 and got["step_s"] > 0
+    assert got["batch_rows"] == 8.0  # the probe's request: 8 samples decoded together

@@ -235,22 +235,23 @@ def discrete_lengths(mean: float, sd: float, n: int = 200) -> list[float]:
 
 
 # The worker's own weight update, timed in a subprocess (the planner must not import torch):
-# WeightStore.fetch (read, manifest hashes, deserialise) and NativeEngine.update_weights (apply at
-# the idle engine's next step boundary), on the run's last published version.
+# WeightStore.fetch (read, manifest hashes, deserialise) and the native engine's update_weights
+# (apply at the idle engine's next step boundary), on the run's last published version. The
+# engine comes from the factory; `stats` (step counters) is the native engine's own.
 _ENGINE_LOAD_PROBE = """
 import json, statistics, sys, tempfile, time
 import torch
 torch.set_num_threads(1)
 from slipstream.config.engine import EngineConfig
 from slipstream.engine.base import GenerateRequest, SamplingParams
-from slipstream.engine.native import NativeEngine
+from slipstream.engine import build_engine
 from slipstream.model import load_pretrained
 from slipstream.storage.weights import WeightStore
 store = WeightStore(sys.argv[1], 3)
 version = max(store.versions())
 with tempfile.TemporaryDirectory() as tmp:
     model = load_pretrained(store.fetch_to_dir(version, tmp))
-engine = NativeEngine(model, EngineConfig(), version=0)
+engine = build_engine(EngineConfig(type="native"), model, version=0)
 def request():  # one GRPO-shaped request: 8 samples of 4 tokens (no EOS: no tokenizer)
     return GenerateRequest(list(range(3, 10)), SamplingParams(n=8, max_new_tokens=4, seed=0))
 engine.generate([request()])
