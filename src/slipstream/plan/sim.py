@@ -141,12 +141,13 @@ class Simulator(RolloutMixin):
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)` on the coordinator now, keeping the in-flight integral (Little's law):
-        the count is constant between calls. The count after the call is read with the queue's
-        stats, which reap leases past their deadline now, as the next call would."""
+        the count is constant between calls. Reading the count after the call reaps leases past
+        their deadline now, as the next call would (each such deadline has its own `_reap`
+        event, so this changes nothing but at exactly equal times)."""
         self._in_flight_area += self._in_flight * (self.now - self._in_flight_t)
         self._in_flight_t = self.now
         result = fn(*args)
-        self._in_flight = self.queue.stats().num_leased
+        self._in_flight = self.queue.num_in_flight()
         return result
 
     # ---- event plumbing ------------------------------------------------------------------------
