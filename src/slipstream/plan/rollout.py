@@ -25,8 +25,8 @@ from slipstream.rl.types import Group, Sample, TaskRef
 
 class RolloutMixin:
     """Methods of Simulator that model one rollout instance (see the module docstring). They use
-    the Simulator's state (`now`, `plan`, `at`, the instances' fields, `coordinator` and `_call`); this module
-    does not import sim.py, so the mixin is not typed against it."""
+    the Simulator's state (`now`, `plan`, `at`, the instances' fields, `coordinator`, `_call`);
+    this module does not import sim.py, so the mixin is not typed against it."""
 
     # ---- weights -------------------------------------------------------------------------------
 

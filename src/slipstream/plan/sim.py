@@ -53,7 +53,7 @@ from slipstream.rl.queue import TaskQueue
 from slipstream.rl.types import Lease
 
 INFINITE_TTL_S = 1e12  # live instances heartbeat: their leases never expire in the simulation
-ENDLESS_TASK_STREAM = 1 << 62  # prompts in the simulated train split: a task id is its own index
+NUM_PROMPTS = 1 << 62  # the simulated train split: never wraps, a task id is its own prompt index
 
 
 def tokens_per_step(plan: PlanConfig) -> float:
@@ -83,7 +83,7 @@ class Simulator(RolloutMixin):
         lp, ro, eng, vf = plan.loop, plan.rollout, plan.rollout.engine, plan.verifier
         self.rng = np.random.default_rng(lp.seed)
         self.now = 0.0
-        self.queue = TaskQueue(ENDLESS_TASK_STREAM, clock=lambda: self.now)
+        self.queue = TaskQueue(NUM_PROMPTS, clock=lambda: self.now)
         self.buffer = ExperienceBuffer(lp.groups_per_step, lp.staleness_bound)
         self.coordinator = Coordinator(self.queue, self.buffer)
         self.trained_task_ids: list[int] = []
