@@ -45,7 +45,6 @@ import subprocess
 import sys
 import threading
 import time
-from multiprocessing.managers import BaseManager
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +61,7 @@ from slipstream.plan.rates import (
     VerifierRates,
 )
 from slipstream.plan.results import figures_from_metrics
+from slipstream.rl.coordinator import connect
 
 log = logging.getLogger(__name__)
 
@@ -143,18 +143,16 @@ def probe_weight_load(weights_dir: Path, repeats: int = 21) -> tuple[float, floa
     return float(np.median(fetch)), float(np.median(apply))
 
 
-_ECHO_SERVER = """
-from multiprocessing.managers import BaseManager
-class Echo:
-    def ping(self):
-        return 0
-class M(BaseManager):
-    pass
-echo = Echo()
-M.register("echo", callable=lambda: echo)
-server = M(address=("127.0.0.1", 0), authkey=b"plan-probe").get_server()
-print(server.address[1], flush=True)
-server.serve_forever()
+# The coordinator's own transport (rl/coordinator.py `serve`), serving a real Coordinator from
+# another process, as the trainer process serves it to the workers.
+_COORDINATOR_SERVER = """
+import threading
+from slipstream.rl.buffer import ExperienceBuffer
+from slipstream.rl.coordinator import Coordinator, serve
+from slipstream.rl.queue import TaskQueue
+host, port = serve(Coordinator(TaskQueue(1), ExperienceBuffer(1, 0)), b"plan-probe")
+print(port, flush=True)
+threading.Event().wait()  # serve until killed
 """
 
 
@@ -166,32 +164,29 @@ def _busy_python(stop: threading.Event) -> None:
 
 
 def probe_rpc(num_calls: int = 200, repeats: int = 3) -> tuple[float, float]:
-    """(idle_s, busy_s): mean round trip of a `multiprocessing.managers` proxy call (the
-    coordinator's transport) to a server in another process over loopback TCP, with the calling
-    process otherwise idle, and while another of its threads runs Python code (as a worker's
-    engine thread does between forwards: both contend for the interpreter lock). Means, not
+    """(idle_s, busy_s): mean round trip of a coordinator call (`version()` through
+    `rl.coordinator.connect`'s proxy) to a Coordinator that `rl.coordinator.serve` serves from
+    another process over loopback TCP, with the calling process otherwise idle, and while another
+    of its threads runs Python code (as a worker's engine thread does between forwards: both
+    contend for the interpreter lock). Means, not
     medians: the lock hand-over (5 ms switch interval) makes the distribution bimodal and the
     mean is what adds up; the median of `repeats` such means, because on a shared host one
     burst of other work can multiply a single mean several times."""
-
-    class C(BaseManager):
-        pass
-
-    proc = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", _COORDINATOR_SERVER], stdout=subprocess.PIPE,
                             text=True)  # fmt: skip
     try:
         assert proc.stdout is not None
-        port = int(proc.stdout.readline())
-        C.register("echo")
-        client = C(address=("127.0.0.1", port), authkey=b"plan-probe")
-        client.connect()
-        proxy = client.echo()
+        line = proc.stdout.readline()
+        if not line.strip().isdigit():
+            proc.kill()
+            raise RuntimeError(f"coordinator probe server did not start (exit {proc.wait()})")
+        proxy = connect(("127.0.0.1", int(line)), b"plan-probe")
 
         def mean_round_trip() -> float:
             times = []
             for _ in range(num_calls):
                 t0 = time.perf_counter()
-                proxy.ping()
+                proxy.version()
                 times.append(time.perf_counter() - t0)
                 time.sleep(0.001)
             return float(np.mean(times))
