@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -35,19 +35,12 @@ from slipstream.rl.buffer import ExperienceBuffer
 from slipstream.rl.coordinator import Coordinator
 from slipstream.rl.queue import TaskQueue
 from slipstream.rl.trainer import build_trainer
+from slipstream.rl.types import FollowerRanks
 from slipstream.rl.weight_sync import make_weight_sync
 from slipstream.runtime import resolve_device
 from slipstream.storage import open_stores
 
 log = logging.getLogger(__name__)
-
-
-class FollowerRanks(Protocol):
-    """The trainer ranks other than this one (launch/dp.py's TrainerRanks)."""
-
-    def send(self, command: tuple[Any, ...]) -> None:
-        """Broadcast a command; they then run their part of it while this rank runs its own."""
-        ...
 
 
 @dataclass
