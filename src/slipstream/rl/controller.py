@@ -220,10 +220,10 @@ class Controller:
                 "task_ids": batch.task_ids, "elapsed_s": elapsed, "samples_total": samples_total,
                 "samples_per_s": samples_total / max(elapsed, 1e-9),
                 "trainer_idle_frac": idle_total / max(elapsed, 1e-9),
-                "queue_pending": status["queue_pending"], "queue_leased": status["queue_leased"],
-                "buffered": status["buffer_buffered"], "dropped_stale": status["buffer_dropped_stale"],
-                "dropped_uniform": status["buffer_dropped_uniform"], "redelivered": status["redelivered"],
-                "rejected_acks": status["rejected_acks"], "mode": tc.mode,
+                "queue_pending": status.queue_pending_tasks, "queue_leased": status.queue_leased_tasks,
+                "buffered": status.buffered_groups, "dropped_stale": status.dropped_stale_groups,
+                "dropped_uniform": status.dropped_uniform_groups, "redelivered": status.redelivered_tasks,
+                "rejected_acks": status.rejected_acks, "mode": tc.mode,
             }  # fmt: skip
             if self.publisher.served_s:  # weight_sync = distributed: publish -> served, per engine
                 rec["weight_served_s_max"] = max(self.publisher.served_s.values())
