@@ -91,6 +91,8 @@ def test_model_converters_follow_the_config():
     assert model_converters("loop", tc) == [ExpertPath("loop"), ActivationCheckpointing()]
     with pytest.raises(ValueError, match="compile_blocks"):
         model_converters(trainer=TrainerConfig(compile_blocks=True), device="cpu")
+    with pytest.raises(ValueError, match="converter"):  # no build reads moe_impl: not silently
+        load_pretrained("unused", moe_impl="loop")
 
 
 def test_unused_experts_and_bad_impl():
