@@ -87,6 +87,7 @@ def build_model(
 ) -> MoEForCausalLM:
     """A fresh model from [model] (vocab_size 0 -> the tokenizer's), or `model.init_from` weights."""
     from slipstream.model import MoEForCausalLM, load_pretrained
+    from slipstream.model.converters import apply_converters, model_converters
 
     if cfg.model.init_from:
         model = load_pretrained(cfg.model.init_from, device=device, dtype=dtype)
@@ -99,7 +100,7 @@ def build_model(
         raise ValueError(
             f"model vocab_size {model.config.vocab_size} < tokenizer vocab_size {tokenizer.vocab_size}"
         )
-    return model
+    return apply_converters(model, model_converters(cfg.model.moe_impl))
 
 
 def collate(

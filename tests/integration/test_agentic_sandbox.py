@@ -265,7 +265,7 @@ def test_worker_drops_a_task_whose_sandbox_keeps_dying(tmp_path: Path) -> None:
         t.join(60)
         worker.verifier.close()
     status, m = coord.status(), buffer.metrics()
-    assert status["dropped_tasks"] == 2 and status["queue_pending"] == 0  # not redelivered
+    assert status.dropped_tasks == 2 and status.queue_pending_tasks == 0  # not redelivered
     assert m["dropped_infra"] == 2 and m["infra_failures"] == 2 * (cfg.max_infra_retries + 1)
     assert len(buffer) == 0 and m["episodes"] == 0  # nothing of them reached the trainer
     assert worker.stats["tasks_dropped"] == 2 and worker.stats["groups_acked"] == 0

@@ -50,8 +50,8 @@ def test_drop_gives_up_on_a_leased_task_without_a_group() -> None:
     assert coord.drop(lease.lease_id, [t0]) == 0  # already gone
     assert queue.is_done(t0) and not queue.is_done(t1)
     st = coord.status()
-    assert st["dropped_tasks"] == 1 and st["buffer_dropped_infra"] == 1
-    assert st["buffer_infra_failures"] == 3 and len(buf) == 0
+    assert st.dropped_tasks == 1 and st.buffer["dropped_infra"] == 1
+    assert st.buffer["infra_failures"] == 3 and len(buf) == 0
     coord.nack(lease.lease_id)
     leased = []
     while (nxt := coord.lease("w", 1, 60.0)) is not None:  # the dropped task's slot is free

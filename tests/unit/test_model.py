@@ -20,6 +20,12 @@ from slipstream.model import (
     router_z_loss,
     save_pretrained,
 )
+from slipstream.model.converters import (
+    ActivationCheckpointing,
+    ExpertPath,
+    apply_converters,
+    model_converters,
+)
 from slipstream.model.moe import SparseMoeBlock
 
 VOCAB = 40
@@ -61,6 +67,34 @@ def test_expert_paths_agree_forward_and_backward(impl, experts, top_k):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_the_config_and_the_expert_paths_are_one_list():
+    from typing import get_args
+
+    from slipstream.config.model import MOE_IMPLS
+
+    assert MOE_IMPLS == get_args(ModelConfig.model_fields["moe_impl"].annotation)
+    for impl in MOE_IMPLS:  # every configurable path builds and converts
+        SparseMoeBlock(16, 4, 1, 8, norm_topk_prob=True, impl=impl)
+        ExpertPath(impl)
+    for bad in ("batched", "static"):  # internal paths are no choice of the config
+        with pytest.raises(ValueError, match="moe_impl"):
+            ModelConfig(moe_impl=bad)
+        with pytest.raises(ValueError, match="moe_impl"):
+            ExpertPath(bad)  # type: ignore[arg-type]
+
+
+def test_model_converters_follow_the_config():
+    from slipstream.config.rl import TrainerConfig
+
+    assert model_converters() == [ExpertPath("grouped")]
+    tc = TrainerConfig(activation_checkpointing=True)
+    assert model_converters("loop", tc) == [ExpertPath("loop"), ActivationCheckpointing()]
+    with pytest.raises(ValueError, match="compile_blocks"):
+        model_converters(trainer=TrainerConfig(compile_blocks=True), device="cpu")
+    with pytest.raises(ValueError, match="converter"):  # no build reads moe_impl: not silently
+        load_pretrained("unused", moe_impl="loop")
+
+
 def test_unused_experts_and_bad_impl():
     block = SparseMoeBlock(16, 4, 1, 8, norm_topk_prob=True)
     torch.nn.init.normal_(block.experts.gate_up_proj)
@@ -99,6 +133,8 @@ def test_incremental_decoding_matches_full_forward():
 
 class _RecordingCache:
     """A minimal third-party cache: no storage, records what the model hands over."""
+
+    length = None  # positions not tracked: default position ids start at 0
 
     def __init__(self) -> None:
         self.calls: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
@@ -214,9 +250,9 @@ def test_config_errors_name_the_field():
 
 def test_logits_to_keep_and_config_not_mutated():
     cfg = ModelConfig(vocab_size=VOCAB, hidden_size=64, head_dim=16)
-    model = MoEForCausalLM(cfg).eval()
-    model.set_moe_impl("loop")
-    assert cfg.moe_impl == "grouped" and model.config.moe_impl == "loop"
+    model = apply_converters(MoEForCausalLM(cfg).eval(), model_converters("loop"))
+    assert cfg.moe_impl == "grouped" and model.config == cfg  # converted, config untouched
+    assert {b.impl for b in model.modules() if isinstance(b, SparseMoeBlock)} == {"loop"}
     ids = _ids()
     with torch.no_grad():
         full = model(ids).logits_BTV

@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from slipstream.config.model import MOE_IMPLS
+
 # (tokens, hidden, expert_width, experts, top_k): the quickstart layer, then wider/sparser ones
 DEFAULT_SHAPES = [
     (512, 128, 128, 8, 2),
@@ -27,7 +29,6 @@ DEFAULT_SHAPES = [
     (512, 256, 128, 64, 8),
     (2048, 256, 128, 64, 8),
 ]
-IMPLS = ("grouped", "grouped_mm", "loop")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -84,7 +85,7 @@ def _bench_shape(
     torch.manual_seed(0)
     # one block per path, identical weights
     blocks = {}
-    for impl in IMPLS:
+    for impl in MOE_IMPLS:
         torch.manual_seed(0)
         block = SparseMoeBlock(d, e, k, i, norm_topk_prob=True, impl=impl)
         for p in block.parameters():

@@ -1,11 +1,16 @@
 """`[model]`: the MoE policy architecture. Field names match Hugging Face `Qwen3MoeConfig` so the
 section maps one-to-one onto a checkpoint's `config.json`."""
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import Field
 
 from slipstream.config.base import Section
+
+MoEImpl = Literal["grouped", "grouped_mm", "loop"]
+"""The expert compute paths `model.moe_impl` may name (model/moe.py implements each)."""
+MOE_IMPLS: tuple[str, ...] = get_args(MoEImpl)
+"""The same list as a tuple (validation messages, benchmarks): one list, not a second copy."""
 
 
 class ModelConfig(Section):
@@ -53,9 +58,10 @@ class ModelConfig(Section):
     """Share the input embedding and the LM head."""
     initializer_range: float = Field(default=0.02, gt=0)
     """Std of the normal init of linear/embedding/expert weights (random init only)."""
-    moe_impl: Literal["grouped", "grouped_mm", "loop"] = "grouped"
+    moe_impl: MoEImpl = "grouped"
     """Expert compute path (runtime choice, not part of the checkpoint): `grouped` sorts the
     assignments by expert and runs two torch._grouped_mm calls, no host sync (where _grouped_mm
     cannot run, e.g. float32 on CUDA, a per-expert loop: a logged, recorded fallback);
     `grouped_mm` the same but an error instead of the fallback; `loop` is the slow per-expert
-    reference (model/moe.py)."""
+    reference (model/moe.py). Applied to a built model by its converter (model/converters.py
+    `ExpertPath`, from `model_converters`); building `MoEForCausalLM` does not read it."""

@@ -53,6 +53,10 @@ class Part(NamedTuple):
 class SlotKVCache:
     """k/v storage for `num_slots` sequences of up to `slot_len` tokens each."""
 
+    length = None
+    """`KVCache.length`: not tracked here (rows sit at different positions; the engine passes
+    position ids with every forward)."""
+
     def __init__(
         self,
         num_layers: int,

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from slipstream.config import SlipstreamConfig
+from slipstream.rl.types import FollowerRanks
 
 LAUNCHERS = {
     "local": "slipstream.launch.local:LocalLauncher",
@@ -51,22 +52,6 @@ class Launcher(Protocol):
 
     def summary(self) -> dict[str, Any]:
         """Launcher facts for the run's report (restarts, re-placements, ...)."""
-        ...
-
-
-class FollowerRanks(Protocol):
-    """Trainer ranks 1..W-1 as rank 0 (this process) sees them, however they were placed."""
-
-    def send(self, command: tuple[Any, ...]) -> None:
-        """Broadcast a command (launch/dp.py); rank 0 then does its own part of it."""
-        ...
-
-    def lost(self) -> Exception | None:
-        """An error naming the ranks that ended, or None while all run."""
-        ...
-
-    def close(self, timeout_s: float = 30.0) -> list[int | None]:
-        """Wait for them to leave (after ("stop",)), force the rest; exit codes."""
         ...
 
 

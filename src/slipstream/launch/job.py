@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from slipstream.config import SlipstreamConfig
-from slipstream.launch.base import FollowerRanks, Launcher, make_launcher, start_trainer_ranks
+from slipstream.launch.base import Launcher, make_launcher, start_trainer_ranks
+from slipstream.rl.types import FollowerRanks
 
 
 def setup_start_checkpoint(cfg: SlipstreamConfig, console: Any = None) -> str:

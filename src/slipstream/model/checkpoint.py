@@ -47,7 +47,7 @@ def _reject(hf: dict[str, Any], key: str, ok: Any, why: str) -> None:
 def model_config_from_hf(hf: dict[str, Any] | str | Path, **overrides: Any) -> ModelConfig:
     """ModelConfig from an HF config (dict, config.json path, or checkpoint directory).
     Accepts model_type "qwen3_moe" and "qwen3" (dense: every layer in mlp_only_layers).
-    Keyword overrides (e.g. moe_impl="loop") are applied last."""
+    Keyword overrides (e.g. vocab_size=1024) are applied last."""
     if not isinstance(hf, dict):
         path = Path(hf)
         path = path / "config.json" if path.is_dir() else path
@@ -334,7 +334,13 @@ def load_pretrained(
     """Build an MoEForCausalLM from an HF-format directory (qwen3_moe or dense qwen3), weights
     cast to `dtype` (None keeps the stored dtype) on `device`. Built on the meta device, so no
     random init is paid. Returned in eval mode. `config_overrides` go to ModelConfig (e.g.
-    moe_impl="loop")."""
+    max_position_embeddings=1024); not `moe_impl`, which no build reads: apply it with
+    model/converters.py's `ExpertPath` (an error here, rather than a model on another path)."""
+    if "moe_impl" in config_overrides:
+        raise ValueError(
+            "load_pretrained(moe_impl=...): the expert path is a converter applied to the "
+            "loaded model (model/converters.py: apply_converters(model, model_converters(impl)))"
+        )
     cfg = model_config_from_hf(directory, **config_overrides)
     sd = read_safetensors_dir(directory, device=device, dtype=dtype)
     with torch.device("meta"):

@@ -8,8 +8,9 @@ Contract (`KVCache.attend`): each attention layer computes q, k, v for the *new*
 per-head q/k RMSNorm and RoPE) and hands them to `cache.attend(layer_idx, q_BHTD, k_BKTD, v_BKTD)`,
 which stores k/v however it likes, decides which past keys each new query may see (masking) and
 returns the attention output `out_BHTD` (softmax scale 1/sqrt(D), same dtype as q). Layers are
-called in order 0..num_layers-1 once per forward. The model never reads cache state except the
-optional `length` attribute used for default position ids (see `MoEForCausalLM.forward`).
+called in order 0..num_layers-1 once per forward. The model never reads cache state except
+`length`, where the default position ids start when the caller passes none
+(`MoEForCausalLM.default_position_ids`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,13 @@ _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5
 class KVCache(Protocol):
     """What the model needs from a cache: one call per layer per forward. Implementations own
     storage, masking and bookkeeping (e.g. per-row lengths or pages in the inference engine)."""
+
+    @property
+    def length(self) -> int | torch.Tensor | None:
+        """Positions already cached before this forward: an int (every row), a per-row (B,)
+        tensor, or None when the cache does not track them (its callers always pass position
+        ids, as the engine does with its `SlotKVCache`; default positions then start at 0)."""
+        ...
 
     def attend(
         self, layer_idx: int, q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD: torch.Tensor

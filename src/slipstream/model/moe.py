@@ -4,7 +4,8 @@ compute paths, optional Qwen2-MoE shared expert, and the router losses.
 Shape legend: N tokens (flattened B*T), D hidden_size, E experts, k experts per token, I expert
 FFN width, A = N*k token-expert assignments, M the tokens a block computes when it skips padding.
 
-Expert paths (`moe_impl`), all numerically the same function:
+Expert paths (`moe_impl`: config/model.py's `MOE_IMPLS`, set on a built model by
+model/converters.py's `ExpertPath`), all numerically the same function:
 - "grouped" (default): sort the A assignments by expert (one stable sort), expert offsets by a
   binary search of the sorted ids (on the device, static shapes), one `torch._grouped_mm` per
   projection, unsort with one index_copy and combine: ~30 aten ops per MoE layer forward and
@@ -14,12 +15,15 @@ Expert paths (`moe_impl`), all numerically the same function:
   runs the per-expert segment loop instead (one host sync for the segment sizes, ~5 ops per
   expert), a fallback logged once and recorded in `fallbacks`.
 - "grouped_mm": the same, but a case `_grouped_mm` cannot run is an error (no fallback).
-- "batched": two bmm over a zero-padded (E, C, D) buffer (C = the largest expert's count: one
-  host sync); "grouped" switches to it under no-grad at small expert sizes (decode).
 - "loop": the reference per-expert loop with masks (as transformers), kept for tests/benchmarks.
-- "static" (inference engines, `static_experts`): the grouped_mm path with the expert offsets
-  counted on device: static shapes, no host sync, so a decode step can be captured in a CUDA
-  graph; falls back to "grouped" (logged once) where `torch._grouped_mm` cannot run.
+Inside "grouped", not a choice of its own: under no-grad at small expert sizes (decode) it runs
+two bmm over a zero-padded (E, C, D) buffer (`Experts._batched`; C = the largest expert's count:
+one host sync).
+The inference engine's decode path, not a config choice either: "static" (`STATIC_IMPL`,
+`static_experts`; engine/decode.py's `static_moe` sets it around decode calls), the grouped_mm
+path with the expert offsets counted on device: static shapes, no host sync, so a decode step can
+be captured in a CUDA graph; falls back to "grouped" (logged once) where `torch._grouped_mm`
+cannot run.
 """
 
 from __future__ import annotations
@@ -32,12 +36,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from slipstream.config.model import MOE_IMPLS
 from slipstream.model.layers import MLP, linear
 
 log = logging.getLogger(__name__)
 
-MOE_IMPLS = ("grouped", "grouped_mm", "batched", "loop", "static")
-# "grouped" runs as "batched" under no-grad when every expert gets at least this many assignments
+STATIC_IMPL = "static"
+"""The engine's decode path (see the module docstring): `Experts.forward` takes it besides
+`MOE_IMPLS`; a block's configured path is always one of `MOE_IMPLS`."""
+# "grouped" runs its batched sub-path (`Experts._batched`) under no-grad when every expert gets at least this many assignments
 # on average (N * k >= BATCHED_MIN_PER_EXPERT * E) and one expert's gate_up_proj holds at most
 # BATCHED_MAX_EXPERT_NUMEL elements. Measured on the 2-vCPU dev VM (1 thread, fp32; N = tokens):
 # E=8, D=I=128 (gate_up 32K): batched 0.6-0.9x grouped's time from N=4 up (102 vs 126 us at N=1);
@@ -231,7 +238,7 @@ class Experts(nn.Module):
         experts)."""
         gate_up_w_E, down_w_E = self.weights()
         num_experts = gate_up_w_E.shape[0]
-        if impl == "static":
+        if impl == STATIC_IMPL:
             reason = grouped_mm_unavailable(
                 x_ND.device, x_ND.dtype, (x_ND.shape[1], self.intermediate_size)
             )
@@ -241,10 +248,10 @@ class Experts(nn.Module):
             impl = "grouped"
         if impl == "loop":
             return self._loop(x_ND, ids_Nk, w_Nk, gate_up_w_E, down_w_E)
-        if impl not in ("grouped", "grouped_mm", "batched"):
-            raise ValueError(f"moe_impl={impl!r}; expected one of {MOE_IMPLS}")
+        if impl not in MOE_IMPLS:
+            raise ValueError(f"moe_impl={impl!r}; expected one of {MOE_IMPLS} (or {STATIC_IMPL!r})")
         N, k = ids_Nk.shape
-        if impl == "batched" or (
+        if (
             impl == "grouped"
             and not torch.is_grad_enabled()
             and N * k >= BATCHED_MIN_PER_EXPERT * num_experts
@@ -363,6 +370,8 @@ class SparseMoeBlock(nn.Module):
         shared_expert_intermediate_size: int = 0,
         impl: str = "grouped",
     ) -> None:
+        """`impl`: the expert path (one of `MOE_IMPLS`); a model's blocks start on "grouped" and
+        model/converters.py's `ExpertPath` sets the configured one."""
         super().__init__()
         if top_k > num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} > num_experts={num_experts}")

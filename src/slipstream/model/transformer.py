@@ -77,8 +77,7 @@ class DecoderLayer(nn.Module):
                 cfg.moe_intermediate_size,
                 cfg.norm_topk_prob,
                 cfg.shared_expert_intermediate_size,
-                cfg.moe_impl,
-            )
+            )  # on the default expert path; model/converters.py's ExpertPath applies moe_impl
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -116,7 +115,8 @@ class MoEForCausalLM(nn.Module):
     (std `initializer_range`); use `.to(device, dtype)` or `load_pretrained` for weights.
 
     `gradient_checkpointing = True` recomputes each decoder layer in backward (training without a
-    cache only)."""
+    cache only). Runtime choices of the config (`moe_impl`, activation checkpointing, compile) are
+    not read here: model/converters.py applies them to the built model."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -129,7 +129,7 @@ class MoEForCausalLM(nn.Module):
             )
         if cfg.head_dim % 2:
             raise ValueError(f"head_dim={cfg.head_dim} must be even for RoPE")
-        self.config = cfg.model_copy(deep=True)  # set_moe_impl must not edit the caller's
+        self.config = cfg.model_copy(deep=True)  # the model's own: the caller's may change
         self.model = Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.gradient_checkpointing = False
@@ -158,20 +158,13 @@ class MoEForCausalLM(nn.Module):
             elif isinstance(m, RMSNorm):
                 m.weight.fill_(1.0)
 
-    def set_moe_impl(self, impl: str) -> None:
-        """Switch every MoE layer's expert path ("grouped", "grouped_mm", "loop")."""
-        self.config.moe_impl = impl  # validated by pydantic
-        for layer in self.model.layers:
-            if isinstance(layer.mlp, SparseMoeBlock):
-                layer.mlp.impl = impl
-
     def default_position_ids(
         self, batch_size: int, num_tokens: int, cache: KVCache | None, device: torch.device
     ) -> torch.Tensor:
-        """arange(T), offset by `cache.length` when the cache has one (an int, or a per-row (B,)
-        tensor)."""
+        """arange(T), offset by the positions the cache holds (`KVCache.length`: an int, a
+        per-row (B,) tensor, or None for a cache whose callers always pass positions)."""
         pos_BT = torch.arange(num_tokens, device=device)[None].expand(batch_size, -1)
-        length = getattr(cache, "length", None) if cache is not None else None
+        length = None if cache is None else cache.length
         if isinstance(length, int):
             pos_BT = pos_BT + length
         elif isinstance(length, torch.Tensor):

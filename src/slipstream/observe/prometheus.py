@@ -68,6 +68,25 @@ def _client() -> Any:
     return prometheus_client
 
 
+class StatusView(Protocol):
+    """What JobMetrics reads of a coordinator status (rl/coordinator.py's CoordinatorStatus;
+    this layer may not import it)."""
+
+    queue_pending_tasks: int
+    queue_leased_tasks: int
+    queue_done_tasks: int
+    redelivered_tasks: int
+    rejected_acks: int
+    expired_leases: int
+    buffered_groups: int
+    dropped_stale_groups: int
+    dropped_uniform_groups: int
+    wasted_samples: int
+    staleness_hist: dict[int, int]
+
+    def other_numbers(self) -> dict[str, float]: ...
+
+
 class CoordinatorView(Protocol):
     """What JobMetrics reads of the coordinator (rl/coordinator.py's Coordinator)."""
 
@@ -75,7 +94,7 @@ class CoordinatorView(Protocol):
     worker_seen_s: dict[str, float]
     weight_served: dict[str, dict[str, float]]
 
-    def status(self) -> dict[str, Any]: ...
+    def status(self) -> StatusView: ...
 
     def version(self) -> int: ...
 
@@ -146,27 +165,27 @@ class _JobCollector:
         depth = leasable(backlog, coord.stopping())
         version = coord.version()
         yield gauge("coordinator_version", "policy version announced to workers", version)
-        yield gauge("queue_pending_tasks", "redelivered tasks waiting", st.get("queue_pending"))
-        yield gauge("queue_leased_tasks", "tasks leased, not acked", st.get("queue_leased"))
-        yield gauge("queue_done_tasks", "tasks acked (or dropped)", st.get("queue_done"))
+        yield gauge("queue_pending_tasks", "redelivered tasks waiting", st.queue_pending_tasks)
+        yield gauge("queue_leased_tasks", "tasks leased, not acked", st.queue_leased_tasks)
+        yield gauge("queue_done_tasks", "tasks acked (or dropped)", st.queue_done_tasks)
         yield gauge("admission_slots", "more tasks admission control allows now",
                     backlog["admission_slots"])  # fmt: skip
         yield gauge("queue_leasable_tasks", "tasks a worker could lease now (queue depth)", depth)
         yield gauge("rollout_demand_tasks", "leased + leasable tasks (autoscaling signal)",
-                    depth + int(st.get("queue_leased") or 0))  # fmt: skip
+                    depth + st.queue_leased_tasks)  # fmt: skip
         yield gauge("queue_oldest_task_age_seconds", "how long the leasable backlog has been "
                     "non-empty (upper bound on the oldest queued task's age)", o.backlog_age_s())  # fmt: skip
-        yield counter("lease_expiries", "leases that expired", st.get("expired_leases"))
-        yield counter("redelivered_tasks", "tasks handed out again", st.get("redelivered"))
-        yield counter("rejected_acks", "late or fenced acks", st.get("rejected_acks"))
-        yield gauge("buffer_groups", "groups waiting for the trainer", st.get("buffer_buffered"))
+        yield counter("lease_expiries", "leases that expired", st.expired_leases)
+        yield counter("redelivered_tasks", "tasks handed out again", st.redelivered_tasks)
+        yield counter("rejected_acks", "late or fenced acks", st.rejected_acks)
+        yield gauge("buffer_groups", "groups waiting for the trainer", st.buffered_groups)
         yield counter("buffer_dropped_stale", "groups dropped as too stale",
-                      st.get("buffer_dropped_stale"))  # fmt: skip
+                      st.dropped_stale_groups)  # fmt: skip
         yield counter("buffer_dropped_uniform", "groups dropped by dynamic sampling",
-                      st.get("buffer_dropped_uniform"))  # fmt: skip
+                      st.dropped_uniform_groups)  # fmt: skip
         yield counter("buffer_wasted_samples", "samples generated and never trained",
-                      st.get("buffer_wasted_samples"))  # fmt: skip
-        hist = {int(k): v for k, v in (st.get("buffer_staleness_hist") or {}).items()}
+                      st.wasted_samples)  # fmt: skip
+        hist = st.staleness_hist
         if hist:
             cum, buckets = 0, []
             for s in range(max(hist) + 1):
@@ -176,14 +195,10 @@ class _JobCollector:
             yield core.HistogramMetricFamily(
                 PREFIX + "staleness", "staleness (versions) of the groups trained", buckets=buckets,
                 sum_value=float(sum(s * n for s, n in hist.items())))  # fmt: skip
-        shown = {"version", "queue_pending", "queue_leased", "queue_done", "expired_leases",
-                 "redelivered", "rejected_acks", "buffer_buffered", "buffer_dropped_stale",
-                 "buffer_dropped_uniform", "buffer_wasted_samples"}  # fmt: skip
         other = core.GaugeMetricFamily(PREFIX + "coordinator_status",
                                        "other numbers of Coordinator.status()", labels=["key"])  # fmt: skip
-        for key, v in st.items():
-            if key not in shown and isinstance(v, int | float) and not isinstance(v, bool):
-                other.add_metric([key], float(v))
+        for key, v in st.other_numbers().items():
+            other.add_metric([key], float(v))
         yield other
         yield from self._workers(coord, version, core)
 

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -35,19 +35,12 @@ from slipstream.rl.buffer import ExperienceBuffer
 from slipstream.rl.coordinator import Coordinator
 from slipstream.rl.queue import TaskQueue
 from slipstream.rl.trainer import build_trainer
+from slipstream.rl.types import FollowerRanks
 from slipstream.rl.weight_sync import make_weight_sync
 from slipstream.runtime import resolve_device
 from slipstream.storage import open_stores
 
 log = logging.getLogger(__name__)
-
-
-class FollowerRanks(Protocol):
-    """The trainer ranks other than this one (launch/dp.py's TrainerRanks)."""
-
-    def send(self, command: tuple[Any, ...]) -> None:
-        """Broadcast a command; they then run their part of it while this rank runs its own."""
-        ...
 
 
 @dataclass
@@ -227,10 +220,10 @@ class Controller:
                 "task_ids": batch.task_ids, "elapsed_s": elapsed, "samples_total": samples_total,
                 "samples_per_s": samples_total / max(elapsed, 1e-9),
                 "trainer_idle_frac": idle_total / max(elapsed, 1e-9),
-                "queue_pending": status["queue_pending"], "queue_leased": status["queue_leased"],
-                "buffered": status["buffer_buffered"], "dropped_stale": status["buffer_dropped_stale"],
-                "dropped_uniform": status["buffer_dropped_uniform"], "redelivered": status["redelivered"],
-                "rejected_acks": status["rejected_acks"], "mode": tc.mode,
+                "queue_pending": status.queue_pending_tasks, "queue_leased": status.queue_leased_tasks,
+                "buffered": status.buffered_groups, "dropped_stale": status.dropped_stale_groups,
+                "dropped_uniform": status.dropped_uniform_groups, "redelivered": status.redelivered_tasks,
+                "rejected_acks": status.rejected_acks, "mode": tc.mode,
             }  # fmt: skip
             if self.publisher.served_s:  # weight_sync = distributed: publish -> served, per engine
                 rec["weight_served_s_max"] = max(self.publisher.served_s.values())

@@ -22,12 +22,58 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from multiprocessing.managers import BaseManager
 from typing import Any
 
 from slipstream.rl.buffer import ExperienceBuffer
 from slipstream.rl.queue import TaskQueue
 from slipstream.rl.types import Batch, Group, Lease, RolloutFailed
+
+
+@dataclass(frozen=True)
+class CoordinatorStatus:
+    """One reading of the coordinator (`Coordinator.status`): what the controller logs every step
+    (metrics.jsonl) and `/metrics` exports (observe/prometheus.py). Counts are of tasks (the
+    queue's) or of groups/samples (the buffer's), as each name says. Picklable: it crosses the
+    manager transport."""
+
+    version: int
+    """The policy version announced to the workers."""
+    queue_pending_tasks: int
+    """Redelivered tasks waiting to be leased again."""
+    queue_leased_tasks: int
+    queue_done_tasks: int
+    """Tasks acked or dropped."""
+    redelivered_tasks: int
+    rejected_acks: int
+    """Late or fenced acks."""
+    expired_leases: int
+    dropped_tasks: int
+    """Tasks given up on (`drop`: no group for them)."""
+    buffered_groups: int
+    """Groups waiting for the trainer."""
+    dropped_stale_groups: int
+    dropped_uniform_groups: int
+    """Groups dropped by dynamic sampling (every reward the same)."""
+    wasted_samples: int
+    """Samples generated and never trained."""
+    staleness_hist: dict[int, int]
+    """Staleness in versions -> groups trained at it."""
+    buffer: dict[str, Any]
+    """All of `ExperienceBuffer.metrics()` (the episode, tool and sandbox numbers no field above
+    names; the fields above are read from it)."""
+
+    def other_numbers(self) -> dict[str, float]:
+        """The numbers no field names, under the keys the job exports them by
+        (`coordinator_status{key}`): "dropped_tasks" and "buffer_<metric>" for the buffer's
+        numeric metrics other than the named ones, in the buffer's order."""
+        named = {"buffered", "dropped_stale", "dropped_uniform", "wasted_samples"}
+        out: dict[str, float] = {"dropped_tasks": self.dropped_tasks}
+        for key, v in self.buffer.items():
+            if key not in named and isinstance(v, int | float) and not isinstance(v, bool):
+                out[f"buffer_{key}"] = v
+        return out
 
 
 class Coordinator:
@@ -159,19 +205,24 @@ class Coordinator:
         return {"admission_slots": slots, "pending": q.num_pending, "in_flight": q.num_leased,
                 "unissued": None if max_tasks is None else max(0, max_tasks - issued)}  # fmt: skip
 
-    def status(self) -> dict[str, Any]:
-        q = self.queue.stats()
-        return {
-            "version": self._version,
-            "queue_pending": q.num_pending,
-            "queue_leased": q.num_leased,
-            "queue_done": q.num_done,
-            "redelivered": q.num_redelivered,
-            "rejected_acks": q.num_rejected_acks,
-            "expired_leases": q.num_expired_leases,
-            "dropped_tasks": q.num_dropped,
-            **{f"buffer_{k}": v for k, v in self.buffer.metrics().items()},
-        }
+    def status(self) -> CoordinatorStatus:
+        q, b = self.queue.stats(), self.buffer.metrics()
+        return CoordinatorStatus(
+            version=self._version,
+            queue_pending_tasks=q.num_pending,
+            queue_leased_tasks=q.num_leased,
+            queue_done_tasks=q.num_done,
+            redelivered_tasks=q.num_redelivered,
+            rejected_acks=q.num_rejected_acks,
+            expired_leases=q.num_expired_leases,
+            dropped_tasks=q.num_dropped,
+            buffered_groups=b["buffered"],
+            dropped_stale_groups=b["dropped_stale"],
+            dropped_uniform_groups=b["dropped_uniform"],
+            wasted_samples=b["wasted_samples"],
+            staleness_hist={int(k): v for k, v in b["staleness_hist"].items()},
+            buffer=b,
+        )
 
     def snapshot(self) -> dict[str, Any]:
         # Under the queue's lock no ack can land between the two snapshots (an ack moves a task

@@ -40,7 +40,9 @@ import torch
 from torch import nn
 
 from slipstream.config import SlipstreamConfig
+from slipstream.config.model import MoEImpl
 from slipstream.config.rl import TrainerConfig
+from slipstream.model.converters import apply_converters, model_converters
 from slipstream.model.lm_loss import chunked_logprobs
 from slipstream.parallel.ranks import Ranks
 from slipstream.rl.advantages import gae, grpo_advantages
@@ -239,9 +241,12 @@ class Trainer:
         device: torch.device | str = "cpu",
         temperature: float = 1.0,
         ranks: Ranks | None = None,
+        moe_impl: MoEImpl = "grouped",
     ) -> None:
         """`ranks`: this process among the trainer ranks (default: one process). A sharded
-        model (FSDP2, built by slipstream.parallel) needs ranks.sharded."""
+        model (FSDP2, built by slipstream.parallel) needs ranks.sharded. `moe_impl`: the expert
+        path (`model.moe_impl`), applied with the trainer's own model converters
+        (model/converters.py: activation checkpointing, compile_blocks)."""
         if temperature <= 0:
             raise ValueError(
                 f"trainer temperature must be > 0 (rollout.temperature), got {temperature}"
@@ -267,16 +272,7 @@ class Trainer:
                 "loss scaler checks gradients for overflow per rank, and sharded ranks hold "
                 "different gradients (use precision = 'bf16', which needs no scaling)"
             )
-        if cfg.activation_checkpointing:
-            model.gradient_checkpointing = True
-        if cfg.compile_blocks:
-            if self.device.type != "cuda":
-                raise ValueError(
-                    f"trainer.compile_blocks = true needs a CUDA device (got {self.device}): "
-                    "regional torch.compile is for GPU launch overhead"
-                )
-            for layer in model.model.layers:
-                layer.compile(dynamic=True)
+        apply_converters(model, model_converters(moe_impl, cfg, self.device))
         if self.ranks.world > 1:  # router losses of the whole batch, not of this rank's share
             model.router_stats_sum = self.ranks.sum_keep_grad
         self.ref_model = None
@@ -650,4 +646,5 @@ def build_trainer(
         ranks = Ranks.current(sharded=False, device=device)
     model.train()
     return Trainer(model, cfg.trainer, pad_id=pad_id, device=device,
-                   temperature=cfg.rollout.temperature or 1.0, ranks=ranks)  # fmt: skip
+                   temperature=cfg.rollout.temperature or 1.0, ranks=ranks,
+                   moe_impl=cfg.model.moe_impl)  # fmt: skip

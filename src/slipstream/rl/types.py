@@ -11,6 +11,7 @@ after step k are version k (version 0 = the starting checkpoint).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 
 class RolloutFailed(RuntimeError):
@@ -21,6 +22,25 @@ class RolloutFailed(RuntimeError):
 class TrainerRankLost(RuntimeError):
     """A trainer rank other than rank 0 died, so rank 0's collective with it failed. The message
     names the rank, its exit code and its log (launch/dp.py)."""
+
+
+class FollowerRanks(Protocol):
+    """Trainer ranks 1..W-1 as rank 0 (this process) sees them, however they were placed: the
+    controller broadcasts to them (rl/controller.py); the launchers place them (launch/base.py's
+    `start_trainer_ranks`: launch/dp.py, launch/ray_ranks.py, launch/scheduled.py). Defined here,
+    below both, so the two share one definition."""
+
+    def send(self, command: tuple[Any, ...]) -> None:
+        """Broadcast a command (launch/dp.py); rank 0 then does its own part of it."""
+        ...
+
+    def lost(self) -> Exception | None:
+        """An error naming the ranks that ended, or None while all run."""
+        ...
+
+    def close(self, timeout_s: float = 30.0) -> list[int | None]:
+        """Wait for them to leave (after ("stop",)), force the rest; exit codes."""
+        ...
 
 
 @dataclass(frozen=True)
