@@ -123,7 +123,7 @@ def _run_native(
     model: Any, prompts: list[list[int]], group: int, args: argparse.Namespace, slot_len: int
 ) -> dict[str, Any]:
     from slipstream.config.engine import EngineConfig
-    from slipstream.engine import GenerateRequest, NativeEngine, SamplingParams
+    from slipstream.engine import GenerateRequest, SamplingParams, build_engine
 
     cfg = EngineConfig(
         max_batch_size=args.max_batch_size,
@@ -131,7 +131,7 @@ def _run_native(
         max_seq_len=slot_len,
         device=args.device,
     )
-    with NativeEngine(model, cfg, eos_token_ids=[EOS]) as eng:
+    with build_engine(cfg, model, eos_token_ids=[EOS]) as eng:
         reqs = [
             GenerateRequest(p, SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, n=group, seed=args.seed + i))
             for i, p in enumerate(prompts)

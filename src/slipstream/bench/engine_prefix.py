@@ -32,12 +32,12 @@ def _workloads(args: argparse.Namespace) -> tuple[list[list[int]], int, int, int
 
 def _engine(model: Any, args: argparse.Namespace, slot_len: int, prefix_tokens: int) -> Any:
     from slipstream.config.engine import EngineConfig
-    from slipstream.engine import NativeEngine
+    from slipstream.engine import build_engine
 
     cfg = EngineConfig(max_batch_size=args.max_batch_size,
                        kv_cache_tokens=args.max_batch_size * slot_len, max_seq_len=slot_len,
                        device=args.device, prefix_cache_tokens=prefix_tokens)  # fmt: skip
-    return NativeEngine(model, cfg, eos_token_ids=[])
+    return build_engine(cfg, model, eos_token_ids=[])
 
 
 def _grpo(model: Any, args: argparse.Namespace, prompts: list[list[int]], slot_len: int,
