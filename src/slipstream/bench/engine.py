@@ -92,8 +92,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _build_model(name: str, vocab: int, max_pos: int, device: str, seed: int,
-                 dtype: str = "float32") -> Any:  # fmt: skip
+def build_bench_model(name: str, vocab: int, max_pos: int, device: str, seed: int,
+                      dtype: str = "float32") -> Any:  # fmt: skip
     """Random weights made on `device` (a 3B-parameter preset initialised on the host would take
     a minute), then cast to `dtype`."""
     import torch
@@ -295,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"output tokens/s (best of {args.repeats} interleaved repeats)\n" + header)
     roofs: dict[str, Any] = {}
     for name in args.models.split(","):
-        model = _build_model(name, args.vocab, slot_len, args.device, args.seed, args.dtype)
+        model = build_bench_model(name, args.vocab, slot_len, args.device, args.seed, args.dtype)
         hf_model = None if args.skip_hf else _load_hf(model, args.device, args.dtype)
         context = 16 + args.max_new_tokens // 2  # mean prompt 16, then (c)'s decode steps
         roofs[name] = measure_limits(model.config, parts=("decode",), decode_batch=args.max_batch_size,
