@@ -209,3 +209,29 @@ obj._private  # an object's own attribute, not a module's: not this test's busin
     assert not scan("NativeEngine(model)\n", ENGINE_FACTORY_MODULE)
     own = "from slipstream.storage.blob import _FENCES\n"
     assert not scan(own, "storage/blob.py")
+
+
+def test_the_engine_factory_builds_each_type_and_refuses_what_it_would_drop() -> None:
+    """`build_engine` is complete: each engine.type gives its engine, and an argument the chosen
+    engine would not use is refused by name rather than silently dropped."""
+    import pytest
+    from test_engine_checks import tiny_model
+
+    from slipstream.config.engine import EngineConfig
+    from slipstream.engine import HTTPEngine, NativeEngine, build_engine
+
+    native = EngineConfig(max_batch_size=2, kv_cache_tokens=256, max_seq_len=128)
+    with build_engine(native, tiny_model(), eos_token_ids=[7]) as engine:
+        assert isinstance(engine, NativeEngine) and engine.eos_token_ids == {7}
+    http = EngineConfig(type="http", url="http://127.0.0.1:9")
+    client = build_engine(http, version=-1)
+    try:
+        assert isinstance(client, HTTPEngine) and client.version == -1
+    finally:
+        client.close()
+    with pytest.raises(ValueError, match="needs a model"):
+        build_engine(native)
+    with pytest.raises(ValueError, match="stage_dir and model_config are for an HTTP client"):
+        build_engine(native, tiny_model(), stage_dir="/tmp/stage")
+    with pytest.raises(ValueError, match="model, tokenizer and eos_token_ids are for"):
+        build_engine(http, eos_token_ids=[7])  # type: ignore[call-overload]
