@@ -87,7 +87,7 @@ def decode(
     order (greedy when temperature is 0), decoded by a NativeEngine over `model` that lives for
     this call. The model is left in the train/eval mode it came in."""
     from slipstream.config.engine import EngineConfig
-    from slipstream.engine import GenerateRequest, NativeEngine, SamplingParams
+    from slipstream.engine import GenerateRequest, SamplingParams, build_engine
 
     if not prompts:
         return []
@@ -120,7 +120,7 @@ def decode(
         for i, p in enumerate(prompts)
     ]
     was_training = model.training
-    engine = NativeEngine(model, engine_cfg, eos_token_ids=[eos_id])
+    engine = build_engine(engine_cfg, model, eos_token_ids=[eos_id])
     try:
         completions = engine.generate(requests)
     finally:
@@ -146,7 +146,7 @@ def episode_eval(
     from concurrent.futures import ThreadPoolExecutor
 
     from slipstream.config.engine import EngineConfig
-    from slipstream.engine import NativeEngine
+    from slipstream.engine import build_engine
     from slipstream.envs import (
         EpisodeLimits,
         EpisodeRunner,
@@ -171,7 +171,7 @@ def episode_eval(
         else None
     )
     was_training = model.training
-    engine = NativeEngine(model, engine_cfg, tokenizer=taskset.tokenizer)
+    engine = build_engine(engine_cfg, model, tokenizer=taskset.tokenizer)
     try:
         with ThreadPoolExecutor(max(1, cfg.rollout.verify_threads), "eval-env") as pool:
             make_env = make_env_factory(taskset, scorer=taskset_scorer(taskset), sandboxes=host,

@@ -92,8 +92,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _build_model(name: str, vocab: int, max_pos: int, device: str, seed: int,
-                 dtype: str = "float32") -> Any:  # fmt: skip
+def build_bench_model(name: str, vocab: int, max_pos: int, device: str, seed: int,
+                      dtype: str = "float32") -> Any:  # fmt: skip
     """Random weights made on `device` (a 3B-parameter preset initialised on the host would take
     a minute), then cast to `dtype`."""
     import torch
@@ -123,7 +123,7 @@ def _run_native(
     model: Any, prompts: list[list[int]], group: int, args: argparse.Namespace, slot_len: int
 ) -> dict[str, Any]:
     from slipstream.config.engine import EngineConfig
-    from slipstream.engine import GenerateRequest, NativeEngine, SamplingParams
+    from slipstream.engine import GenerateRequest, SamplingParams, build_engine
 
     cfg = EngineConfig(
         max_batch_size=args.max_batch_size,
@@ -131,7 +131,7 @@ def _run_native(
         max_seq_len=slot_len,
         device=args.device,
     )
-    with NativeEngine(model, cfg, eos_token_ids=[EOS]) as eng:
+    with build_engine(cfg, model, eos_token_ids=[EOS]) as eng:
         reqs = [
             GenerateRequest(p, SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, n=group, seed=args.seed + i))
             for i, p in enumerate(prompts)
@@ -295,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"output tokens/s (best of {args.repeats} interleaved repeats)\n" + header)
     roofs: dict[str, Any] = {}
     for name in args.models.split(","):
-        model = _build_model(name, args.vocab, slot_len, args.device, args.seed, args.dtype)
+        model = build_bench_model(name, args.vocab, slot_len, args.device, args.seed, args.dtype)
         hf_model = None if args.skip_hf else _load_hf(model, args.device, args.dtype)
         context = 16 + args.max_new_tokens // 2  # mean prompt 16, then (c)'s decode steps
         roofs[name] = measure_limits(model.config, parts=("decode",), decode_batch=args.max_batch_size,

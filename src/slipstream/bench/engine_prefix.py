@@ -32,12 +32,12 @@ def _workloads(args: argparse.Namespace) -> tuple[list[list[int]], int, int, int
 
 def _engine(model: Any, args: argparse.Namespace, slot_len: int, prefix_tokens: int) -> Any:
     from slipstream.config.engine import EngineConfig
-    from slipstream.engine import NativeEngine
+    from slipstream.engine import build_engine
 
     cfg = EngineConfig(max_batch_size=args.max_batch_size,
                        kv_cache_tokens=args.max_batch_size * slot_len, max_seq_len=slot_len,
                        device=args.device, prefix_cache_tokens=prefix_tokens)  # fmt: skip
-    return NativeEngine(model, cfg, eos_token_ids=[])
+    return build_engine(cfg, model, eos_token_ids=[])
 
 
 def _grpo(model: Any, args: argparse.Namespace, prompts: list[list[int]], slot_len: int,
@@ -92,7 +92,7 @@ def _summary(stats: dict[str, float], out: list[Any], wall: float) -> dict[str, 
 def run_prefix_cache(args: argparse.Namespace) -> int:
     import torch
 
-    from slipstream.bench.engine import _build_model
+    from slipstream.bench.engine import build_bench_model
     from slipstream.observe.provenance import collect_provenance, write_result
 
     torch.set_num_threads(args.threads)
@@ -100,7 +100,7 @@ def run_prefix_cache(args: argparse.Namespace) -> int:
     prompts, turns, user_tokens, max_new = _workloads(args)
     slot_len = 24 + turns * (max_new + user_tokens)
     name = args.models.split(",")[0]
-    model = _build_model(name, args.vocab, slot_len, args.device, args.seed)
+    model = build_bench_model(name, args.vocab, slot_len, args.device, args.seed)
     prefix_tokens = args.prefix_cache_tokens
     rows = []
     print(f"prefix cache ({prefix_tokens} tokens) on {name}: prefill tokens per output token")

@@ -78,7 +78,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _start_checkpoint(cfg: Any, init: str | None, tmp: Path) -> tuple[str, str]:
+def start_checkpoint(cfg: Any, init: str | None, tmp: Path) -> tuple[str, str]:
     from slipstream.sft import checkpoint_complete, sft_dir
 
     if init:
@@ -251,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
         base = load_config(args.config, user)
         latency_overrides, latency = _latency_overrides(base, args)
         print(f"verifier: {latency['verifier']}, latency {latency['distribution']}")
-        init, init_kind = _start_checkpoint(base, args.init, tmp)
+        init, init_kind = start_checkpoint(base, args.init, tmp)
         for mode in modes:
             overrides = [
                 *user, f"trainer.mode={mode}", f"trainer.steps={args.steps}",

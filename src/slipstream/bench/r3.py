@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from slipstream.bench.pipeline import _start_checkpoint
+from slipstream.bench.pipeline import start_checkpoint
 from slipstream.config.args import add_config_args
 
 METRICS = ("router_agreement", "logp_abs_diff", "k3_kl")
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-r3-") as tmp_s:
         tmp = Path(tmp_s)
         base = load_config(args.config, args.overrides)
-        init, init_kind = _start_checkpoint(base, args.init, tmp)
+        init, init_kind = start_checkpoint(base, args.init, tmp)
         for bound in bounds:
             for replay in ("off", "r3"):
                 name = f"s{bound}-{replay}"

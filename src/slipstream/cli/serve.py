@@ -102,9 +102,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from slipstream.engine import build_engine
     from slipstream.engine.base import MAX_SAMPLES
     from slipstream.engine.guard import ServeOptions
-    from slipstream.engine.native import NativeEngine
     from slipstream.engine.server import create_app
     from slipstream.model import load_pretrained
     from slipstream.model.tokenizer import TOKENIZER_FILE, load_tokenizer
@@ -153,7 +153,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if tok_spec is None and (model_dir / TOKENIZER_FILE).is_file():
         tok_spec = args.model
     tokenizer = load_tokenizer(tok_spec) if tok_spec is not None else None
-    engine = NativeEngine(model, cfg.engine, tokenizer=tokenizer)
+    # This process is the server, so its engine is the in-process one whatever engine.type a
+    # config shared with the clients names (their type = "http" points at this server).
+    engine = build_engine(
+        cfg.engine.model_copy(update={"type": "native"}), model, tokenizer=tokenizer
+    )
     app = create_app(engine, tokenizer, model_path=str(args.model), options=options,
                      weight_version=args.weight_version)  # fmt: skip
     auth = f"API key on {options.api_key_scope} endpoints" if options.api_key else "no API key"

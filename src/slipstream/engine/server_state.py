@@ -34,7 +34,7 @@ class ServerState:
         self.created = int(time.time())
         cfg = engine.model.config
         self.num_hidden_layers = cfg.num_hidden_layers
-        self.moe_layer_ids = list(getattr(engine.model, "moe_layer_ids", []))
+        self.moe_layer_ids = list(engine.model.moe_layer_ids)
         self.num_experts = cfg.num_experts
         self.default_max_new = engine.config.max_new_tokens
         self.versions = WeightVersions()

@@ -79,7 +79,7 @@ _FORWARDED_ENV = ("AWS_",)  # environment variables the driver passes on to work
 NODE_DRAINING = 75  # run()'s code when rollout.drain_file exists on the node (EX_TEMPFAIL)
 
 
-def _import_ray() -> Any:
+def import_ray() -> Any:
     try:
         import ray
     except ImportError as e:
@@ -94,7 +94,7 @@ def init_ray(cfg: SlipstreamConfig) -> bool:
     -> whether this call started a private local instance (which its caller then shuts down).
     The private instance has a CPU for every rollout worker and every trainer rank but rank 0
     (and the reward model's actor's CPUs, reward.server = "ray_actor")."""
-    ray = _import_ray()
+    ray = import_ray()
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_DISABLE_USAGE_STATS", "1")
@@ -133,7 +133,7 @@ class RolloutActor:
         )
 
     def info(self) -> dict[str, Any]:
-        ray = _import_ray()
+        ray = import_ray()
         return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
                 "node_id": ray.get_runtime_context().get_node_id()}  # fmt: skip
 
@@ -184,7 +184,7 @@ class RewardServerActor:
         from slipstream.rm.model import load_reward_model
         from slipstream.rm.server import create_reward_app
 
-        ray = _import_ray()
+        ray = import_ray()
         rm = load_reward_model(model_dir, device=device)
         app = create_reward_app(rm, load_tokenizer(model_dir), ServeOptions(served_model_name="rm"))
         ip = ray.util.get_node_ip_address()
@@ -237,7 +237,7 @@ class RayLauncher:
         return self.supervisor.num_drain_retries
 
     def start(self) -> None:
-        ray = _import_ray()
+        ray = import_ray()
         check_sandbox_backend(self.cfg)
         self._init_ray(ray)
         try:
@@ -295,7 +295,7 @@ class RayLauncher:
         self._info[index] = actor.info.remote()
 
     def _ended(self, index: int) -> Ended | None:
-        ray = _import_ray()
+        ray = import_ray()
         ref = self.runs[index]
         if not ray.wait([ref], timeout=0)[0]:
             return None
@@ -305,7 +305,7 @@ class RayLauncher:
 
     def _record_info(self) -> None:
         """Append the actors that reported in to launch/ray_workers.jsonl (pid, node)."""
-        ray = _import_ray()
+        ray = import_ray()
         for i, ref in list(self._info.items()):
             ready, _ = ray.wait([ref], timeout=0)
             if not ready:
@@ -343,7 +343,7 @@ class RayLauncher:
 
     def stop(self) -> dict[int, int | None]:
         """Drain via the coordinator, then request_stop() on stragglers, then ray.kill; codes."""
-        ray = _import_ray()
+        ray = import_ray()
         self.supervisor.stop()
         self.coord.request_stop()
         refs = dict(self.runs)

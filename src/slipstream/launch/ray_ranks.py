@@ -26,7 +26,7 @@ from typing import Any
 
 from slipstream.config import SlipstreamConfig
 from slipstream.launch.dp import broadcast_command, join_group
-from slipstream.launch.ray import _import_ray, init_ray
+from slipstream.launch.ray import import_ray, init_ray
 from slipstream.rl.types import TrainerRankLost
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class TrainerRankActor:
         self.init_checkpoint = init_checkpoint
 
     def node(self) -> dict[str, Any]:
-        ray = _import_ray()
+        ray = import_ray()
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
                 "ip": ray.util.get_node_ip_address(), "gpu_ids": ray.get_gpu_ids()}  # fmt: skip
 
@@ -129,7 +129,7 @@ class RayTrainerRanks:
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        ray = _import_ray()
+        ray = import_ray()
         started = init_ray(cfg)
         world = cfg.trainer.num_processes
         res = dict(cfg.run.ray_trainer_resources)

@@ -174,7 +174,7 @@ def _build_engine(cfg: SlipstreamConfig, weights: Any, version: int, tokenizer: 
     rollout.partial_rollouts applies to the native engine only."""
     import torch
 
-    from slipstream.engine import NativeEngine, build_engine
+    from slipstream.engine import build_engine
     from slipstream.model import load_pretrained, model_config_from_hf
 
     if cfg.engine.type == "http":
@@ -200,7 +200,7 @@ def _build_engine(cfg: SlipstreamConfig, weights: Any, version: int, tokenizer: 
         )
     policy = "continue_new" if cfg.rollout.partial_rollouts else "finish_old"
     engine_cfg = cfg.engine.model_copy(update={"weight_update_policy": policy})
-    return NativeEngine(model, engine_cfg, tokenizer=tokenizer, version=version)
+    return build_engine(engine_cfg, model, tokenizer=tokenizer, version=version)
 
 
 def close_worker(worker: Any) -> None:

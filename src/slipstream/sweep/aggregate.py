@@ -19,7 +19,13 @@ from collections import Counter, defaultdict
 import numpy as np
 
 from slipstream.sweep.samples import Sample
-from slipstream.sweep.stats import _round, amplification, distribution_stats, group_stats, spread
+from slipstream.sweep.stats import (
+    amplification,
+    distribution_stats,
+    group_stats,
+    round_significant,
+    spread,
+)
 
 SCHEMA_VERSION = 1
 
@@ -38,7 +44,7 @@ def _throughput(samples: list[Sample]) -> float | None:
     for group in by_iteration.values():
         wall_s += max(s.t_start_s + s.latency_s for s in group) - min(s.t_start_s for s in group)
     n_ok = sum(s.ok for s in samples)
-    return _round(n_ok / wall_s) if wall_s > 0 else None
+    return round_significant(n_ok / wall_s) if wall_s > 0 else None
 
 
 def aggregate_cell(samples: list[Sample], cfg: dict, seed: int) -> dict:
@@ -59,7 +65,7 @@ def aggregate_cell(samples: list[Sample], cfg: dict, seed: int) -> dict:
             p99s.append(float(p99))
     groups = group_stats(all_s, num_failures, group_sizes, int(cfg["bootstrap_resamples"]), seed)
     for g in group_sizes:
-        groups[str(g)]["amplification_successes"] = _round(amplification(ok_s, g))
+        groups[str(g)]["amplification_successes"] = round_significant(amplification(ok_s, g))
     details = sorted({f"{s.reason}: {s.detail}" for s in samples if not s.ok and s.detail})
     return {
         "config_id": first.config_id,
@@ -73,13 +79,13 @@ def aggregate_cell(samples: list[Sample], cfg: dict, seed: int) -> dict:
         "n_ok": int(ok_s.size),
         "failures": dict(sorted(failures.items())),
         "failure_examples": details[:5],
-        "fail_rate": _round(num_failures / len(samples)),
+        "fail_rate": round_significant(num_failures / len(samples)),
         "successes": distribution_stats(ok_s),
         "with_failures_at_timeout": distribution_stats(all_s),
         "repeats": {
             "n": len(repeats),
-            "p50_s": [_round(v) for v in p50s],
-            "p99_s": [_round(v) for v in p99s],
+            "p50_s": [round_significant(v) for v in p50s],
+            "p99_s": [round_significant(v) for v in p99s],
             "p50_spread": spread(p50s),
             "p99_spread": spread(p99s),
         },
@@ -148,10 +154,10 @@ def recommend(cells: list[dict], g: int, tolerance: float, num_vcpus: int) -> li
         entry.update(
             baseline_density=cs[0]["density"],
             baseline_amplification=base,
-            limit_amplification=_round(limit),
+            limit_amplification=round_significant(limit),
             recommended={
                 "density": rec["density"],
-                "sandboxes_per_vcpu": _round(eff),
+                "sandboxes_per_vcpu": round_significant(eff),
                 "num_sandboxes": rec["num_sandboxes"],
                 "amplification": rec["groups"][str(g)]["amplification"],
             },

@@ -21,7 +21,7 @@ import numpy as np
 PERCENTILES = {"p50": 50.0, "p90": 90.0, "p95": 95.0, "p99": 99.0, "p99_9": 99.9}
 
 
-def _round(x: float, digits: int = 6) -> float | None:
+def round_significant(x: float, digits: int = 6) -> float | None:
     """Round to `digits` significant digits for stable JSON; NaN/inf -> None."""
     if x is None or not math.isfinite(x):
         return None
@@ -42,13 +42,16 @@ def distribution_stats(x_s: np.ndarray) -> dict[str, float | int | None]:
     pct = np.percentile(x, list(PERCENTILES.values()))
     mean = float(x.mean())
     stdev = float(x.std(ddof=1)) if x.size > 1 else 0.0
-    out: dict[str, float | int | None] = {"n": int(x.size), "min": _round(float(x.min()))}
-    out.update({k: _round(float(v)) for k, v in zip(PERCENTILES, pct, strict=True)})
-    out["max"] = _round(float(x.max()))
-    out["mean"] = _round(mean)
-    out["stdev"] = _round(stdev)
-    out["cv"] = _round(stdev / mean) if mean > 0 else None
-    out["p99_p50"] = _round(float(pct[3] / pct[0])) if pct[0] > 0 else None
+    out: dict[str, float | int | None] = {
+        "n": int(x.size),
+        "min": round_significant(float(x.min())),
+    }
+    out.update({k: round_significant(float(v)) for k, v in zip(PERCENTILES, pct, strict=True)})
+    out["max"] = round_significant(float(x.max()))
+    out["mean"] = round_significant(mean)
+    out["stdev"] = round_significant(stdev)
+    out["cv"] = round_significant(stdev / mean) if mean > 0 else None
+    out["p99_p50"] = round_significant(float(pct[3] / pct[0])) if pct[0] > 0 else None
     return out
 
 
@@ -123,11 +126,11 @@ def group_stats(
         if n_total < 10 * g:
             warning = f"{n_total} samples < 10*G = {10 * g}: the max of G is poorly estimated"
         out[str(g)] = {
-            "amplification": _round(amplification(x, g)),
-            "ci95": [_round(cis[g][0]), _round(cis[g][1])],
-            "expected_max_s": _round(expected_max_of_g(x, g)),
-            "p_group_has_p99_event": _round(1.0 - 0.99**g),
-            "p_group_has_failure": _round(1.0 - (1.0 - fail_rate) ** g),
+            "amplification": round_significant(amplification(x, g)),
+            "ci95": [round_significant(cis[g][0]), round_significant(cis[g][1])],
+            "expected_max_s": round_significant(expected_max_of_g(x, g)),
+            "p_group_has_p99_event": round_significant(1.0 - 0.99**g),
+            "p_group_has_failure": round_significant(1.0 - (1.0 - fail_rate) ** g),
             "warning": warning,
         }
     return out
@@ -141,9 +144,9 @@ def spread(values: list[float]) -> dict[str, float | int | None]:
     mean = float(v.mean())
     return {
         "n": int(v.size),
-        "min": _round(float(v.min())),
-        "max": _round(float(v.max())),
-        "mean": _round(mean),
-        "stdev": _round(float(v.std(ddof=1)) if v.size > 1 else 0.0),
-        "rel_range": _round(float((v.max() - v.min()) / mean)) if mean > 0 else None,
+        "min": round_significant(float(v.min())),
+        "max": round_significant(float(v.max())),
+        "mean": round_significant(mean),
+        "stdev": round_significant(float(v.std(ddof=1)) if v.size > 1 else 0.0),
+        "rel_range": round_significant(float((v.max() - v.min()) / mean)) if mean > 0 else None,
     }
