@@ -316,8 +316,8 @@ def cmd_build_image(args: argparse.Namespace) -> int:
 
 def cmd_reap(args: argparse.Namespace) -> int:
     from slipstream.config import load_config
+    from slipstream.sandbox.base import reaper_for
     from slipstream.sandbox.journal import Journal, default_state_dir
-    from slipstream.sandbox.pool import _reaper_for
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     cfg = load_config(args.config, args.overrides).sandbox
@@ -325,7 +325,7 @@ def cmd_reap(args: argparse.Namespace) -> int:
         journal = Journal(cfg.state_dir or default_state_dir())
     except PermissionError as e:  # rundir.UnsafeDirError: a state dir another user controls
         return sandbox_failure(e)
-    n = journal.reap_orphans(_reaper_for)
+    n = journal.reap_orphans(reaper_for)
     live = len(journal.entries())
     print(f"reaped {n} orphaned sandboxes; {live} live sandboxes belong to running owners")
     return 0

@@ -17,13 +17,13 @@ import importlib
 import inspect
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from slipstream.sandbox.agent_client import AGENT_GRACE_S, AgentConnection, AgentExit
 from slipstream.sandbox.errors import BackendUnavailable, SandboxBroken, SandboxError
-from slipstream.sandbox.journal import Journal, SandboxRecord
+from slipstream.sandbox.journal import Journal, SandboxRecord, reap_record
 
 if TYPE_CHECKING:
     from slipstream.config.sandbox import SandboxConfig
@@ -323,8 +323,6 @@ class Backend(abc.ABC):
     def reap(cls, record: SandboxRecord) -> list[str]:
         """Remove what a crashed owner left of `record`; returns what was done (for logs).
         The default covers processes, cgroups and dirs (journal.reap_record); VM backends extend."""
-        from slipstream.sandbox.journal import reap_record
-
         return reap_record(record)
 
     async def close(self) -> None:  # noqa: B027 (optional hook, deliberately not abstract)
@@ -356,6 +354,15 @@ def backend_class(name: str) -> type[Backend]:
     if cls is None:
         raise BackendUnavailable(f"sandbox backend {name!r}: {module_name} has no {cls_name}")
     return cls
+
+
+def reaper_for(backend_name: str) -> Callable[[SandboxRecord], list[str]]:
+    """How to reap a journal record of `backend_name`: its backend's `reap`, or the generic
+    `journal.reap_record` (processes, cgroups, dirs) when that backend is unknown or missing."""
+    try:
+        return backend_class(backend_name).reap
+    except (BackendUnavailable, ValueError):
+        return reap_record
 
 
 def make_backend(name: str, **kwargs: Any) -> Backend:

@@ -34,17 +34,13 @@ import subprocess
 import time
 from pathlib import Path
 
+from slipstream.rundir import process_start_ticks
 from slipstream.sandbox.agent_client import AgentConnection
 from slipstream.sandbox.base import AgentSandbox, Backend, SandboxTemplate
 from slipstream.sandbox.errors import BackendUnavailable, SandboxBroken
 from slipstream.sandbox.firecracker_api import FirecrackerAPI, FirecrackerAPIError
 from slipstream.sandbox.image import ImagePaths, build_image
-from slipstream.sandbox.journal import (
-    Journal,
-    SandboxRecord,
-    default_state_dir,
-    process_start_ticks,
-)
+from slipstream.sandbox.journal import Journal, SandboxRecord, default_state_dir
 
 log = logging.getLogger(__name__)
 

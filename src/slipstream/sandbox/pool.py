@@ -44,11 +44,11 @@ from slipstream.sandbox.base import (
     AgentSandbox,
     Backend,
     SandboxTemplate,
-    backend_class,
     make_backend,
+    reaper_for,
 )
-from slipstream.sandbox.errors import AdmissionTimeout, BackendUnavailable, SandboxError
-from slipstream.sandbox.journal import Journal, default_state_dir, reap_record
+from slipstream.sandbox.errors import AdmissionTimeout, SandboxError
+from slipstream.sandbox.journal import Journal, default_state_dir
 from slipstream.sandbox.pinning import NoCpusFree, PinningAllocator
 from slipstream.sandbox.topology import Topology, read_topology
 
@@ -160,7 +160,7 @@ class SandboxPool:
     # ------------------------------------------------------------ lifecycle
 
     async def start(self) -> SandboxPool:
-        self.orphans_reaped = await asyncio.to_thread(self.journal.reap_orphans, _reaper_for)
+        self.orphans_reaped = await asyncio.to_thread(self.journal.reap_orphans, reaper_for)
         self._refill_task = asyncio.get_running_loop().create_task(self._refill_loop())
         return self
 
@@ -499,10 +499,3 @@ class SandboxPool:
             pinning=self.template.pinning,
             notes=list(self.pinning.notes),
         )
-
-
-def _reaper_for(backend_name: str):  # type: ignore[no-untyped-def]
-    try:
-        return backend_class(backend_name).reap
-    except (BackendUnavailable, ValueError):
-        return reap_record

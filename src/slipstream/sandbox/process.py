@@ -30,17 +30,12 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from slipstream.rundir import private_dir
+from slipstream.rundir import private_dir, process_start_ticks
 from slipstream.sandbox.agent_client import AgentConnection, agent_source_path
 from slipstream.sandbox.base import AgentSandbox, Backend, SandboxTemplate
 from slipstream.sandbox.cgroups import Cgroup
 from slipstream.sandbox.errors import SandboxBroken
-from slipstream.sandbox.journal import (
-    Journal,
-    SandboxRecord,
-    default_state_dir,
-    process_start_ticks,
-)
+from slipstream.sandbox.journal import Journal, SandboxRecord, default_state_dir
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1

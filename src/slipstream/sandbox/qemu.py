@@ -29,11 +29,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from slipstream.rundir import process_start_ticks
 from slipstream.sandbox.agent_client import AgentConnection
 from slipstream.sandbox.base import AgentSandbox, Backend, SandboxTemplate
 from slipstream.sandbox.errors import BackendUnavailable, SandboxBroken
 from slipstream.sandbox.image import ImagePaths, build_image
-from slipstream.sandbox.journal import Journal, SandboxRecord, process_start_ticks
+from slipstream.sandbox.journal import Journal, SandboxRecord
 from slipstream.sandbox.process import set_pdeathsig
 from slipstream.sandbox.qemu_cmdline import QEMU_BINARY, qemu_argv
 
