@@ -13,17 +13,19 @@ Not covered here: pooling and admission (pool.py), CPU sets (pinning.py), crash 
 from __future__ import annotations
 
 import abc
+import asyncio
 import importlib
-import inspect
 import logging
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slipstream.sandbox.agent_client import AGENT_GRACE_S, AgentConnection, AgentExit
 from slipstream.sandbox.errors import BackendUnavailable, SandboxBroken, SandboxError
-from slipstream.sandbox.journal import Journal, SandboxRecord, reap_record
+from slipstream.sandbox.journal import Journal, SandboxRecord, default_state_dir, reap_record
 
 if TYPE_CHECKING:
     from slipstream.config.sandbox import SandboxConfig
@@ -302,10 +304,20 @@ class AgentSandbox(Sandbox):
 
 
 class Backend(abc.ABC):
-    """Creates sandboxes of one kind. `isolating` is False only for `process`."""
+    """Creates sandboxes of one kind. `isolating` is False only for `process`.
+
+    Constructor contract: every backend is built as `cls(state_dir=..., journal=...)` (what
+    `make_backend` passes, the same for all); arguments of one backend alone (bwrap's uid,
+    qemu's accel, ...) are keyword-only with defaults. `state_dir` (None: the user's default)
+    holds work dirs and jails; `journal` (None: the caller records sandboxes) is written before
+    a sandbox's processes start and emptied after it is destroyed."""
 
     name: str = ""
     isolating: bool = True
+
+    def __init__(self, state_dir: str | Path | None = None, journal: Journal | None = None) -> None:
+        self.state_dir = Path(state_dir) if state_dir else default_state_dir()
+        self.journal = journal
 
     @abc.abstractmethod
     async def create(
@@ -324,6 +336,31 @@ class Backend(abc.ABC):
         """Remove what a crashed owner left of `record`; returns what was done (for logs).
         The default covers processes, cgroups and dirs (journal.reap_record); VM backends extend."""
         return reap_record(record)
+
+    @classmethod
+    def probe(cls, boot: bool = False) -> tuple[bool, str]:
+        """Can this host run this backend's sandboxes? -> (ok, what works or why not), for
+        `slipstream sandbox doctor`. The default creates one sandbox and runs a command in it;
+        the VM backends check what they need instead (`boot=True`: qemu also boots a guest)."""
+
+        async def run_one() -> str:
+            sb = await cls().create(SandboxTemplate(backend=cls.name, memory_mib=128),
+                                    sandbox_id=f"doctor-{os.getpid()}-{cls.name}")  # fmt: skip
+            try:
+                r = await sb.exec(["sh", "-c", "echo ok"], timeout_s=30)
+            finally:
+                await sb.release()
+            if r.stdout != "ok\n":
+                raise SandboxError(
+                    f"echo gave {r.stdout!r} (exit {r.exit_code}, stderr {r.stderr!r:.200})"
+                )
+            agent = sb.conn.hello.get("python") if sb.conn.hello else "?"
+            return f"spawned and ran a command; agent {agent}"
+
+        try:
+            return True, asyncio.run(run_one())
+        except (BackendUnavailable, SandboxError, OSError) as e:
+            return False, str(e)
 
     async def close(self) -> None:  # noqa: B027 (optional hook, deliberately not abstract)
         """Release backend-wide resources (none by default)."""
@@ -365,12 +402,9 @@ def reaper_for(backend_name: str) -> Callable[[SandboxRecord], list[str]]:
         return reap_record
 
 
-def make_backend(name: str, **kwargs: Any) -> Backend:
-    """Instantiate the backend called `name` (process, bwrap, qemu, firecracker). Keyword
-    arguments the backend's constructor does not take (e.g. `journal`, `state_dir` for a backend
-    without them) are dropped, so callers can pass the common set."""
-    cls = backend_class(name)
-    params = inspect.signature(cls.__init__).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        kwargs = {k: v for k, v in kwargs.items() if k in params}
-    return cls(**kwargs)
+def make_backend(
+    name: str, *, state_dir: str | Path | None = None, journal: Journal | None = None
+) -> Backend:
+    """The backend called `name` (process, bwrap, qemu, firecracker), built by the one
+    constructor contract of `Backend` (`state_dir`, `journal`)."""
+    return backend_class(name)(state_dir=state_dir, journal=journal)

@@ -131,7 +131,7 @@ class SandboxPool:
         self.backend = backend or make_backend(
             template.backend, state_dir=self.state_dir, journal=self.journal
         )
-        if getattr(self.backend, "journal", self.journal) is not self.journal:
+        if self.backend.journal not in (None, self.journal):  # None: the pool records them
             log.warning(
                 "pool backend writes another journal; orphan reaping uses %s", self.state_dir
             )
