@@ -176,7 +176,8 @@ def _stats_table(pool: Any, done: int, total: int, failures: int):  # type: igno
 def cmd_pool(args: argparse.Namespace) -> int:
     from rich.live import Live
 
-    from slipstream.sandbox.pool import PoolOptions, SandboxPool
+    from slipstream.sandbox.agent_pool import open_pool
+    from slipstream.sandbox.pool import PoolOptions
 
     cfg, tmpl = sandbox_template(args)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -184,9 +185,9 @@ def cmd_pool(args: argparse.Namespace) -> int:
     state = {"done": 0, "failures": 0}
 
     async def go() -> None:
-        async with SandboxPool(tmpl, opts, state_dir=cfg.state_dir) as pool:
-            if pool.orphans_reaped:
-                print(f"reaped {pool.orphans_reaped} orphaned sandboxes", file=sys.stderr)
+        async with open_pool(tmpl, opts, state_dir=cfg.state_dir) as pool:
+            if reaped := pool.stats().orphans_reaped:
+                print(f"reaped {reaped} orphaned sandboxes", file=sys.stderr)
             queue: asyncio.Queue[int] = asyncio.Queue()
             for i in range(args.execs):
                 queue.put_nowait(i)
