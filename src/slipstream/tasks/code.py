@@ -293,20 +293,20 @@ class CodeTaskSet(SandboxedTaskSet):
             return self._backend
 
     def verify(self, task: Task, completion: str) -> Verdict:
-        """Sync verification in a fresh sandbox (for eval; the RL loop uses `averify` + a pool)."""
-        from slipstream.sandbox.base import SandboxTemplate
+        """Sync verification in a fresh sandbox (eval, reward-model pairs; the RL loop uses
+        `averify` with the worker's pool): a single-use pool of its own from the pool factory,
+        on this task set's backend, so the sandbox is journaled like any other (what a crash
+        leaves is reaped by the next pool that starts)."""
+        from slipstream.sandbox import PoolOptions, SandboxTemplate, open_pool
 
         backend = self._get_backend()
+        template = SandboxTemplate(backend=backend.name, memory_mib=256, workdir_mib=32)
 
         async def once() -> Verdict:
-            sb = await backend.create(
-                SandboxTemplate(backend=backend.name, memory_mib=256, workdir_mib=32),
-                sandbox_id=f"code-{secrets.token_hex(4)}",
-            )
-            try:
-                return await self.averify(task, completion, sb)
-            finally:
-                await sb.release()
+            async with open_pool(template, PoolOptions(min_idle=0, max_idle=0),
+                                 backend=backend) as pool:  # fmt: skip
+                async with pool.sandbox() as sb:
+                    return await self.averify(task, completion, sb)
 
         try:
             asyncio.get_running_loop()
