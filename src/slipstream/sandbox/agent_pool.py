@@ -41,7 +41,14 @@ from dataclasses import fields
 from typing import TYPE_CHECKING, Any, Literal, Self, overload
 
 from slipstream.sandbox.agent_client import AGENT_GRACE_S
-from slipstream.sandbox.base import DEFAULT_GET_MAX_BYTES, ExecResult, Sandbox, SandboxTemplate
+from slipstream.sandbox.base import (
+    DEFAULT_GET_MAX_BYTES,
+    ExecResult,
+    Sandbox,
+    SandboxTemplate,
+    as_bytes,
+    io_timeout_s,
+)
 from slipstream.sandbox.errors import AgentUnavailable, NoCapacity, SandboxBroken, SandboxError
 from slipstream.sandbox.host_protocol import (
     PROTOCOL_VERSION,
@@ -69,10 +76,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 PROXY_GRACE_S = 10.0  # beyond the agent's own bounds: a loaded host, one more hop
 CONTROL_TIMEOUT_S = 15.0
-
-
-def _as_bytes(data: bytes | str) -> bytes:
-    return data.encode() if isinstance(data, str) else data
 
 
 class _Connection:
@@ -132,9 +135,9 @@ class LeasedSandbox(Sandbox):
         timeout_s = self.template.exec_timeout_s if timeout_s is None else timeout_s
         msg: dict[str, Any] = {"argv": list(argv), "timeout_s": timeout_s}
         if stdin is not None:
-            msg["stdin_b64"] = b64e(_as_bytes(stdin))
+            msg["stdin_b64"] = b64e(as_bytes(stdin))
         if files:
-            msg["files"] = {k: b64e(_as_bytes(v)) for k, v in files.items()}
+            msg["files"] = {k: b64e(as_bytes(v)) for k, v in files.items()}
         if env:
             msg["env"] = dict(env)
         if cwd:
@@ -143,14 +146,13 @@ class LeasedSandbox(Sandbox):
         return exec_result_from_dict(reply["result"])
 
     def _io_timeout_s(self, timeout_s: float | None) -> float:
-        base = self.template.exec_timeout_s + AGENT_GRACE_S if timeout_s is None else timeout_s
-        return base + PROXY_GRACE_S
+        return io_timeout_s(self.template, timeout_s) + PROXY_GRACE_S
 
     async def put_file(
         self, path: str, data: bytes | str, mode: int | None = None, *,
         timeout_s: float | None = None,
     ) -> None:  # fmt: skip
-        msg: dict[str, Any] = {"path": path, "data_b64": b64e(_as_bytes(data)), "mode": mode,
+        msg: dict[str, Any] = {"path": path, "data_b64": b64e(as_bytes(data)), "mode": mode,
                                "timeout_s": timeout_s}  # fmt: skip
         await self._op("put_file", msg, self._io_timeout_s(timeout_s))
 

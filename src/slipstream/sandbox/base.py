@@ -177,8 +177,15 @@ class Sandbox(abc.ABC):
     def record(self) -> SandboxRecord: ...
 
 
-def _as_bytes(data: bytes | str) -> bytes:
+def as_bytes(data: bytes | str) -> bytes:
+    """File contents and stdin as bytes (a str is UTF-8)."""
     return data.encode() if isinstance(data, str) else data
+
+
+def io_timeout_s(template: SandboxTemplate, timeout_s: float | None) -> float:
+    """How long a file operation waits for the agent: by default no longer than a command may run
+    (plus the grace the host gives the agent's own exec deadline); an explicit timeout as is."""
+    return template.exec_timeout_s + AGENT_GRACE_S if timeout_s is None else timeout_s
 
 
 class AgentSandbox(Sandbox):
@@ -230,12 +237,12 @@ class AgentSandbox(Sandbox):
         try:
             raw: AgentExit = await self.conn.exec(
                 argv,
-                stdin=_as_bytes(stdin) if stdin is not None else b"",
+                stdin=as_bytes(stdin) if stdin is not None else b"",
                 env=env,
                 cwd=cwd,
                 timeout_s=timeout_s,
                 output_cap_bytes=self.template.output_cap_bytes,
-                files={k: _as_bytes(v) for k, v in files.items()} if files else None,
+                files={k: as_bytes(v) for k, v in files.items()} if files else None,
             )
         except SandboxBroken as e:
             oom = self.cgroup is not None and self.cgroup.oom_kills() > oom_before
@@ -259,11 +266,6 @@ class AgentSandbox(Sandbox):
             signal=raw.signal,
         )
 
-    def _io_timeout_s(self, timeout_s: float | None) -> float:
-        # By default a file operation waits no longer than a command may run (plus the grace
-        # the host gives the agent's own exec deadline); an explicit timeout is taken as is.
-        return self.template.exec_timeout_s + AGENT_GRACE_S if timeout_s is None else timeout_s
-
     async def put_file(
         self, path: str, data: bytes | str, mode: int | None = None, *,
         timeout_s: float | None = None,
@@ -271,7 +273,7 @@ class AgentSandbox(Sandbox):
         if self.released:
             raise SandboxError(f"{self.sandbox_id}: put_file after release")
         await self.conn.put_file(
-            path, _as_bytes(data), mode, timeout_s=self._io_timeout_s(timeout_s)
+            path, as_bytes(data), mode, timeout_s=io_timeout_s(self.template, timeout_s)
         )
 
     async def get_file(
@@ -281,7 +283,7 @@ class AgentSandbox(Sandbox):
             raise SandboxError(f"{self.sandbox_id}: get_file after release")
         return await self.conn.get_file(
             path, max_bytes=DEFAULT_GET_MAX_BYTES if max_bytes is None else max_bytes,
-            timeout_s=self._io_timeout_s(timeout_s),
+            timeout_s=io_timeout_s(self.template, timeout_s),
         )  # fmt: skip
 
     async def reset(self) -> None:

@@ -201,14 +201,18 @@ class _LocalIO:
 
 
 def _s3_error_code(e: BaseException) -> str | None:
-    """The S3 error code behind an s3fs-translated exception (PreconditionFailed, ...)."""
+    """The S3 error code behind an s3fs-translated exception (PreconditionFailed, ...): that of
+    the botocore ClientError it was raised from."""
+    try:
+        from botocore.exceptions import ClientError
+    except ModuleNotFoundError:  # no S3 support installed: no S3 error either
+        return None
     seen: BaseException | None = e
     for _ in range(4):
         if seen is None:
             return None
-        response = getattr(seen, "response", None)
-        if isinstance(response, dict):
-            return str(response.get("Error", {}).get("Code"))
+        if isinstance(seen, ClientError):
+            return str(seen.response.get("Error", {}).get("Code"))
         seen = seen.__cause__ or seen.__context__
     return None
 
