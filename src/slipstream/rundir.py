@@ -29,6 +29,28 @@ import stat
 from pathlib import Path
 
 
+def process_start_ticks(pid: int) -> int | None:
+    """Field 22 of /proc/PID/stat (start time in clock ticks), None if the process is gone.
+    With the pid it names one process for good: a record that a later process acts on (a
+    sandbox journal entry, a store lock) keeps both, so a recycled pid is never taken for its
+    owner."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat_line = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # the command name (field 2) is in parentheses and may hold spaces and ")": split after it
+    return int(stat_line[stat_line.rfind(")") + 2 :].split()[19])
+
+
+def process_alive(pid: int | None, start_ticks: int | None) -> bool:
+    """Whether `pid` still runs and is the process that had `start_ticks` (None: any start)."""
+    if not pid:
+        return False
+    now = process_start_ticks(pid)
+    return now is not None and (start_ticks is None or now == start_ticks)
+
+
 class UnsafeDirError(PermissionError):
     """A runtime directory or file that another user could control; the message names it."""
 

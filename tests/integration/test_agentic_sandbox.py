@@ -311,7 +311,7 @@ def test_code_tests_env_revises_against_visible_tests(tmp_path: Path) -> None:
 
 def test_episodes_lease_sandboxes_from_the_node_host_agent(tmp_path: Path) -> None:
     """The same environment through a client of `slipstream sandbox serve` (SandboxHost's
-    pool_factory: rollout.sandbox_agent) instead of a private pool."""
+    agent_url: rollout.sandbox_agent) instead of a private pool."""
     import socket
     import subprocess
     import sys

@@ -33,8 +33,8 @@ from slipstream.sandbox import (
     make_pool,
     open_pool,
 )
+from slipstream.sandbox.base import reaper_for
 from slipstream.sandbox.journal import Journal, process_alive
-from slipstream.sandbox.pool import _reaper_for
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not os.access("/usr/bin/bwrap", os.X_OK),
@@ -125,7 +125,7 @@ def agents(tmp_path):
             a.proc.kill()
             a.proc.wait()
         if a.state.exists():
-            Journal(a.state).reap_orphans(_reaper_for)
+            Journal(a.state).reap_orphans(reaper_for)
 
 
 # A rollout worker stand-in: an AgentPool driven by lines on stdin, answering JSON lines.
@@ -427,7 +427,7 @@ def test_proxied_operations_and_refusals(agents, tmp_path):
     third.argv[third.argv.index("--socket") + 1] = str(agent.socket)
     r = subprocess.run(third.argv, capture_output=True, text=True, timeout=DEADLINE_S)
     assert r.returncode == 1 and "another agent is serving" in r.stderr, r.stderr
-    Journal(third.state).reap_orphans(_reaper_for)
+    Journal(third.state).reap_orphans(reaper_for)
     assert agent.stop() == 0
     assert_agent_left_nothing(agent)
 

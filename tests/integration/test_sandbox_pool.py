@@ -203,7 +203,7 @@ def _check_reaped(tmp_path, records) -> None:
         async with SandboxPool(
             tmpl(), PoolOptions(min_idle=0, max_idle=0), state_dir=tmp_path
         ) as pool:
-            assert pool.orphans_reaped == 3
+            assert pool.stats().orphans_reaped == 3
         assert_clean(pool)
 
     asyncio.run(go())

@@ -38,8 +38,10 @@ def test_make_backend_names_and_missing_modules(monkeypatch):
     monkeypatch.setitem(base._LAZY_BACKENDS, "firecracker", ("slipstream.sandbox.nope_fc", "X"))
     with pytest.raises(BackendUnavailable, match="module slipstream.sandbox.nope_fc is missing"):
         make_backend("firecracker")
-    b = make_backend("process", state_dir="/tmp/x", journal=None, not_a_param=1)
+    b = make_backend("process", state_dir="/tmp/x", journal=None)
     assert b.name == "process" and not b.isolating
+    with pytest.raises(TypeError):  # one constructor contract: nothing is silently dropped
+        make_backend("process", not_a_param=1)  # type: ignore[call-arg]
 
 
 def test_seccomp_program_structure():

@@ -128,3 +128,16 @@ def test_taskset_splits_and_demonstrations(sandbox_runner):
     task = ts.heldout()[0]
     assert run(ts.averify(task, ts.demonstration(task), sb)).reward == 1.0
     assert run(ts.averify(task, "no code here", sb)).reward == 0.0
+
+
+def test_sync_verify_uses_a_journaled_single_use_pool():
+    """`verify` (eval, RM pairs) gets its sandbox from the pool factory: scored like `averify`,
+    and nothing of this process is left in the journal afterwards."""
+    from slipstream.sandbox.journal import Journal, default_state_dir
+
+    ts = get_taskset(TaskConfig(name="code", tokenizer="char"))
+    task = ts.heldout()[0]
+    assert ts.verify(task, ts.demonstration(task)).reward == 1.0
+    assert ts.verify(task, "```python\ndef nothing(): pass\n```").reward == 0.0
+    mine = [e for e in Journal(default_state_dir()).entries() if e["owner_pid"] == os.getpid()]
+    assert mine == []

@@ -110,9 +110,10 @@ async def bench_backend(
 ) -> dict[str, Any]:
     """cold: `cold_runs` create+exec; warm (single use: one creation per run): `cold_runs` too;
     reuse: `runs`. For process/bwrap the caller passes cold_runs == runs."""
+    from slipstream.sandbox.agent_pool import open_pool
     from slipstream.sandbox.base import SandboxTemplate, make_backend
     from slipstream.sandbox.journal import Journal
-    from slipstream.sandbox.pool import PoolOptions, SandboxPool
+    from slipstream.sandbox.pool import PoolOptions
 
     tmpl = SandboxTemplate(backend=name, memory_mib=256 if name != "process" else 1024, workdir_mib=32,
                            create_timeout_s=180)  # fmt: skip
@@ -139,7 +140,7 @@ async def bench_backend(
             min_idle=1, max_idle=1, reuse=reuse, max_density=2.0, create_concurrency=1
         )
         samples, plain = [], []
-        async with SandboxPool(tmpl, opts, backend=backend, state_dir=state) as pool:
+        async with open_pool(tmpl, opts, backend=backend, state_dir=state) as pool:
             for i in range(n + 3):
                 await pool.wait_ready(300)
                 await _settle(pool)

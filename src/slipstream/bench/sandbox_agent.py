@@ -49,17 +49,15 @@ def _ms(xs_s: list[float]) -> dict[str, Any]:
 
 def _worker(spec: dict[str, Any], start: Any, ready: Any, out_path: str) -> None:
     """One worker process: its pool (the agent's client or a private pool), then the loop."""
-    from slipstream.sandbox import AgentPool, NoCapacity, PoolOptions, SandboxPool
+    from slipstream.sandbox import NoCapacity, PoolOptions, open_pool
     from slipstream.sandbox.base import SandboxTemplate
 
     tmpl = SandboxTemplate(**spec["template"])
     argv = spec["argv"]
 
     async def main() -> dict[str, Any]:
-        if spec["agent_url"]:
-            pool: Any = AgentPool(spec["agent_url"], tmpl, connect_timeout_s=60)
-        else:
-            pool = SandboxPool(tmpl, PoolOptions(**spec["options"]), state_dir=spec["state_dir"])
+        pool = open_pool(tmpl, PoolOptions(**spec["options"]), state_dir=spec["state_dir"],
+                         agent_url=spec["agent_url"])  # fmt: skip
         await pool.start()
         await pool.wait_ready(120)
         ready.set()

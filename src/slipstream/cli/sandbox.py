@@ -176,7 +176,8 @@ def _stats_table(pool: Any, done: int, total: int, failures: int):  # type: igno
 def cmd_pool(args: argparse.Namespace) -> int:
     from rich.live import Live
 
-    from slipstream.sandbox.pool import PoolOptions, SandboxPool
+    from slipstream.sandbox.agent_pool import open_pool
+    from slipstream.sandbox.pool import PoolOptions
 
     cfg, tmpl = sandbox_template(args)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -184,9 +185,9 @@ def cmd_pool(args: argparse.Namespace) -> int:
     state = {"done": 0, "failures": 0}
 
     async def go() -> None:
-        async with SandboxPool(tmpl, opts, state_dir=cfg.state_dir) as pool:
-            if pool.orphans_reaped:
-                print(f"reaped {pool.orphans_reaped} orphaned sandboxes", file=sys.stderr)
+        async with open_pool(tmpl, opts, state_dir=cfg.state_dir) as pool:
+            if reaped := pool.stats().orphans_reaped:
+                print(f"reaped {reaped} orphaned sandboxes", file=sys.stderr)
             queue: asyncio.Queue[int] = asyncio.Queue()
             for i in range(args.execs):
                 queue.put_nowait(i)
@@ -217,58 +218,18 @@ def cmd_pool(args: argparse.Namespace) -> int:
 
 
 def doctor_report(boot: bool = False) -> list[dict[str, Any]]:
-    """One row per backend: {backend, ok, detail}. Every check actually runs the thing."""
-    from slipstream.sandbox.base import SandboxTemplate, backend_class, make_backend
-    from slipstream.sandbox.errors import BackendUnavailable, SandboxError
+    """One row per backend: {backend, ok, detail}. Every check actually runs the thing (each
+    backend's `probe`)."""
+    from slipstream.sandbox.base import BACKEND_NAMES, backend_class
+    from slipstream.sandbox.errors import BackendUnavailable
 
     rows: list[dict[str, Any]] = []
-
-    async def try_exec(name: str) -> str:
-        backend = make_backend(name)
-        sb = await backend.create(
-            SandboxTemplate(backend=name, memory_mib=128), sandbox_id=f"doctor-{os.getpid()}-{name}"
-        )
+    for name in BACKEND_NAMES:
         try:
-            r = await sb.exec(["sh", "-c", "echo ok"], timeout_s=30)
-        finally:
-            await sb.release()
-        if r.stdout != "ok\n":
-            raise SandboxError(
-                f"echo gave {r.stdout!r} (exit {r.exit_code}, stderr {r.stderr!r:.200})"
-            )
-        return f"spawned and ran a command; agent {sb.conn.hello.get('python') if sb.conn.hello else '?'}"
-
-    for name in ("process", "bwrap"):
-        try:
-            detail = asyncio.run(try_exec(name))
-            if name == "process":
-                detail += " (NOT isolation: development only)"
-            else:
-                from slipstream.sandbox.cgroups import CgroupManager
-
-                detail += (
-                    f"; cgroup v{CgroupManager.detect().version} writable; seccomp filter loaded"
-                )
-            rows.append({"backend": name, "ok": True, "detail": detail})
-        except (BackendUnavailable, SandboxError, OSError) as e:
-            rows.append({"backend": name, "ok": False, "detail": str(e)})
-    for name in ("qemu", "firecracker"):
-        try:
-            cls = backend_class(name)
-        except BackendUnavailable as e:
-            rows.append({"backend": name, "ok": False, "detail": str(e)})
-            continue
-        probe = getattr(sys.modules[cls.__module__], "probe", None)
-        if probe is None:
-            rows.append(
-                {"backend": name, "ok": False, "detail": f"{cls.__module__} has no probe()"}
-            )
-            continue
-        try:
-            ok, detail = probe(boot=boot) if name == "qemu" else probe()
-        except TypeError:
-            ok, detail = probe()
-        rows.append({"backend": name, "ok": bool(ok), "detail": str(detail)})
+            ok, detail = backend_class(name).probe(boot=boot)
+        except BackendUnavailable as e:  # its module is missing
+            ok, detail = False, str(e)
+        rows.append({"backend": name, "ok": ok, "detail": detail})
     return rows
 
 
@@ -316,8 +277,8 @@ def cmd_build_image(args: argparse.Namespace) -> int:
 
 def cmd_reap(args: argparse.Namespace) -> int:
     from slipstream.config import load_config
+    from slipstream.sandbox.base import reaper_for
     from slipstream.sandbox.journal import Journal, default_state_dir
-    from slipstream.sandbox.pool import _reaper_for
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     cfg = load_config(args.config, args.overrides).sandbox
@@ -325,7 +286,7 @@ def cmd_reap(args: argparse.Namespace) -> int:
         journal = Journal(cfg.state_dir or default_state_dir())
     except PermissionError as e:  # rundir.UnsafeDirError: a state dir another user controls
         return sandbox_failure(e)
-    n = journal.reap_orphans(_reaper_for)
+    n = journal.reap_orphans(reaper_for)
     live = len(journal.entries())
     print(f"reaped {n} orphaned sandboxes; {live} live sandboxes belong to running owners")
     return 0

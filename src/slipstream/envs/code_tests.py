@@ -24,8 +24,6 @@ need files or stdin.
 
 from __future__ import annotations
 
-import json
-import secrets
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -43,27 +41,19 @@ from slipstream.envs.python_tool import OUT_CLOSE, OUT_OPEN, observation_text
 from slipstream.tasks import Task, TaskSet
 from slipstream.tasks.code import (
     BY_NAME,
-    HARNESS,
-    MAX_RESULTS_BYTES,
     CodeProblem,
-    expected_outputs,
+    expected,
     extract_code,
+    run_harness,
     same_value,
     verify_code,
 )
 
 if TYPE_CHECKING:
     from slipstream.envs.sandboxes import HeldSandbox, SandboxHost
-    from slipstream.sandbox import AgentSandbox
+    from slipstream.sandbox import Sandbox
 
 VISIBLE = 2
-_expected: dict[str, list[Any]] = {}
-
-
-def expected(problem: CodeProblem) -> list[Any]:
-    if problem.name not in _expected:
-        _expected[problem.name] = expected_outputs(problem)
-    return _expected[problem.name]
 
 
 def visible_count(problem: CodeProblem) -> int:
@@ -80,42 +70,20 @@ def prompt_text(problem: CodeProblem) -> str:
     return problem.prompt + "Visible tests:\n" + "\n".join(lines[: visible_count(problem)]) + "\n"
 
 
-async def run_visible(problem: CodeProblem, source: str, sb: AgentSandbox,
+async def run_visible(problem: CodeProblem, source: str, sb: Sandbox,
                       timeout_s: float) -> str:  # fmt: skip
-    """Run `source` against the visible tests in `sb`; -> a report of what failed. SandboxBroken
-    (a dead sandbox) propagates; everything the candidate does is in the report."""
-    from slipstream.sandbox import SandboxBroken, SandboxError
-
+    """Run `source` against the visible tests in `sb` (code.py's harness); -> a report of what
+    failed. SandboxBroken (a dead sandbox) propagates; everything the candidate does is in the
+    report (results it made unreadable count as no results)."""
     n = visible_count(problem)
-    run_dir = f"visible-{secrets.token_hex(4)}"
-    files = {
-        f"{run_dir}/solution.py": source.encode("utf-8", "replace"),
-        f"{run_dir}/tests.json": json.dumps([list(t) for t in problem.tests[:n]]).encode(),
-        f"{run_dir}/harness.py": HARNESS.encode(),
-    }
-    result = await sb.exec(["python3", "-I", "-S", "harness.py", problem.name], files=files,
-                           timeout_s=timeout_s, cwd=run_dir)  # fmt: skip
-    try:
-        raw = await sb.get_file(f"{run_dir}/results.jsonl", timeout_s=min(timeout_s, 5.0),
-                                max_bytes=MAX_RESULTS_BYTES)  # fmt: skip
-    except SandboxBroken:
-        raise
-    except SandboxError:  # missing, too large, not a regular file: the candidate's doing
-        raw = b""
-    got: dict[int, dict[str, Any]] = {}
-    for line in raw.decode("utf-8", "replace").splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(rec, dict) and "load_error" in rec:
-            return f"does not load: {str(rec['load_error'])[:120]}\n"
-        if isinstance(rec, dict) and isinstance(rec.get("i"), int) and 0 <= rec["i"] < n:
-            got.setdefault(rec["i"], rec)
+    run = await run_harness(problem, source.encode("utf-8", "replace"), sb, num_tests=n,
+                            timeout_s=timeout_s, run_prefix="visible")  # fmt: skip
+    if run.load_error is not None:
+        return f"does not load: {run.load_error[:120]}\n"
     want = expected(problem)[:n]
     failures, passed = [], 0
     for i in range(n):
-        rec = got.get(i, {})
+        rec = run.records.get(i, {})
         if "value" in rec and same_value(rec["value"], want[i]):
             passed += 1
         elif "value" in rec:
@@ -124,7 +92,7 @@ async def run_visible(problem: CodeProblem, source: str, sb: AgentSandbox,
         else:
             failures.append(f"{call_text(problem, problem.tests[i])}: "
                             f"{rec.get('error', 'no result')}")  # fmt: skip
-    status = " (timed out)" if result.timed_out else ""
+    status = " (timed out)" if run.result.timed_out else ""
     return f"visible tests: {passed}/{n} passed{status}\n" + "".join(f + "\n" for f in failures)
 
 
@@ -180,7 +148,7 @@ class CodeTestsEnv:
             self.usage.tool_s += time.monotonic() - t0
         if last or report.startswith(f"visible tests: {visible_count(problem)}/"):
 
-            async def hidden(sb: AgentSandbox) -> tuple[float, str]:
+            async def hidden(sb: Sandbox) -> tuple[float, str]:
                 verdict = await verify_code(problem, source, sb, timeout_s=timeout_s)
                 if verdict.reason.startswith("sandbox failure"):
                     await sb.ping()  # SandboxBroken when the sandbox died: infrastructure

@@ -21,11 +21,10 @@ Contract:
 - `close()` (idempotent, also an atexit hook) stops the pool: every sandbox, idle or held, is
   destroyed; no process, cgroup or journal entry is left; held sandboxes answer InfraError.
 
-The pool is any object with SandboxPool's async interface (`start`, `wait_ready`, `acquire`,
-`release`, `stop`, and `stats()`); `pool_factory` builds it on the loop. The default is
-`SandboxPool(template, options, state_dir=...)`, which each process owns privately (and which
-admits against the whole host); a client of a node's shared host agent with the same interface
-can be passed instead.
+The pool is a `sandbox.Pool` built on the loop by the pool factory (`sandbox.open_pool`): an
+in-process `SandboxPool(template, options, state_dir=...)`, which each process owns privately
+(and which admits against the whole host), or, with `agent_url`, a client of the node's shared
+host agent.
 
 Not covered: using one SandboxHost from several processes; a sandbox used by two threads at once
 (an episode uses its sandbox from one thread at a time).
@@ -41,13 +40,20 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from slipstream.envs.base import InfraError
 
 if TYPE_CHECKING:
     from slipstream.config.sandbox import SandboxConfig
-    from slipstream.sandbox import AgentSandbox, ExecResult, PoolOptions, PoolStats, SandboxTemplate
+    from slipstream.sandbox import (
+        ExecResult,
+        Pool,
+        PoolOptions,
+        PoolStats,
+        Sandbox,
+        SandboxTemplate,
+    )
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -71,7 +77,7 @@ class SandboxHost:
         *,
         state_dir: str | Path | None = None,
         ready_timeout_s: float = 60.0,
-        pool_factory: Callable[[], Any] | None = None,
+        agent_url: str = "",
     ) -> None:
         from slipstream.sandbox import PoolOptions
 
@@ -79,11 +85,11 @@ class SandboxHost:
         self.options = options or PoolOptions()
         self.state_dir = state_dir
         self.ready_timeout_s = ready_timeout_s
-        self._pool_factory = pool_factory
+        self.agent_url = agent_url
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._pool: Any = None
+        self._pool: Pool | None = None
         self._closed = False
 
     @classmethod
@@ -91,11 +97,11 @@ class SandboxHost:
         """A host for the `[sandbox]` section (not started): a private SandboxPool, or, with
         `agent_url` (`rollout.sandbox_agent`, `unix:///path`), a client of the node's host
         agent (sandbox/agent_pool.py), which shares one pool and admission limit per node."""
-        from slipstream.sandbox import PoolOptions, SandboxTemplate, make_pool
+        from slipstream.sandbox import PoolOptions, SandboxTemplate
 
         return cls(SandboxTemplate.from_config(cfg), PoolOptions.from_config(cfg),
                    state_dir=cfg.state_dir, ready_timeout_s=cfg.create_timeout_s,
-                   pool_factory=lambda: make_pool(cfg, agent_url))  # fmt: skip
+                   agent_url=agent_url)  # fmt: skip
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -127,16 +133,14 @@ class SandboxHost:
             loop.close()
 
     async def _start_pool(self) -> None:
-        from slipstream.sandbox import SandboxError, SandboxPool
+        from slipstream.sandbox import SandboxError, open_pool
 
-        if self._pool_factory is not None:
-            pool = self._pool_factory()
-        else:
-            pool = SandboxPool(self.template, self.options, state_dir=self.state_dir)
+        pool = open_pool(self.template, self.options, state_dir=self.state_dir,
+                         agent_url=self.agent_url)  # fmt: skip
         self._pool = pool  # before start(): close() must stop a half-started pool too
         await pool.start()
-        if getattr(pool, "orphans_reaped", 0):  # SandboxPool's; other pools may not count them
-            log.warning("sandbox host: reaped %d orphaned sandboxes", pool.orphans_reaped)
+        if reaped := pool.stats().orphans_reaped:
+            log.warning("sandbox host: reaped %d orphaned sandboxes", reaped)
         if self.options.min_idle:
             try:
                 await pool.wait_ready(self.ready_timeout_s)
@@ -207,7 +211,7 @@ class SandboxHost:
         t0 = time.perf_counter()
         pool = self._pool
 
-        async def take() -> AgentSandbox:
+        async def take() -> Sandbox:
             return await pool.acquire(wait_s)
 
         sb = self.call(take, wait_s + CALL_GRACE_S, "sandbox acquire")
@@ -239,14 +243,14 @@ class SandboxHost:
 class HeldSandbox:
     """A sandbox acquired from a SandboxHost, used from one thread at a time until release()."""
 
-    def __init__(self, host: SandboxHost, sandbox: AgentSandbox, acquire_s: float) -> None:
+    def __init__(self, host: SandboxHost, sandbox: Sandbox, acquire_s: float) -> None:
         self.host = host
         self.sandbox = sandbox
         self.acquire_s = acquire_s
         """How long the acquire waited (admission, a warm sandbox, the health check)."""
         self._released = False
 
-    def run(self, fn: Callable[[AgentSandbox], Awaitable[T]], timeout_s: float, what: str) -> T:
+    def run(self, fn: Callable[[Sandbox], Awaitable[T]], timeout_s: float, what: str) -> T:
         """`await fn(sandbox)` on the host's loop (InfraError on infrastructure failure)."""
         if self._released:
             raise InfraError(f"{what}: {self.sandbox} was already released")
@@ -268,7 +272,7 @@ class HeldSandbox:
         """Run a command in the sandbox: its result, however it ended; InfraError only when the
         sandbox itself is gone."""
 
-        async def go(sb: AgentSandbox) -> ExecResult:
+        async def go(sb: Sandbox) -> ExecResult:
             return await sb.exec(argv, files=files, timeout_s=timeout_s, cwd=cwd)
 
         # the agent's own hang detection adds 5 s to an exec's timeout; ours comes on top

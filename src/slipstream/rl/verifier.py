@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from slipstream.envs import InfraError, env_needs_sandbox
 from slipstream.envs.sandboxes import SandboxHost
-from slipstream.tasks import Task, TaskSet
+from slipstream.sandbox.pool import percentile
+from slipstream.tasks import SandboxedTaskSet, Task, TaskSet
 
 if TYPE_CHECKING:
     from slipstream.config.sandbox import SandboxConfig
@@ -81,8 +82,9 @@ class InProcessVerifier:
 
 
 def has_sandboxed_verifier(taskset: TaskSet) -> bool:
-    """Whether the task set verifies inside a sandbox (exposes `averify(task, completion, sb)`)."""
-    return callable(getattr(taskset, "averify", None))
+    """Whether the task set verifies inside a sandbox (a `SandboxedTaskSet`: `averify(task,
+    completion, sb)`)."""
+    return isinstance(taskset, SandboxedTaskSet)
 
 
 def verifies_in_sandbox(mode: str, taskset: TaskSet) -> bool:
@@ -106,13 +108,6 @@ def wants_sandbox(mode: str, taskset: TaskSet) -> bool:
     """Whether the worker needs a sandbox pool: it verifies in a sandbox (`verifies_in_sandbox`)
     or the task's environment (`task.env`) gives every episode a sandbox."""
     return verifies_in_sandbox(mode, taskset) or env_needs_sandbox(taskset.cfg.env)
-
-
-def _percentile(samples: list[float], q: float) -> float | None:
-    if not samples:
-        return None
-    s = sorted(samples)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
 class SandboxVerifier:
@@ -147,14 +142,14 @@ class SandboxVerifier:
         host: SandboxHost | None = None,
     ) -> None:
         """A private pool of `template` sandboxes, or the given (not started) `host`."""
-        if not has_sandboxed_verifier(taskset):
+        if not isinstance(taskset, SandboxedTaskSet):
             raise ValueError(f"task {taskset.name!r} has no sandboxed verifier (averify)")
         if host is None:
             if template is None:
                 raise ValueError("SandboxVerifier needs a template or a host")
             host = SandboxHost(template, options, state_dir=state_dir,
                                ready_timeout_s=ready_timeout_s)  # fmt: skip
-        self.taskset = taskset
+        self.taskset: SandboxedTaskSet = taskset
         self.template = host.template
         self.sandboxes: SandboxHost | None = host
         self.options = host.options
@@ -193,7 +188,7 @@ class SandboxVerifier:
             held = host.acquire()
             try:
                 verdict = held.run(
-                    lambda sb: self.taskset.averify(task, completion, sb),  # type: ignore[attr-defined]
+                    lambda sb: self.taskset.averify(task, completion, sb),
                     self.verify_timeout_s, "sandboxed verification",
                 )  # fmt: skip
             finally:
@@ -221,8 +216,8 @@ class SandboxVerifier:
         with self._lock:
             lat = list(self._latency_s)
             out: dict[str, Any] = dict(self.counts)
-        out["latency_p50_s"] = _percentile(lat, 0.5)
-        out["latency_p99_s"] = _percentile(lat, 0.99)
+        out["latency_p50_s"] = percentile(lat, 0.5)
+        out["latency_p99_s"] = percentile(lat, 0.99)
         st = self.stats()
         if st is not None:
             out.update(acquires=st.acquires, created=st.created, destroyed=st.destroyed,

@@ -3,8 +3,8 @@ agent they all run, the warm pool, pinning, crash-safe cleanup, and the node's h
 leases one pool to every worker on the node (host_agent.py; client: agent_pool.py). See
 docs/sandbox.md.
 
-    from slipstream.sandbox import SandboxPool, SandboxTemplate
-    async with SandboxPool(SandboxTemplate(backend="bwrap")) as pool:
+    from slipstream.sandbox import SandboxTemplate, open_pool
+    async with open_pool(SandboxTemplate(backend="bwrap")) as pool:   # a Pool (pool.py)
         async with pool.sandbox() as sb:
             result = await sb.exec(["python3", "-c", "print(1)"], timeout_s=5)
 """
@@ -29,7 +29,7 @@ from slipstream.sandbox.errors import (
     SandboxError,
 )
 from slipstream.sandbox.journal import SandboxRecord
-from slipstream.sandbox.pool import PoolOptions, PoolStats, SandboxPool
+from slipstream.sandbox.pool import Pool, PoolOptions, PoolStats, SandboxPool
 
 __all__ = [
     "AdmissionTimeout",
@@ -42,6 +42,7 @@ __all__ = [
     "LeaseExpired",
     "LeasedSandbox",
     "NoCapacity",
+    "Pool",
     "PoolOptions",
     "PoolStats",
     "Sandbox",

@@ -1,9 +1,8 @@
 """The client side of the node's host agent, and the factory that picks a pool.
 
-`AgentPool(url, template, options)` has the interface callers use on `SandboxPool`: `start()` /
+`AgentPool(url, template, options)` is a `Pool` (pool.py), as `SandboxPool` is: `start()` /
 `async with`, `wait_ready`, `acquire(timeout_s)`, `release(sb, reuse=None)`, `sandbox()`,
-`stats()`, `stop()`, `orphans_reaped`. Its sandboxes (`LeasedSandbox`) implement the `Sandbox`
-protocol; every operation is proxied through the agent (host_protocol.py), which owns the
+`stats()`, `stop()`. Its sandboxes (`LeasedSandbox`) implement the `Sandbox` protocol; every operation is proxied through the agent (host_protocol.py), which owns the
 sandboxes, their cgroups and the journal.
 
 Contract:
@@ -21,8 +20,9 @@ Contract:
   here, round trip included) plus the agent-wide counts of the last heartbeat.
 - `stop()` releases (destroys) every sandbox this client still holds and closes the connection.
 
-`make_pool(sandbox_cfg, agent_url)` / `open_pool(template, options, ...)`: an `AgentPool` when an
-agent URL (`unix:///path`) is given, else the in-process `SandboxPool` (the embedded default).
+`make_pool(sandbox_cfg, agent_url)` / `open_pool(template, options, ...)`: the one factory of
+pools, which every caller uses: an `AgentPool` when an agent URL (`unix:///path`) is given, else
+the in-process `SandboxPool` (the embedded default; the host agent's own pool).
 
 Not covered: use from several event loops (one AgentPool per loop), exec output streaming
 (results come back whole, capped by output_cap_bytes), leases that survive an agent restart.
@@ -36,12 +36,19 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, Self, overload
 
 from slipstream.sandbox.agent_client import AGENT_GRACE_S
-from slipstream.sandbox.base import DEFAULT_GET_MAX_BYTES, ExecResult, Sandbox, SandboxTemplate
+from slipstream.sandbox.base import (
+    DEFAULT_GET_MAX_BYTES,
+    ExecResult,
+    Sandbox,
+    SandboxTemplate,
+    as_bytes,
+    io_timeout_s,
+)
 from slipstream.sandbox.errors import AgentUnavailable, NoCapacity, SandboxBroken, SandboxError
 from slipstream.sandbox.host_protocol import (
     PROTOCOL_VERSION,
@@ -57,20 +64,18 @@ from slipstream.sandbox.host_protocol import (
     template_to_dict,
 )
 from slipstream.sandbox.journal import SandboxRecord
-from slipstream.sandbox.pool import PoolOptions, PoolStats, SandboxPool, _percentile
+from slipstream.sandbox.pool import Pool, PoolOptions, PoolStats, SandboxPool, percentile
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from slipstream.config.sandbox import SandboxConfig
+    from slipstream.sandbox.base import Backend
+    from slipstream.sandbox.topology import Topology
 
 log = logging.getLogger(__name__)
 PROXY_GRACE_S = 10.0  # beyond the agent's own bounds: a loaded host, one more hop
 CONTROL_TIMEOUT_S = 15.0
-
-
-def _as_bytes(data: bytes | str) -> bytes:
-    return data.encode() if isinstance(data, str) else data
 
 
 class _Connection:
@@ -130,9 +135,9 @@ class LeasedSandbox(Sandbox):
         timeout_s = self.template.exec_timeout_s if timeout_s is None else timeout_s
         msg: dict[str, Any] = {"argv": list(argv), "timeout_s": timeout_s}
         if stdin is not None:
-            msg["stdin_b64"] = b64e(_as_bytes(stdin))
+            msg["stdin_b64"] = b64e(as_bytes(stdin))
         if files:
-            msg["files"] = {k: b64e(_as_bytes(v)) for k, v in files.items()}
+            msg["files"] = {k: b64e(as_bytes(v)) for k, v in files.items()}
         if env:
             msg["env"] = dict(env)
         if cwd:
@@ -141,14 +146,13 @@ class LeasedSandbox(Sandbox):
         return exec_result_from_dict(reply["result"])
 
     def _io_timeout_s(self, timeout_s: float | None) -> float:
-        base = self.template.exec_timeout_s + AGENT_GRACE_S if timeout_s is None else timeout_s
-        return base + PROXY_GRACE_S
+        return io_timeout_s(self.template, timeout_s) + PROXY_GRACE_S
 
     async def put_file(
         self, path: str, data: bytes | str, mode: int | None = None, *,
         timeout_s: float | None = None,
     ) -> None:  # fmt: skip
-        msg: dict[str, Any] = {"path": path, "data_b64": b64e(_as_bytes(data)), "mode": mode,
+        msg: dict[str, Any] = {"path": path, "data_b64": b64e(as_bytes(data)), "mode": mode,
                                "timeout_s": timeout_s}  # fmt: skip
         await self._op("put_file", msg, self._io_timeout_s(timeout_s))
 
@@ -176,8 +180,8 @@ class LeasedSandbox(Sandbox):
                              extra={"lease": self.lease_id, "agent": self.pool.url})  # fmt: skip
 
 
-class AgentPool:
-    """A `SandboxPool` look-alike whose sandboxes are leased from the node's host agent."""
+class AgentPool(Pool):
+    """A `Pool` whose sandboxes are leased from the node's host agent."""
 
     def __init__(
         self,
@@ -195,7 +199,6 @@ class AgentPool:
         self.opts = options or PoolOptions()
         self.name = name or f"pid-{os.getpid()}"
         self.connect_timeout_s = connect_timeout_s or self.template.create_timeout_s
-        self.orphans_reaped = 0  # the agent reaps; kept for SandboxPool's interface
         self.lease_ttl_s: float | None = None
         self._conn: _Connection | None = None
         self._epoch = 0
@@ -209,15 +212,9 @@ class AgentPool:
 
     # ------------------------------------------------------------ lifecycle
 
-    async def start(self) -> AgentPool:
+    async def start(self) -> Self:
         await self._ensure_connected(self.connect_timeout_s)
         return self
-
-    async def __aenter__(self) -> AgentPool:
-        return await self.start()
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
 
     async def wait_ready(self, timeout_s: float = 60.0) -> None:
         """Until the agent's pool has its warm sandboxes (TimeoutError otherwise)."""
@@ -405,15 +402,6 @@ class AgentPool:
         except SandboxBroken as e:  # expired, or the agent is gone: nothing is left to release
             log.debug("agent pool: release of %s: %s", sb, e)
 
-    @contextlib.asynccontextmanager
-    async def sandbox(self, timeout_s: float | None = None) -> AsyncIterator[LeasedSandbox]:
-        """`async with pool.sandbox() as sb:` acquire + release."""
-        sb = await self.acquire(timeout_s)
-        try:
-            yield sb
-        finally:
-            await self.release(sb)
-
     # ------------------------------------------------------------ stats
 
     async def agent_stats(self) -> dict[str, Any]:
@@ -437,8 +425,32 @@ class AgentPool:
                 "pinning": self.template.pinning}  # fmt: skip
         base.update({k: v for k, v in agent.items() if k in base})
         return PoolStats(**base, in_use=len(self._held), acquires=self._acquires,
-                         acquire_wait_p50_s=_percentile(waits, 0.5),
-                         acquire_wait_p99_s=_percentile(waits, 0.99), notes=notes)  # fmt: skip
+                         acquire_wait_p50_s=percentile(waits, 0.5),
+                         acquire_wait_p99_s=percentile(waits, 0.99), notes=notes)  # fmt: skip
+
+
+@overload
+def open_pool(
+    template: SandboxTemplate,
+    options: PoolOptions | None = None,
+    *,
+    state_dir: str | Path | None = None,
+    agent_url: Literal[""] = "",
+    backend: Backend | None = None,
+    topology: Topology | None = None,
+) -> SandboxPool: ...
+
+
+@overload
+def open_pool(
+    template: SandboxTemplate,
+    options: PoolOptions | None = None,
+    *,
+    state_dir: str | Path | None = None,
+    agent_url: str,
+    backend: None = None,
+    topology: None = None,
+) -> Pool: ...
 
 
 def open_pool(
@@ -447,15 +459,22 @@ def open_pool(
     *,
     state_dir: str | Path | None = None,
     agent_url: str = "",
-) -> SandboxPool | AgentPool:
-    """The host agent's client when `agent_url` is set (`unix:///path`), else an in-process
-    `SandboxPool` (with its own journal in `state_dir`). Not started: `await pool.start()`."""
+    backend: Backend | None = None,
+    topology: Topology | None = None,
+) -> Pool:
+    """The pool factory. The host agent's client when `agent_url` is set (`unix:///path`), else
+    an in-process `SandboxPool` (with its own journal in `state_dir`; `backend` and `topology`
+    default to the template's backend and this host's). Not started: `await pool.start()`."""
     if agent_url:
+        if backend is not None or topology is not None:
+            raise ValueError(
+                "open_pool: backend and topology are the host agent's, not its client's"
+            )
         return AgentPool(agent_url, template, options)
-    return SandboxPool(template, options, state_dir=state_dir)
+    return SandboxPool(template, options, backend=backend, state_dir=state_dir, topology=topology)
 
 
-def make_pool(sandbox_cfg: SandboxConfig, agent_url: str = "") -> SandboxPool | AgentPool:
+def make_pool(sandbox_cfg: SandboxConfig, agent_url: str = "") -> Pool:
     """`open_pool` for a `[sandbox]` config section; `agent_url` is `rollout.sandbox_agent`."""
     return open_pool(SandboxTemplate.from_config(sandbox_cfg), PoolOptions.from_config(sandbox_cfg),
                      state_dir=sandbox_cfg.state_dir, agent_url=agent_url)  # fmt: skip

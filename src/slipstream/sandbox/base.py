@@ -13,17 +13,19 @@ Not covered here: pooling and admission (pool.py), CPU sets (pinning.py), crash 
 from __future__ import annotations
 
 import abc
+import asyncio
 import importlib
-import inspect
 import logging
 import math
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slipstream.sandbox.agent_client import AGENT_GRACE_S, AgentConnection, AgentExit
 from slipstream.sandbox.errors import BackendUnavailable, SandboxBroken, SandboxError
-from slipstream.sandbox.journal import Journal, SandboxRecord
+from slipstream.sandbox.journal import Journal, SandboxRecord, default_state_dir, reap_record
 
 if TYPE_CHECKING:
     from slipstream.config.sandbox import SandboxConfig
@@ -175,8 +177,15 @@ class Sandbox(abc.ABC):
     def record(self) -> SandboxRecord: ...
 
 
-def _as_bytes(data: bytes | str) -> bytes:
+def as_bytes(data: bytes | str) -> bytes:
+    """File contents and stdin as bytes (a str is UTF-8)."""
     return data.encode() if isinstance(data, str) else data
+
+
+def io_timeout_s(template: SandboxTemplate, timeout_s: float | None) -> float:
+    """How long a file operation waits for the agent: by default no longer than a command may run
+    (plus the grace the host gives the agent's own exec deadline); an explicit timeout as is."""
+    return template.exec_timeout_s + AGENT_GRACE_S if timeout_s is None else timeout_s
 
 
 class AgentSandbox(Sandbox):
@@ -228,12 +237,12 @@ class AgentSandbox(Sandbox):
         try:
             raw: AgentExit = await self.conn.exec(
                 argv,
-                stdin=_as_bytes(stdin) if stdin is not None else b"",
+                stdin=as_bytes(stdin) if stdin is not None else b"",
                 env=env,
                 cwd=cwd,
                 timeout_s=timeout_s,
                 output_cap_bytes=self.template.output_cap_bytes,
-                files={k: _as_bytes(v) for k, v in files.items()} if files else None,
+                files={k: as_bytes(v) for k, v in files.items()} if files else None,
             )
         except SandboxBroken as e:
             oom = self.cgroup is not None and self.cgroup.oom_kills() > oom_before
@@ -257,11 +266,6 @@ class AgentSandbox(Sandbox):
             signal=raw.signal,
         )
 
-    def _io_timeout_s(self, timeout_s: float | None) -> float:
-        # By default a file operation waits no longer than a command may run (plus the grace
-        # the host gives the agent's own exec deadline); an explicit timeout is taken as is.
-        return self.template.exec_timeout_s + AGENT_GRACE_S if timeout_s is None else timeout_s
-
     async def put_file(
         self, path: str, data: bytes | str, mode: int | None = None, *,
         timeout_s: float | None = None,
@@ -269,7 +273,7 @@ class AgentSandbox(Sandbox):
         if self.released:
             raise SandboxError(f"{self.sandbox_id}: put_file after release")
         await self.conn.put_file(
-            path, _as_bytes(data), mode, timeout_s=self._io_timeout_s(timeout_s)
+            path, as_bytes(data), mode, timeout_s=io_timeout_s(self.template, timeout_s)
         )
 
     async def get_file(
@@ -279,7 +283,7 @@ class AgentSandbox(Sandbox):
             raise SandboxError(f"{self.sandbox_id}: get_file after release")
         return await self.conn.get_file(
             path, max_bytes=DEFAULT_GET_MAX_BYTES if max_bytes is None else max_bytes,
-            timeout_s=self._io_timeout_s(timeout_s),
+            timeout_s=io_timeout_s(self.template, timeout_s),
         )  # fmt: skip
 
     async def reset(self) -> None:
@@ -302,10 +306,20 @@ class AgentSandbox(Sandbox):
 
 
 class Backend(abc.ABC):
-    """Creates sandboxes of one kind. `isolating` is False only for `process`."""
+    """Creates sandboxes of one kind. `isolating` is False only for `process`.
+
+    Constructor contract: every backend is built as `cls(state_dir=..., journal=...)` (what
+    `make_backend` passes, the same for all); arguments of one backend alone (bwrap's uid,
+    qemu's accel, ...) are keyword-only with defaults. `state_dir` (None: the user's default)
+    holds work dirs and jails; `journal` (None: the caller records sandboxes) is written before
+    a sandbox's processes start and emptied after it is destroyed."""
 
     name: str = ""
     isolating: bool = True
+
+    def __init__(self, state_dir: str | Path | None = None, journal: Journal | None = None) -> None:
+        self.state_dir = Path(state_dir) if state_dir else default_state_dir()
+        self.journal = journal
 
     @abc.abstractmethod
     async def create(
@@ -323,9 +337,32 @@ class Backend(abc.ABC):
     def reap(cls, record: SandboxRecord) -> list[str]:
         """Remove what a crashed owner left of `record`; returns what was done (for logs).
         The default covers processes, cgroups and dirs (journal.reap_record); VM backends extend."""
-        from slipstream.sandbox.journal import reap_record
-
         return reap_record(record)
+
+    @classmethod
+    def probe(cls, boot: bool = False) -> tuple[bool, str]:
+        """Can this host run this backend's sandboxes? -> (ok, what works or why not), for
+        `slipstream sandbox doctor`. The default creates one sandbox and runs a command in it;
+        the VM backends check what they need instead (`boot=True`: qemu also boots a guest)."""
+
+        async def run_one() -> str:
+            sb = await cls().create(SandboxTemplate(backend=cls.name, memory_mib=128),
+                                    sandbox_id=f"doctor-{os.getpid()}-{cls.name}")  # fmt: skip
+            try:
+                r = await sb.exec(["sh", "-c", "echo ok"], timeout_s=30)
+            finally:
+                await sb.release()
+            if r.stdout != "ok\n":
+                raise SandboxError(
+                    f"echo gave {r.stdout!r} (exit {r.exit_code}, stderr {r.stderr!r:.200})"
+                )
+            agent = sb.conn.hello.get("python") if sb.conn.hello else "?"
+            return f"spawned and ran a command; agent {agent}"
+
+        try:
+            return True, asyncio.run(run_one())
+        except (BackendUnavailable, SandboxError, OSError) as e:
+            return False, str(e)
 
     async def close(self) -> None:  # noqa: B027 (optional hook, deliberately not abstract)
         """Release backend-wide resources (none by default)."""
@@ -358,12 +395,18 @@ def backend_class(name: str) -> type[Backend]:
     return cls
 
 
-def make_backend(name: str, **kwargs: Any) -> Backend:
-    """Instantiate the backend called `name` (process, bwrap, qemu, firecracker). Keyword
-    arguments the backend's constructor does not take (e.g. `journal`, `state_dir` for a backend
-    without them) are dropped, so callers can pass the common set."""
-    cls = backend_class(name)
-    params = inspect.signature(cls.__init__).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        kwargs = {k: v for k, v in kwargs.items() if k in params}
-    return cls(**kwargs)
+def reaper_for(backend_name: str) -> Callable[[SandboxRecord], list[str]]:
+    """How to reap a journal record of `backend_name`: its backend's `reap`, or the generic
+    `journal.reap_record` (processes, cgroups, dirs) when that backend is unknown or missing."""
+    try:
+        return backend_class(backend_name).reap
+    except (BackendUnavailable, ValueError):
+        return reap_record
+
+
+def make_backend(
+    name: str, *, state_dir: str | Path | None = None, journal: Journal | None = None
+) -> Backend:
+    """The backend called `name` (process, bwrap, qemu, firecracker), built by the one
+    constructor contract of `Backend` (`state_dir`, `journal`)."""
+    return backend_class(name)(state_dir=state_dir, journal=journal)

@@ -41,7 +41,7 @@ from slipstream.sandbox.agent_client import agent_source_path
 from slipstream.sandbox.base import Backend, SandboxTemplate
 from slipstream.sandbox.cgroups import CgroupLimits, CgroupManager
 from slipstream.sandbox.errors import BackendUnavailable
-from slipstream.sandbox.journal import Journal, SandboxRecord, default_state_dir
+from slipstream.sandbox.journal import Journal, SandboxRecord
 from slipstream.sandbox.process import SubprocessSandbox, start_agent_subprocess
 from slipstream.sandbox.seccomp import build_filter, filter_fd
 
@@ -84,18 +84,17 @@ class BwrapBackend(Backend):
         self,
         state_dir: str | Path | None = None,
         journal: Journal | None = None,
+        *,
         cgroup_root: str | Path = "/sys/fs/cgroup",
         uid: int = NOBODY,
         bwrap: str = "/usr/bin/bwrap",
         python: str = "/usr/bin/python3",
         rootfs_cache: str | Path | None = None,
-        **_: object,
     ) -> None:
         for exe in (bwrap, python, SH, SETPRIV, TASKSET):
             if not os.access(exe, os.X_OK):
                 raise BackendUnavailable(f"bwrap backend needs {exe}, which is not executable")
-        self.state_dir = Path(state_dir) if state_dir else default_state_dir()
-        self.journal = journal
+        super().__init__(state_dir, journal)
         self.uid = uid
         self.bwrap = bwrap
         self.python = python
@@ -109,6 +108,17 @@ class BwrapBackend(Backend):
             raise BackendUnavailable(f"bwrap backend: {e}") from None
         self.rootfs = self._stage(Path(rootfs_cache or runtime_root() / "bwrap-rootfs"))
         self._fixed_args = self._static_args()
+
+    @classmethod
+    def probe(cls, boot: bool = False) -> tuple[bool, str]:
+        ok, detail = super().probe(boot)
+        if not ok:
+            return ok, detail
+        try:
+            version = CgroupManager.detect().version
+        except OSError as e:
+            return False, str(e)
+        return True, f"{detail}; cgroup v{version} writable; seccomp filter loaded"
 
     def _stage(self, cache: Path) -> Path:
         """Agent copy + minimal /etc in a dir the sandbox uid can reach: a cache that outlives

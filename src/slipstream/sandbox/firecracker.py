@@ -34,17 +34,13 @@ import subprocess
 import time
 from pathlib import Path
 
+from slipstream.rundir import process_start_ticks
 from slipstream.sandbox.agent_client import AgentConnection
 from slipstream.sandbox.base import AgentSandbox, Backend, SandboxTemplate
 from slipstream.sandbox.errors import BackendUnavailable, SandboxBroken
 from slipstream.sandbox.firecracker_api import FirecrackerAPI, FirecrackerAPIError
 from slipstream.sandbox.image import ImagePaths, build_image
-from slipstream.sandbox.journal import (
-    Journal,
-    SandboxRecord,
-    default_state_dir,
-    process_start_ticks,
-)
+from slipstream.sandbox.journal import Journal, SandboxRecord
 
 log = logging.getLogger(__name__)
 
@@ -246,12 +242,17 @@ class FirecrackerBackend(Backend):
     name = "firecracker"
     isolating = True
 
-    def __init__(self, state_dir: str | Path | None = None, journal: Journal | None = None,
+    def __init__(self, state_dir: str | Path | None = None, journal: Journal | None = None, *,
                  uid: int = 65534, gid: int = 65534, cache_dir: str | Path | None = None) -> None:  # fmt: skip
-        self.chroot_base = Path(state_dir or default_state_dir()) / "jailer"
-        self.journal, self.uid, self.gid, self.cache_dir = journal, uid, gid, cache_dir
+        super().__init__(state_dir, journal)
+        self.chroot_base = self.state_dir / "jailer"
+        self.uid, self.gid, self.cache_dir = uid, gid, cache_dir
         self.cgroup_version = 2 if Path("/sys/fs/cgroup/cgroup.controllers").exists() else 1
         self.boot_times_s: list[float] = []
+
+    @classmethod
+    def probe(cls, boot: bool = False) -> tuple[bool, str]:
+        return probe()  # no test boot: a boot needs root and KVM, which probe() checks
 
     async def create(self, template: SandboxTemplate, *, sandbox_id: str,
                      cpus: tuple[int, ...] | None = None,

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from slipstream.rundir import private_dir
+from slipstream.sandbox.agent_pool import open_pool
 from slipstream.sandbox.base import AgentSandbox, Backend, SandboxTemplate
 from slipstream.sandbox.errors import (
     AdmissionTimeout,
@@ -159,12 +160,12 @@ class HostAgent:
         self._lock_fd = take_state_lock(self.state_dir)
         try:
             check_socket_free(self.socket_path)
-            pool = SandboxPool(self.template, self.options, backend=self._backend,
-                               state_dir=self.state_dir, topology=self._topology)  # fmt: skip
+            pool = open_pool(self.template, self.options, backend=self._backend,
+                             state_dir=self.state_dir, topology=self._topology)  # fmt: skip
             self.pool = pool
             await pool.start()
-            if pool.orphans_reaped:
-                log.warning("host agent: reaped %d orphaned sandboxes", pool.orphans_reaped)
+            if reaped := pool.stats().orphans_reaped:
+                log.warning("host agent: reaped %d orphaned sandboxes", reaped)
             if self.options.min_idle:
                 timeout = (
                     self.template.create_timeout_s if ready_timeout_s is None else ready_timeout_s

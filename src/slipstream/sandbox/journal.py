@@ -46,6 +46,8 @@ from slipstream.rundir import (
     list_at,
     open_dir,
     private_dir,
+    process_alive,
+    process_start_ticks,
     read_at,
     runtime_root,
     unlink_at,
@@ -68,23 +70,6 @@ class SandboxRecord:
     cgroup_paths: list[str] = field(default_factory=list)
     dirs: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """Field 22 of /proc/PID/stat (start time in clock ticks), None if the process is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return int(stat[stat.rfind(")") + 2 :].split()[19])
-
-
-def process_alive(pid: int | None, start_ticks: int | None) -> bool:
-    if not pid:
-        return False
-    now = process_start_ticks(pid)
-    return now is not None and (start_ticks is None or now == start_ticks)
 
 
 def default_state_dir() -> Path:

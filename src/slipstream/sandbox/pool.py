@@ -26,6 +26,7 @@ on their deadline), sandboxes shared between event loops.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import itertools
@@ -38,17 +39,18 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, Self
 
 from slipstream.sandbox.base import (
     AgentSandbox,
     Backend,
+    Sandbox,
     SandboxTemplate,
-    backend_class,
     make_backend,
+    reaper_for,
 )
-from slipstream.sandbox.errors import AdmissionTimeout, BackendUnavailable, SandboxError
-from slipstream.sandbox.journal import Journal, default_state_dir, reap_record
+from slipstream.sandbox.errors import AdmissionTimeout, SandboxError
+from slipstream.sandbox.journal import Journal, default_state_dir
 from slipstream.sandbox.pinning import NoCpusFree, PinningAllocator
 from slipstream.sandbox.topology import Topology, read_topology
 
@@ -67,7 +69,8 @@ def mem_available_bytes() -> int:
     raise OSError("no MemAvailable in /proc/meminfo")
 
 
-def _percentile(samples: list[float], q: float) -> float | None:
+def percentile(samples: list[float], q: float) -> float | None:
+    """The `q` quantile of `samples` (nearest rank), None when there are none."""
     if not samples:
         return None
     s = sorted(samples)
@@ -110,9 +113,59 @@ class PoolStats:
     vcpu_capacity: float
     pinning: str
     notes: list[str] = field(default_factory=list)
+    orphans_reaped: int = 0
+    """Sandboxes of dead owners this pool reaped from its journal at start (a host agent's
+    client reaps none: the agent does)."""
 
 
-class SandboxPool:
+class Pool(Protocol):
+    """A pool that hands out sandboxes: what every caller uses of the in-process `SandboxPool`
+    and of `AgentPool`, the client of the node's host agent. Built by one factory,
+    `agent_pool.open_pool` (`make_pool` for a `[sandbox]` config section). Not started when
+    built: `await pool.start()` or `async with pool:`."""
+
+    template: SandboxTemplate
+
+    @abc.abstractmethod
+    async def start(self) -> Self:
+        """Ready to hand out sandboxes (the in-process pool reaps journal orphans first)."""
+
+    @abc.abstractmethod
+    async def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """Until min_idle sandboxes are warm (TimeoutError otherwise)."""
+
+    @abc.abstractmethod
+    async def acquire(self, timeout_s: float | None = None) -> Sandbox:
+        """A sandbox for the caller until `release`; SandboxError subclasses when none comes."""
+
+    @abc.abstractmethod
+    async def release(self, sb: Sandbox, *, reuse: bool | None = None) -> None:
+        """Give `sb` back: destroyed, or reset and reused (`reuse`, default the pool's option)."""
+
+    @abc.abstractmethod
+    def stats(self) -> PoolStats: ...
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Destroy (release) every sandbox still held; nothing is left behind. Idempotent."""
+
+    async def __aenter__(self) -> Self:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    @contextlib.asynccontextmanager
+    async def sandbox(self, timeout_s: float | None = None) -> AsyncIterator[Sandbox]:
+        """`async with pool.sandbox() as sb:` acquire + release."""
+        sb = await self.acquire(timeout_s)
+        try:
+            yield sb
+        finally:
+            await self.release(sb)
+
+
+class SandboxPool(Pool):
     def __init__(
         self,
         template: SandboxTemplate,
@@ -131,7 +184,7 @@ class SandboxPool:
         self.backend = backend or make_backend(
             template.backend, state_dir=self.state_dir, journal=self.journal
         )
-        if getattr(self.backend, "journal", self.journal) is not self.journal:
+        if self.backend.journal not in (None, self.journal):  # None: the pool records them
             log.warning(
                 "pool backend writes another journal; orphan reaping uses %s", self.state_dir
             )
@@ -155,20 +208,14 @@ class SandboxPool:
         self._counts = {"created": 0, "destroyed": 0, "create_failures": 0, "health_failures": 0}
         self._acquires = 0
         self._stopping = False
-        self.orphans_reaped = 0
+        self._orphans_reaped = 0
 
     # ------------------------------------------------------------ lifecycle
 
-    async def start(self) -> SandboxPool:
-        self.orphans_reaped = await asyncio.to_thread(self.journal.reap_orphans, _reaper_for)
+    async def start(self) -> Self:
+        self._orphans_reaped = await asyncio.to_thread(self.journal.reap_orphans, reaper_for)
         self._refill_task = asyncio.get_running_loop().create_task(self._refill_loop())
         return self
-
-    async def __aenter__(self) -> SandboxPool:
-        return await self.start()
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
 
     async def wait_ready(self, timeout_s: float = 60.0) -> None:
         """Wait until min_idle sandboxes are warm (or admission forbids more)."""
@@ -429,8 +476,8 @@ class SandboxPool:
                 fut.cancel()
                 self._waiters.remove(fut)
 
-    async def release(self, sb: AgentSandbox, *, reuse: bool | None = None) -> None:
-        if sb not in self._in_use:
+    async def release(self, sb: Sandbox, *, reuse: bool | None = None) -> None:
+        if not isinstance(sb, AgentSandbox) or sb not in self._in_use:
             raise SandboxError(f"{sb} was not acquired from this pool")
         reuse = self.opts.reuse if reuse is None else reuse
         # The reset runs as a pool task the caller only waits on: a caller cancelled while the
@@ -454,15 +501,6 @@ class SandboxPool:
         self._in_use.discard(sb)
         self._destroying += 1
         self._spawn(self._destroy(sb, counted=True))
-
-    @contextlib.asynccontextmanager
-    async def sandbox(self, timeout_s: float | None = None) -> AsyncIterator[AgentSandbox]:
-        """`async with pool.sandbox() as sb:` acquire + release."""
-        sb = await self.acquire(timeout_s)
-        try:
-            yield sb
-        finally:
-            await self.release(sb)
 
     async def _destroy(self, sb: AgentSandbox, counted: bool = False) -> None:
         if not counted:
@@ -493,16 +531,10 @@ class SandboxPool:
             create_failures=self._counts["create_failures"],
             health_failures=self._counts["health_failures"],
             acquires=self._acquires,
-            acquire_wait_p50_s=_percentile(waits, 0.5),
-            acquire_wait_p99_s=_percentile(waits, 0.99),
+            acquire_wait_p50_s=percentile(waits, 0.5),
+            acquire_wait_p99_s=percentile(waits, 0.99),
             vcpu_capacity=self.vcpu_capacity,
             pinning=self.template.pinning,
             notes=list(self.pinning.notes),
+            orphans_reaped=self._orphans_reaped,
         )
-
-
-def _reaper_for(backend_name: str):  # type: ignore[no-untyped-def]
-    try:
-        return backend_class(backend_name).reap
-    except (BackendUnavailable, ValueError):
-        return reap_record

@@ -30,17 +30,12 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from slipstream.rundir import private_dir
+from slipstream.rundir import private_dir, process_start_ticks
 from slipstream.sandbox.agent_client import AgentConnection, agent_source_path
 from slipstream.sandbox.base import AgentSandbox, Backend, SandboxTemplate
 from slipstream.sandbox.cgroups import Cgroup
 from slipstream.sandbox.errors import SandboxBroken
-from slipstream.sandbox.journal import (
-    Journal,
-    SandboxRecord,
-    default_state_dir,
-    process_start_ticks,
-)
+from slipstream.sandbox.journal import Journal, SandboxRecord
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
@@ -214,11 +209,8 @@ class ProcessBackend(Backend):
     name = "process"
     isolating = False
 
-    def __init__(
-        self, state_dir: str | Path | None = None, journal: Journal | None = None, **_: object
-    ) -> None:
-        self.state_dir = Path(state_dir) if state_dir else default_state_dir()
-        self.journal = journal
+    def __init__(self, state_dir: str | Path | None = None, journal: Journal | None = None) -> None:
+        super().__init__(state_dir, journal)
         self.python = sys.executable
 
     async def create(
@@ -273,6 +265,11 @@ class ProcessBackend(Backend):
         if self.journal:
             self.journal.write(sb.record())
         return sb
+
+    @classmethod
+    def probe(cls, boot: bool = False) -> tuple[bool, str]:
+        ok, detail = super().probe(boot)
+        return ok, detail + " (NOT isolation: development only)" if ok else detail
 
     def _work_root(self) -> Path:
         return private_dir(self.state_dir / "work", mode=0o700)  # ours alone: see rundir

@@ -29,11 +29,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from slipstream.rundir import process_start_ticks
 from slipstream.sandbox.agent_client import AgentConnection
 from slipstream.sandbox.base import AgentSandbox, Backend, SandboxTemplate
 from slipstream.sandbox.errors import BackendUnavailable, SandboxBroken
 from slipstream.sandbox.image import ImagePaths, build_image
-from slipstream.sandbox.journal import Journal, SandboxRecord, process_start_ticks
+from slipstream.sandbox.journal import Journal, SandboxRecord
 from slipstream.sandbox.process import set_pdeathsig
 from slipstream.sandbox.qemu_cmdline import QEMU_BINARY, qemu_argv
 
@@ -199,21 +200,25 @@ class QemuBackend(Backend):
     name = "qemu"
     isolating = True
 
-    def __init__(self, accel: str | None = None, cache_dir: str | Path | None = None,
-                 use_cgroups: bool = True, qemu_binary: str = QEMU_BINARY,
-                 journal: Journal | None = None) -> None:  # fmt: skip
+    def __init__(self, state_dir: str | Path | None = None, journal: Journal | None = None, *,
+                 accel: str | None = None, cache_dir: str | Path | None = None,
+                 use_cgroups: bool = True, qemu_binary: str = QEMU_BINARY) -> None:  # fmt: skip
         if accel not in (None, "kvm", "tcg"):
             raise ValueError(f"qemu accel {accel!r} is not one of kvm, tcg, None (auto)")
+        super().__init__(state_dir, journal)
         self.accel = accel
         self.cache_dir = cache_dir
         self.use_cgroups = use_cgroups
         self.qemu_binary = qemu_binary
-        self.journal = journal
         self.fallbacks: list[str] = []
         self.boot_times_s: list[float] = []
         self._default_image: ImagePaths | None = None
         self._cgroups = None
         self._init_lock = asyncio.Lock()
+
+    @classmethod
+    def probe(cls, boot: bool = False) -> tuple[bool, str]:
+        return probe(boot)
 
     def _fallback(self, what: str) -> None:
         if what not in self.fallbacks:

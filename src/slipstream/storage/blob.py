@@ -47,8 +47,20 @@ _NAME_RE = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*\Z")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}\Z")
 
 # Write fences, keyed by BlobStore.fence_key: a callable that raises LockLost once this process
-# lost the store's lock (registered by storage/lock.py while a lock is held).
+# lost the store's lock (set by storage/lock.py while a lock is held).
 _FENCES: dict[str, Callable[[], None]] = {}
+
+
+def set_fence(fence_key: str, check: Callable[[], None]) -> None:
+    """Every write to the store of `fence_key` (in this process) first calls `check`, which
+    raises once the writer lost the store's lock."""
+    _FENCES[fence_key] = check
+
+
+def clear_fence(fence_key: str, check: Callable[[], None]) -> None:
+    """Remove the fence `check` of `fence_key`, unless another one replaced it since."""
+    if _FENCES.get(fence_key) == check:
+        del _FENCES[fence_key]
 
 
 def safe_name(name: Any) -> bool:

@@ -56,7 +56,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from slipstream.storage.blob import _FENCES, BlobStore, with_path
+from slipstream.rundir import process_alive, process_start_ticks
+from slipstream.storage.blob import BlobStore, clear_fence, set_fence, with_path
 from slipstream.storage.errors import InvalidEntry, LockLost, StoreLocked
 
 if TYPE_CHECKING:
@@ -82,14 +83,6 @@ def _read_text(path: str) -> str | None:
             return f.read().strip()
     except OSError:
         return None
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """Field 22 of /proc/PID/stat (start time in clock ticks); None if the process is gone."""
-    stat_line = _read_text(f"/proc/{pid}/stat")
-    if stat_line is None:
-        return None
-    return int(stat_line[stat_line.rfind(")") + 2 :].split()[19])
 
 
 def _pid_namespace() -> str | None:
@@ -121,8 +114,7 @@ def _process_gone(rec: dict[str, Any]) -> bool:
     pid = rec.get("pid")
     if not _same_machine(rec) or type(pid) is not int or pid <= 0:
         return False
-    now = process_start_ticks(pid)
-    return now is None or (rec.get("pid_start_ticks") not in (None, now))
+    return not process_alive(pid, rec.get("pid_start_ticks"))
 
 
 # ---- compare-and-swap on one object ---------------------------------------------------------
@@ -209,14 +201,18 @@ class _LocalIO:
 
 
 def _s3_error_code(e: BaseException) -> str | None:
-    """The S3 error code behind an s3fs-translated exception (PreconditionFailed, ...)."""
+    """The S3 error code behind an s3fs-translated exception (PreconditionFailed, ...): that of
+    the botocore ClientError it was raised from."""
+    try:
+        from botocore.exceptions import ClientError
+    except ModuleNotFoundError:  # no S3 support installed: no S3 error either
+        return None
     seen: BaseException | None = e
     for _ in range(4):
         if seen is None:
             return None
-        response = getattr(seen, "response", None)
-        if isinstance(response, dict):
-            return str(response.get("Error", {}).get("Code"))
+        if isinstance(seen, ClientError):
+            return str(seen.response.get("Error", {}).get("Code"))
         seen = seen.__cause__ or seen.__context__
     return None
 
@@ -472,7 +468,7 @@ class StoreLock:
             raise StoreLocked(f"{self.url}: could not take the lock after {_ATTEMPTS} tries "
                               "(another job is starting on it at the same time)")  # fmt: skip
         self.record, self._etag = rec, etag
-        _FENCES[self.blob.fence_key] = self.check
+        set_fence(self.blob.fence_key, self.check)
 
     def check(self) -> None:
         """Raise LockLost once the lock was taken over (the store's write fence)."""
@@ -523,8 +519,7 @@ class StoreLock:
         with self._mutex:
             if self.record is None:
                 return
-            if _FENCES.get(self.blob.fence_key) == self.check:
-                del _FENCES[self.blob.fence_key]
+            clear_fence(self.blob.fence_key, self.check)
             if self.lost is None:
                 self._call(self.io.delete, self._etag)
             self.record = None

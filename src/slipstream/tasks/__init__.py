@@ -1,6 +1,13 @@
 """Built-in verifiable tasks. See `slipstream.tasks.base` for the interface (`get_taskset`,
 `TaskSet`, `Task`, `Verdict`); task modules (arithmetic, countdown, code) load on demand."""
 
-from slipstream.tasks.base import GeneratedTaskSet, Task, TaskSet, Verdict, get_taskset
+from slipstream.tasks.base import (
+    GeneratedTaskSet,
+    SandboxedTaskSet,
+    Task,
+    TaskSet,
+    Verdict,
+    get_taskset,
+)
 
-__all__ = ["GeneratedTaskSet", "Task", "TaskSet", "Verdict", "get_taskset"]
+__all__ = ["GeneratedTaskSet", "SandboxedTaskSet", "Task", "TaskSet", "Verdict", "get_taskset"]

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 if TYPE_CHECKING:
     from slipstream.config.task import TaskConfig
     from slipstream.model.tokenizer import Tokenizer
+    from slipstream.sandbox.base import Sandbox
 
 # Task names served by modules other than `slipstream.tasks.<name>` (none yet).
 _MODULES: dict[str, str] = {}
@@ -115,6 +116,17 @@ class TaskSet(ABC):
     def completion_ids(self, text: str) -> list[int]:
         """Tokens of a completion text followed by EOS (the SFT target)."""
         return [*self.tokenizer.encode(text), self.tokenizer.eos_id]
+
+
+class SandboxedTaskSet(TaskSet):
+    """A task set whose verifier executes model output, so it verifies inside a sandbox: the RL
+    loop (rl/verifier.py) calls `averify` with a sandbox from its pool, and
+    `sandbox.verify_in_sandbox = auto` picks that for exactly these task sets."""
+
+    @abstractmethod
+    async def averify(self, task: Task, completion: str, sandbox: Sandbox) -> Verdict:
+        """Score a completion by running it in `sandbox` (any `slipstream.sandbox.Sandbox`).
+        Must not raise or hang on any string, as `verify`."""
 
 
 class GeneratedTaskSet(TaskSet):

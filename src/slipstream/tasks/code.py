@@ -28,16 +28,17 @@ import math
 import re
 import secrets
 import threading
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from slipstream.sandbox.errors import BackendUnavailable, SandboxBroken, SandboxError
-from slipstream.tasks.base import Task, TaskSet, Verdict, keyed_uniform
+from slipstream.tasks.base import SandboxedTaskSet, Task, Verdict, keyed_uniform
 from slipstream.tasks.code_problems import PROBLEMS, CodeProblem
 
 if TYPE_CHECKING:
     from slipstream.config.task import TaskConfig
     from slipstream.model.tokenizer import Tokenizer
-    from slipstream.sandbox.base import Sandbox
+    from slipstream.sandbox.base import ExecResult, Sandbox
 
 log = logging.getLogger(__name__)
 MAX_SOURCE_BYTES = 100_000
@@ -93,7 +94,8 @@ def expected_outputs(problem: CodeProblem) -> list[Any]:
 _expected_cache: dict[str, list[Any]] = {}
 
 
-def _expected(problem: CodeProblem) -> list[Any]:
+def expected(problem: CodeProblem) -> list[Any]:
+    """`expected_outputs(problem)`, computed once per problem and process."""
     if problem.name not in _expected_cache:
         _expected_cache[problem.name] = expected_outputs(problem)
     return _expected_cache[problem.name]
@@ -124,6 +126,68 @@ def same_value(got: Any, want: Any) -> bool:
     return type(got) is type(want) and got == want
 
 
+@dataclass
+class HarnessRun:
+    """What one run of the harness left: the exec result, the first record per test index
+    (`{"i", "value"}` or `{"i", "error"}`), the candidate's load error, or why the results file
+    could not be read (the candidate replaced or removed it; then there are no records)."""
+
+    result: ExecResult
+    records: dict[int, dict[str, Any]] = field(default_factory=dict)
+    load_error: str | None = None
+    unreadable: str | None = None
+
+
+async def run_harness(
+    problem: CodeProblem, source: bytes, sandbox: Sandbox, *, num_tests: int, timeout_s: float,
+    run_prefix: str,
+) -> HarnessRun:  # fmt: skip
+    """Run `source` against the first `num_tests` test inputs of `problem` in `sandbox`, in a
+    fresh dir `<run_prefix>-<random>` of its work dir. The expected outputs never enter the
+    sandbox. SandboxError from the exec and SandboxBroken from reading the results propagate
+    (a broken sandbox); everything the candidate does is in the returned run."""
+    run_dir = f"{run_prefix}-{secrets.token_hex(4)}"
+    files = {
+        f"{run_dir}/solution.py": source,
+        f"{run_dir}/tests.json": json.dumps([list(t) for t in problem.tests[:num_tests]]).encode(),
+        f"{run_dir}/harness.py": HARNESS.encode(),
+    }
+    result = await sandbox.exec(
+        ["python3", "-I", "-S", "harness.py", problem.name],
+        files=files,
+        timeout_s=timeout_s,
+        cwd=run_dir,
+    )
+    run = HarnessRun(result)
+    try:
+        # Regular files only (a FIFO, device or symlink the candidate put there is refused by
+        # the agent without blocking), capped, and bounded in time by the exec timeout.
+        raw = await sandbox.get_file(
+            f"{run_dir}/results.jsonl",
+            timeout_s=min(timeout_s, RESULTS_READ_TIMEOUT_S),
+            max_bytes=MAX_RESULTS_BYTES,
+        )
+    except SandboxBroken:
+        raise
+    except SandboxError as e:  # missing, too large, or not a regular file: the candidate's doing
+        run.unreadable = str(e)
+        return run
+    for line in raw.decode("utf-8", "replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(rec, dict):
+            continue
+        if "load_error" in rec:
+            run.load_error = str(rec["load_error"])
+            return run
+        i = rec.get("i")
+        if isinstance(i, int) and 0 <= i < num_tests and i not in run.records:
+            run.records[i] = rec
+    return run
+
+
 async def verify_code(
     problem: CodeProblem,
     candidate_source: str,
@@ -138,47 +202,17 @@ async def verify_code(
         return Verdict(0.0, f"candidate is {len(source)} bytes (> {MAX_SOURCE_BYTES})")
     if not source.strip():
         return Verdict(0.0, "empty candidate")
-    want = _expected(problem)
-    run_dir = f"run-{secrets.token_hex(4)}"
-    files = {
-        f"{run_dir}/solution.py": source,
-        f"{run_dir}/tests.json": json.dumps([list(t) for t in problem.tests]).encode(),
-        f"{run_dir}/harness.py": HARNESS.encode(),
-    }
+    want = expected(problem)
     try:
-        result = await sandbox.exec(
-            ["python3", "-I", "-S", "harness.py", problem.name],
-            files=files,
-            timeout_s=timeout_s,
-            cwd=run_dir,
-        )
+        run = await run_harness(problem, source, sandbox, num_tests=len(want),
+                                timeout_s=timeout_s, run_prefix="run")  # fmt: skip
     except SandboxError as e:
         return Verdict(0.0, f"sandbox failure: {str(e)[:200]}")
-    try:
-        # Regular files only (a FIFO, device or symlink the candidate put there is refused by
-        # the agent without blocking), capped, and bounded in time by the exec timeout.
-        raw = await sandbox.get_file(
-            f"{run_dir}/results.jsonl",
-            timeout_s=min(timeout_s, RESULTS_READ_TIMEOUT_S),
-            max_bytes=MAX_RESULTS_BYTES,
-        )
-    except SandboxBroken as e:
-        return Verdict(0.0, f"sandbox failure: {str(e)[:200]}")
-    except SandboxError as e:  # missing, too large, or not a regular file: the candidate's doing
-        return Verdict(0.0, f"results unreadable: {str(e)[:200]}")
-    got: dict[int, dict[str, Any]] = {}
-    for line in raw.decode("utf-8", "replace").splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(rec, dict):
-            continue
-        if "load_error" in rec:
-            return Verdict(0.0, f"does not load: {str(rec['load_error'])[:200]}")
-        i = rec.get("i")
-        if isinstance(i, int) and 0 <= i < len(want) and i not in got:
-            got[i] = rec
+    if run.unreadable is not None:
+        return Verdict(0.0, f"results unreadable: {run.unreadable[:200]}")
+    if run.load_error is not None:
+        return Verdict(0.0, f"does not load: {run.load_error[:200]}")
+    got, result = run.records, run.result
     passed = sum(
         1
         for i, w in enumerate(want)
@@ -201,7 +235,7 @@ async def verify_code(
     return Verdict(frac, f"passed {passed}/{len(want)} ({why})")
 
 
-class CodeTaskSet(TaskSet):
+class CodeTaskSet(SandboxedTaskSet):
     """The fixed problem list split into train/held-out by keyed hash of the problem name."""
 
     name = "code"
@@ -259,20 +293,20 @@ class CodeTaskSet(TaskSet):
             return self._backend
 
     def verify(self, task: Task, completion: str) -> Verdict:
-        """Sync verification in a fresh sandbox (for eval; the RL loop uses `averify` + a pool)."""
-        from slipstream.sandbox.base import SandboxTemplate
+        """Sync verification in a fresh sandbox (eval, reward-model pairs; the RL loop uses
+        `averify` with the worker's pool): a single-use pool of its own from the pool factory,
+        on this task set's backend, so the sandbox is journaled like any other (what a crash
+        leaves is reaped by the next pool that starts)."""
+        from slipstream.sandbox import PoolOptions, SandboxTemplate, open_pool
 
         backend = self._get_backend()
+        template = SandboxTemplate(backend=backend.name, memory_mib=256, workdir_mib=32)
 
         async def once() -> Verdict:
-            sb = await backend.create(
-                SandboxTemplate(backend=backend.name, memory_mib=256, workdir_mib=32),
-                sandbox_id=f"code-{secrets.token_hex(4)}",
-            )
-            try:
-                return await self.averify(task, completion, sb)
-            finally:
-                await sb.release()
+            async with open_pool(template, PoolOptions(min_idle=0, max_idle=0),
+                                 backend=backend) as pool:  # fmt: skip
+                async with pool.sandbox() as sb:
+                    return await self.averify(task, completion, sb)
 
         try:
             asyncio.get_running_loop()
