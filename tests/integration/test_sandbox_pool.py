@@ -18,9 +18,9 @@ import pytest
 
 from slipstream.sandbox.base import SandboxTemplate
 from slipstream.sandbox.errors import AdmissionTimeout
+from slipstream.sandbox.host_topology import parse_cpulist
 from slipstream.sandbox.journal import Journal, process_alive, reap_record
 from slipstream.sandbox.pool import PoolOptions, SandboxPool
-from slipstream.sandbox.topology import parse_cpulist
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not os.access("/usr/bin/bwrap", os.X_OK),

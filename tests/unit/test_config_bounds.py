@@ -126,7 +126,7 @@ FLAGS = _numeric_flags()
 
 def test_the_flag_walk_finds_the_numeric_flags() -> None:
     names = {(" ".join(p), o) for p, o, _ in FLAGS}
-    assert ("serve", "--port") in names and ("plan sweep", "--budget-per-hour") in names, names
+    assert ("serve", "--port") in names and ("plan search", "--budget-per-hour") in names, names
     assert len(FLAGS) > 20
 
 

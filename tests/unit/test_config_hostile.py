@@ -167,11 +167,11 @@ def test_serve_numeric_flags_out_of_range_are_one_line(flag: str, value: str, tm
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-1", "1e308"])
-def test_plan_sweep_budget_out_of_range_is_a_usage_error(value: str, tmp_path: Path,
+def test_plan_search_budget_out_of_range_is_a_usage_error(value: str, tmp_path: Path,
                                                          capsys) -> None:  # fmt: skip
-    """Issue 32: `plan sweep --budget-per-hour nan` ended in a traceback. Nothing is written."""
+    """Issue 32: `plan search --budget-per-hour nan` ended in a traceback. Nothing is written."""
     with pytest.raises(SystemExit) as info:
-        main(["plan", "sweep", "-c", "configs/plan/p5en-48.toml", "--budget-per-hour", value,
+        main(["plan", "search", "-c", "configs/plan/p5en-48.toml", "--budget-per-hour", value,
               "--out", str(tmp_path / "out")])  # fmt: skip
     err = capsys.readouterr().err
     assert info.value.code == 2 and "Traceback" not in err, err
@@ -179,7 +179,7 @@ def test_plan_sweep_budget_out_of_range_is_a_usage_error(value: str, tmp_path: P
     assert not (tmp_path / "out").exists()
 
 
-def test_plan_sweep_writes_under_runs_by_default_not_over_tracked_files(
+def test_plan_search_writes_under_runs_by_default_not_over_tracked_files(
     tmp_path: Path, monkeypatch, capsys
 ) -> None:
     """Issue 32: the default output was the tracked benchmarks/plan-p5en-48/frontier.json."""
@@ -187,7 +187,7 @@ def test_plan_sweep_writes_under_runs_by_default_not_over_tracked_files(
     tracked = Path("benchmarks/plan-p5en-48/frontier.json").resolve()
     before = tracked.read_bytes()
     monkeypatch.chdir(tmp_path)
-    assert main(["plan", "sweep", "-c", str(config)]) == 0
+    assert main(["plan", "search", "-c", str(config)]) == 0
     assert (tmp_path / "runs" / "plan-p5en-48" / "frontier.json").is_file()
     assert tracked.read_bytes() == before
     assert "runs/plan-p5en-48/frontier.json" in capsys.readouterr().out

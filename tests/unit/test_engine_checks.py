@@ -188,7 +188,7 @@ def hot_swap_requests() -> list[GenerateRequest]:
 def reference_routing(model: MoEForCausalLM, ids: list[int]) -> torch.Tensor:
     """(len(ids), L_moe, k) expert ids that one plain no-cache forward over `ids` routes with:
     each MoE block's `route` outputs, read by wrapping the method (not the engine's sink)."""
-    from slipstream.model.moe import SparseMoeBlock
+    from slipstream.model.moe_block import SparseMoeBlock
 
     blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
     seen: list[torch.Tensor] = []

@@ -21,7 +21,7 @@ from slipstream.engine.decode import DecodeStep, sample_rows, static_moe
 from slipstream.engine.kv_cache import Part, SlotKVCache
 from slipstream.engine.routing import RoutingRecorder
 from slipstream.model import MoEForCausalLM
-from slipstream.model.moe import Experts
+from slipstream.model.moe_block import Experts
 
 MAX_DECODE_OPS = 800  # issue 30's bound at mid / 64 rows (3,890 at f59355b)
 

@@ -14,10 +14,8 @@ do. Four rules keep it so:
 
 A finding is keyed by (file under src/slipstream, rule, the offending expression as
 `ast.unparse` writes it), so moving a line keeps its entry. A legitimate dynamic use goes into
-`ALLOWED` with a one-line reason; one that another helper of issue 33 is removing goes into
-`PENDING_OTHER_HELPERS` under that helper's name (the lead empties it after the merge). Entries
-that no longer match anything are printed (run with -s), not failed on, so a merge that removes
-a use does not break the build; delete them when you see them.
+`ALLOWED` with a one-line reason; an entry that no longer matches anything fails the test too, so
+the list never outlives the code it excuses.
 """
 
 from __future__ import annotations
@@ -49,7 +47,7 @@ ALLOWED: dict[Key, str] = {
         "a type annotation: classes have __name__, typing constructs (Literal[...]) do not",
     ("engine/guard.py", "probe", "hasattr(self, '_json')"):
         "Starlette's Request caches the parsed body in self._json, set lazily as in its own json()",
-    ("model/moe.py", "probe", "hasattr(torch, '_grouped_mm')"):
+    ("model/moe_block.py", "probe", "hasattr(torch, '_grouped_mm')"):
         "torch feature probe: torch._grouped_mm exists only in some torch builds",
     ("sandbox/guest/agent.py", "probe", "hasattr(os, 'pidfd_open')"):
         "OS feature probe: os.pidfd_open needs Linux >= 5.3 and a Python built with it",
@@ -59,32 +57,12 @@ ALLOWED: dict[Key, str] = {
         "backend registry: the class named for a backend, looked up after importlib imported it",
     ("sandbox/pool.py", "probe", "hasattr(cfg, k)"):
         "dataclass field copying: PoolOptions' fields taken from the config by computed name",
-    ("storage/lock.py", "probe", "getattr(seen, 'response', None)"):
-        "botocore's ClientError (optional dependency, wrapped by s3fs) carries the S3 response",
     ("storage/state.py", "probe", "getattr(obj, '_metadata', None)"):
         "torch state dicts carry _metadata on some OrderedDicts only (torch's own convention)",
     ("tasks/base.py", "probe", "getattr(module, 'make_taskset', None)"):
         "taskset registry: the factory of a module importlib imported by name",
 }
 # fmt: on
-
-PENDING_OTHER_HELPERS: dict[str, set[Key]] = {
-    "sandbox": {
-        ("cli/sandbox.py", "private-import", "slipstream.sandbox.pool._reaper_for"),
-        ("cli/sandbox.py", "probe", "getattr(sys.modules[cls.__module__], 'probe', None)"),
-        ("envs/sandboxes.py", "probe", "getattr(pool, 'orphans_reaped', 0)"),
-        ("rl/verifier.py", "probe", "getattr(taskset, 'averify', None)"),
-        ("rl/verifier.py", "probe", "callable(getattr(taskset, 'averify', None))"),
-        ("sandbox/agent_pool.py", "private-import", "slipstream.sandbox.pool._percentile"),
-        ("sandbox/base.py", "signature-filter", "inspect.signature"),
-        ("sandbox/pool.py", "probe", "getattr(self.backend, 'journal', self.journal)"),
-        ("storage/lock.py", "private-import", "slipstream.storage.blob._FENCES"),
-    },
-    "flow": {
-        ("model/transformer.py", "probe", "getattr(cache, 'length', None)"),
-    },
-    "planner": set(),
-}
 
 
 def _module_name(rel: str) -> str:
@@ -161,26 +139,22 @@ def _scan_package() -> list[tuple[Key, int]]:
 
 def test_src_keeps_the_house_rules() -> None:
     found = _scan_package()
-    pending = {key: helper for helper, keys in PENDING_OTHER_HELPERS.items() for key in keys}
-    assert not set(pending) & set(ALLOWED), "a finding is either allowed or pending, not both"
     violations = [f"{rel}:{line}: {rule}: {what}" for (rel, rule, what), line in found
-                  if (rel, rule, what) not in ALLOWED and (rel, rule, what) not in pending]  # fmt: skip
+                  if (rel, rule, what) not in ALLOWED]  # fmt: skip
     keys = {key for key, _ in found}
     for rule in RULES:
         of_rule = [key for key, _ in found if key[1] == rule]
         print(
             f"house rules: {rule}: {len(of_rule)} found, "
             f"{sum(k in ALLOWED for k in of_rule)} allowed, "
-            f"{sum(k in pending for k in of_rule)} pending other helpers "
-            f"({dict(Counter(pending[k] for k in of_rule if k in pending))}), "
-            f"{sum(k not in ALLOWED and k not in pending for k in of_rule)} violations"
+            f"{sum(k not in ALLOWED for k in of_rule)} violations"
         )
-    for key in sorted((set(ALLOWED) | set(pending)) - keys):
-        print(f"house rules: stale entry (matches nothing now, delete it): {key}")
+    stale = sorted(set(ALLOWED) - keys)
     assert not violations, (
         "house rules broken (see tests/unit/test_house_rules.py for the rules; a legitimate "
         "dynamic use goes into ALLOWED with a reason):\n" + "\n".join(violations)
     )
+    assert not stale, f"ALLOWED entries that match nothing any more (delete them): {stale}"
 
 
 def test_each_rule_catches_what_it_names() -> None:

@@ -26,7 +26,7 @@ from slipstream.model.converters import (
     apply_converters,
     model_converters,
 )
-from slipstream.model.moe import SparseMoeBlock
+from slipstream.model.moe_block import SparseMoeBlock
 
 VOCAB = 40
 

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from slipstream.plan.pool import ServerPool
+from slipstream.plan.fifo_servers import ServerPool
 
 
 def erlang_c_wait(lam: float, mu: float, c: int) -> float:

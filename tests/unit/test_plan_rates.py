@@ -119,5 +119,5 @@ def test_plan_subcommands_parse_their_options() -> None:
                                                                 "cmd_validate")  # fmt: skip
     c = p.parse_args(["plan", "calibrate", "runs/x", "-o", "r.toml", "--no-fit"])
     assert (c.run_dir, c.out, c.no_fit) == ("runs/x", "r.toml", True)
-    w = p.parse_args(["plan", "sweep", "-c", "f.toml", "--target-samples-per-s", "30"])
+    w = p.parse_args(["plan", "search", "-c", "f.toml", "--target-samples-per-s", "30"])
     assert (w.config, w.target_samples_per_s, w.budget_per_hour) == ("f.toml", 30.0, None)

@@ -13,7 +13,7 @@ from slipstream.config.engine import EngineConfig
 from slipstream.config.model import ModelConfig
 from slipstream.engine import GenerateRequest, NativeEngine, SamplingParams
 from slipstream.model import MoEForCausalLM
-from slipstream.model.moe import SparseMoeBlock
+from slipstream.model.moe_block import SparseMoeBlock
 from slipstream.rl import routing
 from slipstream.rl.trainer import Trainer, collate
 from slipstream.rl.types import Batch, Group, Sample, TaskRef

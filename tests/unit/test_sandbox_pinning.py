@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from slipstream.sandbox.host_topology import Topology
 from slipstream.sandbox.pinning import NoCpusFree, PinningAllocator
-from slipstream.sandbox.topology import Topology
 
 
 def topo(smt: bool = True) -> Topology:

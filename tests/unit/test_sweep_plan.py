@@ -10,8 +10,8 @@ import pytest
 
 from slipstream.cli import main
 from slipstream.config.sweep import SweepConfig
-from slipstream.sandbox.topology import read_topology
-from slipstream.sweep.plan import build_plan, density_points, format_plan
+from slipstream.sandbox.host_topology import read_topology
+from slipstream.sweep.matrix import build_plan, density_points, format_plan
 from slipstream.sweep.run import run_sweep
 from slipstream.sweep.runner import assign, pinning_units
 

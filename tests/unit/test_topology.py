@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from slipstream.sandbox.topology import format_cpulist, parse_cpulist, read_topology
+from slipstream.sandbox.host_topology import format_cpulist, parse_cpulist, read_topology
 
 FIXTURE = Path(__file__).resolve().parents[1] / "data" / "sysfs_2numa_smt_4l3"
 

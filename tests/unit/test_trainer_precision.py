@@ -9,7 +9,7 @@ import torch
 from pydantic import ValidationError
 
 from slipstream.config.rl import TrainerConfig
-from slipstream.model.moe import Experts
+from slipstream.model.moe_block import Experts
 from slipstream.rl.trainer import Trainer
 from unit.test_rl_trainer import logp_of, make_batch, tiny_model
 

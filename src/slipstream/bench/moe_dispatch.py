@@ -85,8 +85,8 @@ def _worker(
     from slipstream.moe.base import make_dispatcher
     from slipstream.moe.cost_model import random_topk
     from slipstream.moe.meter import ByteMeter
+    from slipstream.moe.rank_layout import EPGroup
     from slipstream.moe.selfcheck import reference_check
-    from slipstream.moe.topology import EPGroup
 
     check = reference_check(group)
     out: dict[str, Any] = {"check": check, "configs": []}

@@ -79,7 +79,7 @@ def _bench_shape(
     import torch
     import torch.nn.functional as F
 
-    from slipstream.model.moe import SparseMoeBlock, grouped_mm_unavailable
+    from slipstream.model.moe_block import SparseMoeBlock, grouped_mm_unavailable
 
     n, d, i, e, k = shape
     torch.manual_seed(0)
@@ -153,7 +153,7 @@ def _fmt(v: float | None) -> str:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from slipstream.model import moe
+    from slipstream.model import moe_block as moe
     from slipstream.observe.provenance import collect_provenance, write_result
 
     torch.set_num_threads(args.threads)

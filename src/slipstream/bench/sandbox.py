@@ -221,7 +221,7 @@ def goals_for(b: dict[str, Any]) -> list[dict[str, Any]]:
 def run(args: argparse.Namespace) -> int:
     from slipstream.observe.provenance import collect_provenance, write_result
     from slipstream.sandbox.errors import BackendUnavailable, SandboxError
-    from slipstream.sandbox.topology import read_topology
+    from slipstream.sandbox.host_topology import read_topology
 
     logging.basicConfig(level=logging.ERROR)
     if args.case == "shared-agent":
@@ -258,7 +258,7 @@ def run_shared_agent_case(args: argparse.Namespace) -> int:
     from slipstream.bench.sandbox_agent import print_table, run_shared_agent
     from slipstream.observe.provenance import collect_provenance, write_result
     from slipstream.sandbox.errors import SandboxError
-    from slipstream.sandbox.topology import read_topology
+    from slipstream.sandbox.host_topology import read_topology
 
     for name, v in (("--workers", args.workers), ("--iterations", args.iterations)):
         if v < 1:

@@ -108,7 +108,7 @@ def run_preset(args: argparse.Namespace) -> int:
     from slipstream.config.model import ModelConfig
     from slipstream.config.rl import TrainerConfig
     from slipstream.model import MoEForCausalLM
-    from slipstream.model.moe import fallbacks
+    from slipstream.model.moe_block import fallbacks
     from slipstream.observe.provenance import collect_provenance, write_result
     from slipstream.rl.trainer import Trainer
     from slipstream.rl.types import Batch, Group, Sample, TaskRef

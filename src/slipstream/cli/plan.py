@@ -1,4 +1,4 @@
-"""`slipstream plan simulate|sweep|calibrate|validate`: the capacity planner (docs/plan.md).
+"""`slipstream plan simulate|search|calibrate|validate`: the capacity planner (docs/plan.md).
 
 Imports nothing that imports torch: planning runs on a laptop without the training stack.
 """
@@ -22,7 +22,7 @@ EPILOG = """\
 examples:
   slipstream plan simulate -c configs/plan/p5en-48.toml
   slipstream plan simulate -c configs/plan/p5en-48.toml --trainer.num_nodes=20 --rollout.num_instances=14
-  slipstream plan sweep -c configs/plan/p5en-48.toml --budget-per-hour 3000
+  slipstream plan search -c configs/plan/p5en-48.toml --budget-per-hour 3000
   slipstream plan calibrate runs/quickstart -o runs/quickstart/rates.toml   # -c: the job's config
   slipstream plan validate          # real runs here vs predictions -> benchmarks/results/plan-validation.json"""
 
@@ -38,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--json", action="store_true", help="print the result as JSON")
     s.set_defaults(func=cmd_simulate)
 
-    w = psub.add_parser("sweep", help="search trainer:rollout splits; frontier, plot, advice")
+    w = psub.add_parser("search", help="search trainer:rollout splits; frontier, plot, advice")
     add_config_args(w, quickstart_default=False)
     w.add_argument("--budget-per-hour", type=float, default=None, help="$/h cap (overrides file)")
     w.add_argument("--target-samples-per-s", type=float, default=None,
@@ -48,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="directory for frontier.png / frontier.json (default runs/plan-NAME)",
     )
-    w.set_defaults(func=cmd_sweep)
+    w.set_defaults(func=cmd_search)
 
     c = psub.add_parser("calibrate", help="write a rates file from a finished run's measurements")
     c.add_argument("run_dir", metavar="RUN_DIR", help="the run's output_dir (metrics.jsonl, ...)")
@@ -114,7 +114,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_sweep(args: argparse.Namespace) -> int:
+def cmd_search(args: argparse.Namespace) -> int:
     from slipstream.plan import load_rates
     from slipstream.plan.report import print_sweep
     from slipstream.plan.search import run_sweep

@@ -237,7 +237,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from slipstream.sandbox.topology import read_topology
+    from slipstream.sandbox.host_topology import read_topology
 
     logging.basicConfig(level=logging.ERROR)
     rows = doctor_report(boot=args.boot)

@@ -50,7 +50,7 @@ def _group(text: str) -> int:
 
 
 def _cpus(text: str) -> list[int]:
-    from slipstream.sandbox.topology import parse_cpulist
+    from slipstream.sandbox.host_topology import parse_cpulist
 
     try:
         cpus = parse_cpulist(text)

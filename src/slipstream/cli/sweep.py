@@ -228,7 +228,7 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from slipstream.sweep.plan import format_plan
+    from slipstream.sweep.matrix import format_plan
     from slipstream.sweep.run import make_plan, run_sweep
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

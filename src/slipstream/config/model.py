@@ -8,7 +8,7 @@ from pydantic import Field
 from slipstream.config.base import Section
 
 MoEImpl = Literal["grouped", "grouped_mm", "loop"]
-"""The expert compute paths `model.moe_impl` may name (model/moe.py implements each)."""
+"""The expert compute paths `model.moe_impl` may name (model/moe_block.py implements each)."""
 MOE_IMPLS: tuple[str, ...] = get_args(MoEImpl)
 """The same list as a tuple (validation messages, benchmarks): one list, not a second copy."""
 
@@ -63,5 +63,5 @@ class ModelConfig(Section):
     assignments by expert and runs two torch._grouped_mm calls, no host sync (where _grouped_mm
     cannot run, e.g. float32 on CUDA, a per-expert loop: a logged, recorded fallback);
     `grouped_mm` the same but an error instead of the fallback; `loop` is the slow per-expert
-    reference (model/moe.py). Applied to a built model by its converter (model/converters.py
+    reference (model/moe_block.py). Applied to a built model by its converter (model/converters.py
     `ExpertPath`, from `model_converters`); building `MoEForCausalLM` does not read it."""

@@ -41,7 +41,7 @@ from slipstream.engine.batch import RunningBatch
 from slipstream.engine.routing import RoutingRecorder
 from slipstream.engine.sampling import RowParams, raw_top_logprobs, sample
 from slipstream.model.layers import Attention
-from slipstream.model.moe import SparseMoeBlock
+from slipstream.model.moe_block import SparseMoeBlock
 
 log = logging.getLogger(__name__)
 

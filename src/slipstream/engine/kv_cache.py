@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from slipstream.model.kv_cache import sdpa
+from slipstream.model.attention import sdpa
 
 
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

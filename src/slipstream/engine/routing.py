@@ -1,6 +1,6 @@
 """Recording MoE routing during the engine's forwards, and its SGLang wire format.
 
-The model exposes its routing through `SparseMoeBlock.routing_sink` (model/moe.py): when set, the
+The model exposes its routing through `SparseMoeBlock.routing_sink` (model/moe_block.py): when set, the
 block calls it with the top-k expert ids (N, k) it routed every token of the forward with, the
 very tensor its experts then use, so what is recorded is what was computed (no recomputation,
 no change to the forward's numerics). The engine sets the sinks only for forwards in which some
@@ -26,7 +26,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from slipstream.model.moe import SparseMoeBlock
+from slipstream.model.moe_block import SparseMoeBlock
 
 
 def routing_dtype(num_experts: int) -> torch.dtype:

@@ -2,6 +2,7 @@
 Importing this package imports torch."""
 
 from slipstream.config.model import ModelConfig
+from slipstream.model.attention import KVCache, causal_attend, sdpa
 from slipstream.model.checkpoint import (
     RowReader,
     hf_config_from_model_config,
@@ -14,8 +15,7 @@ from slipstream.model.checkpoint import (
     save_pretrained,
     state_dict_to_hf,
 )
-from slipstream.model.kv_cache import KVCache, causal_attend, sdpa
-from slipstream.model.moe import load_balancing_loss, router_z_loss
+from slipstream.model.moe_block import load_balancing_loss, router_z_loss
 from slipstream.model.transformer import ModelOutput, MoEForCausalLM, is_moe_layer
 
 ModelArgs = ModelConfig

@@ -16,7 +16,7 @@ the model, never the config: `model.config` stays the architecture it was built 
 Not converters: the compute precision (`trainer.precision`) is autocast around the trainer's
 forward over float32 master weights (rl/trainer.py), not a change of the model; where the
 grouped GEMM cannot run in that dtype, the expert path falls back or fails per `moe_impl`
-(model/moe.py). The inference engine's static decode path (engine/decode.py `static_moe`) is
+(model/moe_block.py). The inference engine's static decode path (engine/decode.py `static_moe`) is
 scoped to its decode calls and restores the converted path after them.
 """
 
@@ -30,7 +30,7 @@ import torch
 
 from slipstream.config.model import MOE_IMPLS, MoEImpl
 from slipstream.config.rl import TrainerConfig
-from slipstream.model.moe import SparseMoeBlock
+from slipstream.model.moe_block import SparseMoeBlock
 from slipstream.model.transformer import MoEForCausalLM
 
 
@@ -44,7 +44,7 @@ class ModelConverter(Protocol):
 
 @dataclass(frozen=True)
 class ExpertPath:
-    """Every MoE block of the model runs the expert path `impl` (model/moe.py)."""
+    """Every MoE block of the model runs the expert path `impl` (model/moe_block.py)."""
 
     impl: MoEImpl
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream.model.kv_cache import KVCache, causal_attend
+from slipstream.model.attention import KVCache, causal_attend
 
 
 class RMSNorm(nn.Module):

@@ -15,7 +15,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from slipstream.config.model import ModelConfig
-from slipstream.model.kv_cache import KVCache
+from slipstream.model.attention import KVCache
 from slipstream.model.layers import (
     MLP,
     Attention,
@@ -24,7 +24,7 @@ from slipstream.model.layers import (
     packed_rope_tables,
     rope_cos_sin,
 )
-from slipstream.model.moe import Experts, SparseMoeBlock, load_balancing_loss, router_z_loss
+from slipstream.model.moe_block import Experts, SparseMoeBlock, load_balancing_loss, router_z_loss
 
 
 @dataclass

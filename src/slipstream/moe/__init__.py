@@ -11,7 +11,7 @@ from slipstream.moe.cost_model import (
 )
 from slipstream.moe.layer import ExpertParallelMoE, run_local_experts, shard_experts
 from slipstream.moe.meter import ByteMeter
-from slipstream.moe.topology import EPGroup, Topology
+from slipstream.moe.rank_layout import EPGroup, Topology
 
 __all__ = [
     "DISPATCHER_TYPES",

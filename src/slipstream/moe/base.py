@@ -30,7 +30,7 @@ import torch
 
 from slipstream.moe.comm import Channel
 from slipstream.moe.meter import ByteMeter
-from slipstream.moe.topology import EPGroup
+from slipstream.moe.rank_layout import EPGroup
 
 DISPATCHER_TYPES = {
     "padded": "slipstream.moe.padded:PaddedDispatcher",

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream.moe.meter import ByteMeter
-from slipstream.moe.topology import Topology
+from slipstream.moe.rank_layout import Topology
 
 
 def _a2a(x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:

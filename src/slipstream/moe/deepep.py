@@ -62,7 +62,7 @@ import torch
 
 from slipstream.moe.base import BaseDispatcher, HandleBase
 from slipstream.moe.meter import ByteMeter
-from slipstream.moe.topology import EPGroup
+from slipstream.moe.rank_layout import EPGroup
 
 MODES = ("normal", "low_latency")
 NVL_PEERS = 8

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slipstream.model.moe import combine_topk
+from slipstream.model.moe_block import combine_topk
 from slipstream.moe.base import BaseDispatcher, HandleBase
 
 

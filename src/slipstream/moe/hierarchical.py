@@ -20,7 +20,7 @@ columns beside the activations, in x's dtype) through a differentiable all-to-al
 its gradient back the same way.
 Inter-node payload per token = number of distinct REMOTE nodes among its experts, vs. the number
 of remote experts for `exact`; see cost_model.py for the expectation under uniform routing.
-On one machine the "nodes" are simulated groups of ranks (topology.py).
+On one machine the "nodes" are simulated groups of ranks (rank_layout.py).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 from slipstream.moe.base import BaseDispatcher, HandleBase
 from slipstream.moe.comm import Channel
 from slipstream.moe.meter import ByteMeter
-from slipstream.moe.topology import EPGroup
+from slipstream.moe.rank_layout import EPGroup
 
 
 @dataclass

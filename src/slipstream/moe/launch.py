@@ -1,7 +1,7 @@
 """Run a function on `num_nodes x ranks_per_node` local processes as one EP group.
 
 Used by the tests and `slipstream bench moe-dispatch` to run the dispatchers for real on one
-machine: `runtime.spawn_ranks` (gloo over loopback; nodes are simulated, see topology.py), then
+machine: `runtime.spawn_ranks` (gloo over loopback; nodes are simulated, see rank_layout.py), then
 every rank builds the EP layout and calls target(ep_group, **kwargs); the (picklable) return
 values come back in rank order. A failing rank makes the others stop and this raise.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from slipstream.moe.topology import EPGroup
+from slipstream.moe.rank_layout import EPGroup
 from slipstream.runtime import resolve_target, spawn_ranks
 
 

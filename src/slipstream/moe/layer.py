@@ -31,7 +31,7 @@ import copy
 import torch
 from torch import nn
 
-from slipstream.model.moe import Experts, SparseMoeBlock
+from slipstream.model.moe_block import Experts, SparseMoeBlock
 from slipstream.moe.base import Dispatcher
 
 

@@ -15,7 +15,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from slipstream.moe.topology import Topology
+from slipstream.moe.rank_layout import Topology
 
 LINKS = ("self", "intra", "inter")
 KINDS = ("payload", "meta")

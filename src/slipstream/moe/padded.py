@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from slipstream.model.moe import combine_topk
+from slipstream.model.moe_block import combine_topk
 from slipstream.moe.base import BaseDispatcher, HandleBase
 from slipstream.moe.meter import ByteMeter
-from slipstream.moe.topology import EPGroup
+from slipstream.moe.rank_layout import EPGroup
 
 log = logging.getLogger(__name__)
 

@@ -20,11 +20,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slipstream.model.moe import SparseMoeBlock
+from slipstream.model.moe_block import SparseMoeBlock
 from slipstream.moe.base import make_dispatcher
 from slipstream.moe.cost_model import distinct_nodes_per_token, random_topk
 from slipstream.moe.layer import ExpertParallelMoE
-from slipstream.moe.topology import EPGroup
+from slipstream.moe.rank_layout import EPGroup
 
 TYPES = ("padded", "exact", "hierarchical")
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from slipstream.config.rl import TrainerConfig
-from slipstream.moe.topology import EPGroup, Topology
+from slipstream.moe.rank_layout import EPGroup, Topology
 
 
 @dataclass(frozen=True)

@@ -35,10 +35,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from slipstream.model import MoEForCausalLM, RowReader
-from slipstream.model.moe import SparseMoeBlock
+from slipstream.model.moe_block import SparseMoeBlock
 from slipstream.moe import make_dispatcher
 from slipstream.moe.layer import ExpertParallelExperts
-from slipstream.moe.topology import EPGroup
+from slipstream.moe.rank_layout import EPGroup
 from slipstream.parallel.layout import Layout, Meshes
 
 

@@ -5,7 +5,7 @@ quickstart on an idle host): `[loop]` (the RL algorithm's shape: batch, group si
 bound), `[trainer]` (step-time model, nodes, price, `[trainer.ep]` expert-parallel traffic),
 `[rollout]` (instances, worker settings, `[rollout.engine]` throughput model, `[rollout.spot]`
 interruptions), `[verifier]` (latency distribution and concurrency), `[sweep]` (what `slipstream
-plan sweep` searches), `[calibration]` (where the numbers came from; free text, not used).
+plan search` searches), `[calibration]` (where the numbers came from; free text, not used).
 
 `load_rates(path, overrides)` fails with ConfigError naming key, value and file, like
 `slipstream.config.load_config`; relative paths inside Dist tables are resolved against the
@@ -164,7 +164,7 @@ class SpotRates(Section):
 
 class RolloutRates(Section):
     num_instances: int = Field(default=1, ge=1)
-    """Rollout instances (a worker with its engine); `plan sweep` derives it from the split."""
+    """Rollout instances (a worker with its engine); `plan search` derives it from the split."""
     nodes_per_instance: int = Field(default=1, ge=1)
     """Nodes one instance spans (e.g. 2 for an EP16 inference server on 8-GPU nodes)."""
     max_inflight_tasks: int = Field(default=8, ge=1)
@@ -289,7 +289,7 @@ class PlanConfig(Section):
     verifier: VerifierRates = Field(default_factory=VerifierRates)
     """Verification latency and concurrency."""
     sweep: SweepRates = Field(default_factory=SweepRates)
-    """What `slipstream plan sweep` searches and optimises."""
+    """What `slipstream plan search` searches and optimises."""
     calibration: CalibrationInfo = Field(default_factory=CalibrationInfo)
     """Where the numbers came from (not read by the simulator)."""
 

@@ -81,7 +81,7 @@ def print_sweep(console: Console, plan: PlanConfig, res: Any) -> None:
     from slipstream.plan.costs import describe_ep
 
     frontier = {p.label for p in res.frontier}
-    t = Table(title=f"plan sweep: {plan.name or 'rates'} ({len(res.points)} points, "
+    t = Table(title=f"plan search: {plan.name or 'rates'} ({len(res.points)} points, "
               f"{res.wall_s:.1f} s; * = on the frontier)")  # fmt: skip
     for col in ("point", "train:rollout nodes", "samples/s", "trainer idle", "engines busy",
                 "wasted", "$/h", "$/1k samples"):  # fmt: skip

@@ -1,4 +1,4 @@
-"""`slipstream plan sweep`: search trainer:rollout splits, then sandbox density and Spot share at
+"""`slipstream plan search`: search trainer:rollout splits, then sandbox density and Spot share at
 the best split; the frontier, a plot and a recommendation with its reason.
 
 Search (coordinate-wise, so a sweep is a few dozen simulations):

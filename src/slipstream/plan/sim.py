@@ -42,8 +42,8 @@ import numpy as np
 
 from slipstream.plan.dists import Sampler, dist_mean
 from slipstream.plan.ep import ep_comm_s
+from slipstream.plan.fifo_servers import ServerPool
 from slipstream.plan.instance import Instance, Work, backoff_chain, wake_on_notify
-from slipstream.plan.pool import ServerPool
 from slipstream.plan.rates import PlanConfig
 from slipstream.plan.results import SimResult, window_figures
 from slipstream.plan.rollout import RolloutMixin

@@ -164,7 +164,7 @@ def freeze_routers(model: nn.Module) -> list[str]:
     that moves flips tokens' top-k expert choice, a discontinuous change of the function. Under the
     small, noisy RL gradients this routing drift degraded held-out accuracy at lr >= 1e-4 on the
     quickstart model (docs/rl.md); experts, attention and embeddings still train."""
-    from slipstream.model.moe import SparseMoeBlock
+    from slipstream.model.moe_block import SparseMoeBlock
 
     names = []
     for mod_name, mod in model.named_modules():

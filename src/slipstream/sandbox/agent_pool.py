@@ -71,7 +71,7 @@ if TYPE_CHECKING:
 
     from slipstream.config.sandbox import SandboxConfig
     from slipstream.sandbox.base import Backend
-    from slipstream.sandbox.topology import Topology
+    from slipstream.sandbox.host_topology import Topology
 
 log = logging.getLogger(__name__)
 PROXY_GRACE_S = 10.0  # beyond the agent's own bounds: a loaded host, one more hop

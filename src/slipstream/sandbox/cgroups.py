@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from slipstream.sandbox.topology import format_cpulist
+from slipstream.sandbox.host_topology import format_cpulist
 
 log = logging.getLogger(__name__)
 

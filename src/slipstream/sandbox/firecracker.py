@@ -111,7 +111,7 @@ def jailer_argv(*, vm_id: str, firecracker: str, jailer: str, uid: int, gid: int
                 cgroup_version: int, memory_mib: int, cpus: tuple[int, ...] | None,
                 mems: tuple[int, ...] | None) -> list[str]:  # fmt: skip
     """The jailer command line. cpuset.mems pins guest memory to NUMA nodes (`local` placement)."""
-    from slipstream.sandbox.topology import format_cpulist
+    from slipstream.sandbox.host_topology import format_cpulist
 
     mem_key = "memory.limit_in_bytes" if cgroup_version == 1 else "memory.max"
     argv = [jailer, "--id", vm_id, "--exec-file", firecracker, "--uid", str(uid), "--gid", str(gid),

@@ -70,9 +70,9 @@ from slipstream.sandbox.host_socket import (
     take_state_lock,
     unlink_socket,
 )
+from slipstream.sandbox.host_topology import Topology
 from slipstream.sandbox.pinning import NoCpusFree
 from slipstream.sandbox.pool import PoolOptions, SandboxPool
-from slipstream.sandbox.topology import Topology
 
 log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 10.0

@@ -1,4 +1,4 @@
-"""CPU and memory placement of sandboxes, allocated from the host `Topology` (topology.py).
+"""CPU and memory placement of sandboxes, allocated from the host `Topology` (host_topology.py).
 
 Policies (`SandboxTemplate.pinning`), each exclusive — a CPU belongs to at most one live sandbox:
 - `none`:   no CPU set (the sandbox may run anywhere its cgroup parent allows); no allocation.
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 
-from slipstream.sandbox.topology import Topology, format_cpulist
+from slipstream.sandbox.host_topology import Topology, format_cpulist
 
 
 class NoCpusFree(Exception):

@@ -50,9 +50,9 @@ from slipstream.sandbox.base import (
     reaper_for,
 )
 from slipstream.sandbox.errors import AdmissionTimeout, SandboxError
+from slipstream.sandbox.host_topology import Topology, read_topology
 from slipstream.sandbox.journal import Journal, default_state_dir
 from slipstream.sandbox.pinning import NoCpusFree, PinningAllocator
-from slipstream.sandbox.topology import Topology, read_topology
 
 if TYPE_CHECKING:
     from slipstream.config.sandbox import SandboxConfig

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from slipstream.config.sweep import SweepConfig
 from slipstream.observe.provenance import collect_provenance
-from slipstream.sandbox.topology import read_topology
-from slipstream.sweep.plan import Plan, build_plan, estimate_cell_s
+from slipstream.sandbox.host_topology import read_topology
+from slipstream.sweep.matrix import Plan, build_plan, estimate_cell_s
 from slipstream.sweep.report import PROVENANCE, SAMPLES, build_outputs
 from slipstream.sweep.runner import noise_check, run_cell
 from slipstream.sweep.samples import Sample, write_samples

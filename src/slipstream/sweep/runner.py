@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slipstream.config.sweep import SweepConfig
-from slipstream.sandbox.topology import Topology, format_cpulist
-from slipstream.sweep.plan import Cell, Plan
+from slipstream.sandbox.host_topology import Topology, format_cpulist
+from slipstream.sweep.matrix import Cell, Plan
 from slipstream.sweep.samples import Sample
 from slipstream.sweep.workloads import Workload
 

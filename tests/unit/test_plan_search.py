@@ -1,5 +1,5 @@
-"""`plan sweep`: choice rules, Pareto frontier, and the command on the p5en-48 example (a reduced
-search so the test stays short; the full one is `slipstream plan sweep -c
+"""`plan search`: choice rules, Pareto frontier, and the command on the p5en-48 example (a reduced
+search so the test stays short; the full one is `slipstream plan search -c
 configs/plan/p5en-48.toml`)."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def test_default_splits_leave_whole_instances() -> None:
 
 def test_sweep_command_prints_frontier_and_writes_plot(tmp_path: Path) -> None:
     code = "import sys; from slipstream.cli import main; sys.exit(main())"
-    args = ["plan", "sweep", "-c", "configs/plan/p5en-48.toml", "--out", str(tmp_path),
+    args = ["plan", "search", "-c", "configs/plan/p5en-48.toml", "--out", str(tmp_path),
             "--sweep.train_nodes=[12,16,20]", "--sweep.densities=[0.5,1.0]",
             "--sweep.spot_fractions=[0.0]", "--sweep.steps=6", "--loop.warmup_steps=2",
             "--budget-per-hour", "2000"]  # fmt: skip

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from slipstream.config.sweep import SweepConfig
-from slipstream.sandbox.topology import Topology, format_cpulist
+from slipstream.sandbox.host_topology import Topology, format_cpulist
 
 # Rough single-sandbox costs (s) used only for the --dry-run duration estimate. Creation: measured
 # on the dev machines (bwrap ~4 ms spawn, qemu TCG boot ~2 s); workloads: one idle vCPU.
