@@ -39,7 +39,7 @@ import tempfile
 import time
 from typing import Any
 
-from slipstream.bench.models import MODELS
+from slipstream.bench.models import MODELS, build_bench_model
 
 EOS = 2
 # --preset: (model, workload, vocab, rows, transformers baseline)
@@ -90,25 +90,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--group", type=int, default=8, help="--prefix-cache: GRPO requests per prompt")
     p.add_argument("--turns", type=int, default=4, help="--prefix-cache: turns per episode")
     p.set_defaults(func=run)
-
-
-def build_bench_model(name: str, vocab: int, max_pos: int, device: str, seed: int,
-                      dtype: str = "float32") -> Any:  # fmt: skip
-    """Random weights made on `device` (a 3B-parameter preset initialised on the host would take
-    a minute), then cast to `dtype`."""
-    import torch
-
-    from slipstream.config.model import ModelConfig
-    from slipstream.model import MoEForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=vocab, max_position_embeddings=max_pos, **MODELS[name])
-    with torch.device("meta"):
-        model = MoEForCausalLM(cfg)
-    model = model.to_empty(device=device)
-    model.init_weights()
-    model.tie_weights()
-    return model.to(getattr(torch, dtype)).eval()
 
 
 def _prompts(num: int, vocab: int, seed: int) -> list[list[int]]:

@@ -92,7 +92,7 @@ def _summary(stats: dict[str, float], out: list[Any], wall: float) -> dict[str, 
 def run_prefix_cache(args: argparse.Namespace) -> int:
     import torch
 
-    from slipstream.bench.engine import build_bench_model
+    from slipstream.bench.models import build_bench_model
     from slipstream.observe.provenance import collect_provenance, write_result
 
     torch.set_num_threads(args.threads)

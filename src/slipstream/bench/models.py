@@ -7,6 +7,10 @@ layer shape, 4 of its 48 layers: hidden 2048, 32 / 4 heads of 128, 128 experts t
 32,000 vocabulary where a bench (weights) needs it; 3.6 GB in fp32. `GPU_PRESETS`: the
 complete shapes of `bench train --preset` (vocabulary included)."""
 
+from __future__ import annotations
+
+from typing import Any
+
 MODELS = {
     "quickstart": dict(hidden_size=128, num_hidden_layers=4, num_experts=8, num_experts_per_tok=2),
     "larger": dict(
@@ -46,3 +50,22 @@ GPU_PRESETS = {
         num_experts_per_tok=2, max_position_embeddings=256,
     ),
 }  # fmt: skip
+
+
+def build_bench_model(name: str, vocab: int, max_pos: int, device: str, seed: int,
+                      dtype: str = "float32") -> Any:  # fmt: skip
+    """Random weights made on `device` (a 3B-parameter preset initialised on the host would take
+    a minute), then cast to `dtype`."""
+    import torch
+
+    from slipstream.config.model import ModelConfig
+    from slipstream.model import MoEForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=vocab, max_position_embeddings=max_pos, **MODELS[name])
+    with torch.device("meta"):
+        model = MoEForCausalLM(cfg)
+    model = model.to_empty(device=device)
+    model.init_weights()
+    model.tie_weights()
+    return model.to(getattr(torch, dtype)).eval()

@@ -11,9 +11,6 @@ import asyncio
 import base64
 import io
 import pickle
-import socket
-import threading
-import time
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
@@ -171,41 +168,3 @@ def _load_ipc_tensors(payloads: list[str]) -> dict[str, Any]:  # pragma: no cove
                          "has one rank")  # fmt: skip
     items = _IPCUnpickler(io.BytesIO(base64.b64decode(payloads[0]))).load()
     return dict(items)
-
-
-class EngineEndpoint:
-    """An in-process engine served over HTTP (the full `create_app`: SGLang's endpoints, these
-    weight routes included) from a background thread on `host` and a free port, every endpoint
-    but /health behind `api_key`: how a rollout worker's native engine takes weight pushes
-    (engine.weight_sync = distributed). `url` once constructed; `close()` stops it."""
-
-    def __init__(self, engine: Any, tokenizer: Any, *, timeout_s: float, api_key: str,
-                 host: str = "127.0.0.1", start_timeout_s: float = 60.0) -> None:  # fmt: skip
-        import uvicorn
-
-        from slipstream.engine.guard import ServeOptions
-        from slipstream.engine.server import create_app
-
-        # every endpoint behind the key: other users of the machine can reach loopback too
-        options = ServeOptions(served_model_name="rollout-engine", api_key=api_key,
-                               api_key_scope="all", weight_sync_timeout_s=timeout_s)  # fmt: skip
-        app = create_app(engine, tokenizer, options=options)
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, 0))
-        self.url = f"http://{host}:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="off")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       daemon=True, name="engine-endpoint")  # fmt: skip
-        self.thread.start()
-        deadline = time.monotonic() + start_timeout_s
-        while not self.server.started:  # a condition the server sets, polled
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"engine endpoint on {self.url} did not start")
-            time.sleep(0.01)
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.sock.close()

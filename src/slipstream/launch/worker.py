@@ -152,7 +152,7 @@ def build_worker(spec: WorkerSpec, worker_id: str, coord: Any = None) -> Any:
             # the trainer pushes every version to this engine through SGLang's endpoints
             import secrets
 
-            from slipstream.engine.weight_routes import EngineEndpoint
+            from slipstream.engine.server import EngineEndpoint
 
             key = secrets.token_urlsafe(32)  # given to the trainer over the coordinator's channel
             worker.weight_endpoint = EngineEndpoint(engine, taskset.tokenizer, api_key=key,
