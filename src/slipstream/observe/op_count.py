@@ -7,7 +7,9 @@ launch and one trip through the Python/C++ dispatcher, so the count is the launc
 budget of a step; a host sync stalls the CPU until the device catches up.
 
 Host syncs counted: `aten::_local_scalar_dense` (what `.item()`, `float(t)`, `int(t)`,
-`bool(t)` lower to), `aten::nonzero` and its variants (`torch.where(cond)`), indexing with a
+`bool(t)` lower to; `aten::item` itself under inference mode, where it is not decomposed), copies
+from another device to the CPU (counted as "aten::_to_copy(to host)" / "aten::copy_(to host)":
+`Tensor.cpu()`, and `.tolist()` of a device tensor), `aten::nonzero` and its variants (`torch.where(cond)`), indexing with a
 boolean mask (counted as "aten::index(bool mask)": its nonzero runs inside the kernel), `aten::equal` and `aten::is_nonzero` (Python truthiness of a tensor).
 Each of these must read a device value on the host before the next op can be issued.
 `Tensor.tolist()` and `Tensor.numpy()` read a tensor on the host too, but on a CPU tensor they
@@ -32,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 MASK_INDEX = "aten::index(bool mask)"
+TO_HOST = "(to host)"  # suffix of a copy from another device to the CPU
 _MASK_INDEXING = frozenset(
     {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
 )
@@ -39,6 +42,9 @@ SYNC_OPS = frozenset(
     {
         MASK_INDEX,
         "aten::_local_scalar_dense",
+        "aten::item",
+        f"aten::_to_copy{TO_HOST}",
+        f"aten::copy_{TO_HOST}",
         "aten::nonzero",
         "aten::nonzero_static",  # static size: no sync on CUDA, but listed so a count shows it
         "aten::nonzero_numpy",
@@ -116,6 +122,8 @@ class _Counter(TorchDispatchMode):
         if name in _MASK_INDEXING and _has_bool_index(args):
             # a bool mask index runs nonzero inside the kernel on CPU (no dispatch to see)
             name = MASK_INDEX
+        elif _is_to_host_copy(func, args, kwargs or {}):
+            name += TO_HOST
         self.calls[name] += 1
         return func(*args, **(kwargs or {}))
 
@@ -125,6 +133,18 @@ def _has_bool_index(args: tuple) -> bool:
     return isinstance(indices, list | tuple) and any(
         isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices
     )
+
+
+def _is_to_host_copy(func: Any, args: tuple, kwargs: dict) -> bool:
+    """A copy that lands on the CPU from another device (`_to_copy` / `copy_`)."""
+    if func is torch.ops.aten._to_copy.default:
+        src, dst = args[0], kwargs.get("device")
+        return (isinstance(src, torch.Tensor) and src.device.type != "cpu" and dst is not None
+                and torch.device(dst).type == "cpu")  # fmt: skip
+    if func is torch.ops.aten.copy_.default:
+        dst, src = args[0], args[1]
+        return dst.device.type == "cpu" and src.device.type != "cpu"
+    return False
 
 
 _HOST_READS = {torch.Tensor.tolist: "Tensor.tolist", torch.Tensor.numpy: "Tensor.numpy"}
