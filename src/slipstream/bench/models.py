@@ -31,18 +31,13 @@ VOCAB = {"mid": 32_000}
 """Vocabulary of a preset whose vocabulary is not the task tokenizer's."""
 
 GPU_PRESETS = {
-    # issue 29's mid shape: 0.91B parameters, 176M active
-    "mid": dict(
-        vocab_size=32_000, hidden_size=1024, num_hidden_layers=16, num_attention_heads=16,
-        num_key_value_heads=4, head_dim=64, moe_intermediate_size=512, num_experts=32,
-        num_experts_per_tok=4, max_position_embeddings=4096,
-    ),
-    # Qwen3-30B-A3B's real decoder layer, 4 of them, and its vocabulary
-    "qwen3-30b-a3b-4l": dict(
-        vocab_size=151_936, hidden_size=2048, num_hidden_layers=4, num_attention_heads=32,
-        num_key_value_heads=4, head_dim=128, moe_intermediate_size=768, num_experts=128,
-        num_experts_per_tok=8, max_position_embeddings=4096, rope_theta=1_000_000.0,
-    ),
+    # issue 29's mid shape: 0.91B parameters, 176M active (the engine's "mid", one definition)
+    "mid": {**MODELS["mid"], "vocab_size": VOCAB["mid"], "max_position_embeddings": 4096},
+    # Qwen3-30B-A3B's real decoder layer, 4 of them, its vocabulary and RoPE base
+    "qwen3-30b-a3b-4l": {
+        **MODELS["qwen3-30b-a3b-4l"], "vocab_size": 151_936, "max_position_embeddings": 4096,
+        "rope_theta": 1_000_000.0,
+    },
     # a CPU-test scale (tests/unit/test_bench_train.py)
     "tiny": dict(
         vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
