@@ -2,6 +2,7 @@
 """Summarise quickstart runs (`slipstream run` output dirs) as one Markdown table row each.
 
     python3 scripts/quickstart-summary.py RUN_DIR [RUN_DIR ...] [--runs runs.tsv]
+    python3 scripts/quickstart-summary.py --curve --target 0.75 KNOBS_DIR/runs/*-seed*/
 
 Per run: the SFT's wall time (its last `elapsed_s`), held-out pass@1 after SFT and after RL,
 the gain, the RL loop's wall time and samples/s, and the first in-run evaluation that passed
@@ -9,6 +10,12 @@ issue 16's +16.8 points (its step and seconds into the RL loop). With `--runs` (
 that scripts/bench-readme.sh writes) the whole command's wall time is added, matched on the
 run directory's name. Reads only the files a run writes (metrics.jsonl, sft/metrics.jsonl);
 stdlib only, so it runs without the project's venv; a gzipped metrics.jsonl.gz is read too.
+
+With `--curve` (runs of scripts/rl-knobs.sh, named SETTING-seedS): one row per setting, with
+each seed's held-out pass@1 after RL, the seconds of RL loop until the first evaluation at or
+above `--target` (the loop's wall clock without the in-run evaluations' own time, `eval_s`;
+the time a run without evaluations would have taken to get there), and pass@1 at the
+evaluations nearest 60 and 120 such seconds.
 """
 
 from __future__ import annotations
@@ -56,13 +63,59 @@ def summarise(run_dir: Path, wall_by_name: dict[str, float]) -> dict:
     }
 
 
+def curve(run_dir: Path) -> list[tuple[int, float, float]]:
+    """(step, seconds of RL loop without evaluations, held-out pass@1) per evaluation, step 0 first."""
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    end = next(r for r in reversed(rows) if r.get("event") == "end")
+    points = [(0, 0.0, end["pass_at_1_before"])]
+    eval_total_s = 0.0
+    for r in rows:
+        if "elapsed_s" in r and r.get("evaluated"):
+            eval_total_s += r.get("eval_s", 0.0)
+            points.append((r["step"], r["elapsed_s"] - eval_total_s, r["pass_at_1"]))
+    return points
+
+
+def at_time(points: list[tuple[int, float, float]], t_s: float) -> float:
+    """pass@1 of the last evaluation at or before t_s seconds (the curve is a step function)."""
+    return max((p for p in points if p[1] <= t_s), key=lambda p: p[1])[2]
+
+
+def print_curves(run_dirs: list[Path], target: float) -> None:
+    by_setting: dict[str, list[tuple[str, list]]] = {}
+    for d in sorted(run_dirs):
+        setting, _, seed = d.name.rpartition("-seed")
+        by_setting.setdefault(setting, []).append((seed, curve(d)))
+    print(f"| setting | seeds | start | after RL | s to {target:.1%} | at 60 s | at 120 s | RL s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for setting, runs in by_setting.items():
+        def col(f, runs=runs) -> str:
+            return " / ".join(f(c) for _, c in runs)
+
+        def reach(c) -> str:
+            hit = next((p for p in c if p[2] >= target), None)
+            return f"{hit[1]:.0f}" if hit else "-"
+
+        print(
+            f"| {setting} | {','.join(s for s, _ in runs)} | {col(lambda c: f'{c[0][2]:.1%}')} | "
+            f"{col(lambda c: f'{c[-1][2]:.1%}')} | {col(reach)} | "
+            f"{col(lambda c: f'{at_time(c, 60):.1%}')} | {col(lambda c: f'{at_time(c, 120):.1%}')} | "
+            f"{col(lambda c: f'{c[-1][1]:.0f}')} |"
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("runs_dirs", nargs="+", type=Path, help="quickstart output dirs")
     p.add_argument("--runs", type=Path, default=None, help="runs.tsv from scripts/bench-readme.sh")
+    p.add_argument("--curve", action="store_true", help="time-to-accuracy per setting (rl-knobs.sh)")
+    p.add_argument("--target", type=float, default=0.75, help="held-out pass@1 to reach (--curve)")
     args = p.parse_args()
+    if args.curve:
+        print_curves(args.runs_dirs, args.target)
+        return
     wall_by_name: dict[str, float] = {}
     if args.runs:
         for line in args.runs.read_text().splitlines()[1:]:

@@ -19,6 +19,7 @@ BENCHMARKS = [
     "train",
     "weights",
     "rm",
+    "peer",
 ]
 
 

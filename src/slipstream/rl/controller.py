@@ -208,14 +208,19 @@ class Controller:
             samples_total += len(batch.samples)
             step = self.trainer.step_count
             evaluated = bool(self.evaluate and tc.eval_every and step % tc.eval_every == 0)
+            eval_s = 0.0
             if evaluated:
+                t_eval = time.monotonic()
                 pass_now = heldout_pass_at_1(self._policy_for_eval(), self.taskset, cfg)
+                eval_s = (
+                    time.monotonic() - t_eval
+                )  # inside elapsed_s: time-to-accuracy subtracts it
             elapsed = time.monotonic() - t_start
             status = self.coord.status()
             last_reward = m["reward_mean"]
             rec = {
                 "step": step, "version": self.trainer.version, **m,
-                "pass_at_1": pass_now, "evaluated": evaluated, "idle_s": idle_s, "train_s": train_s,
+                "pass_at_1": pass_now, "evaluated": evaluated, "eval_s": eval_s, "idle_s": idle_s, "train_s": train_s,
                 "staleness_max": max(batch.staleness), "staleness_mean": sum(batch.staleness) / len(batch.staleness),
                 "task_ids": batch.task_ids, "elapsed_s": elapsed, "samples_total": samples_total,
                 "samples_per_s": samples_total / max(elapsed, 1e-9),
