@@ -202,7 +202,9 @@ run_named_phase() {  # one phase of the full check (uses full_check's locals: py
         --model.num_key_value_heads=4 --model.head_dim=64 --model.num_experts=32
         --model.num_experts_per_tok=4 --model.moe_intermediate_size=512
         --run.device="$device" --engine.device="$device" --trainer.steps=100)
-      [[ $device == cuda ]] && args+=(--engine.dtype=bfloat16)
+      # bf16 on both sides: an fp32 trainer on CUDA takes the per-expert loop (torch._grouped_mm
+      # runs in bf16 only), which is not what a GPU user runs
+      [[ $device == cuda ]] && args+=(--engine.dtype=bfloat16 --trainer.precision=bf16)
       ((rehearse)) && args=(--run.device=cpu --engine.device=cpu --trainer.steps=2)
       run_phase "$name" "$limit" "${slip[@]}" run -c configs/quickstart.toml --plain \
         --run.output_dir="$e2e_dir" --sft.steps=0 --trainer.eval_every=0 \

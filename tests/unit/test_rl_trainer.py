@@ -95,6 +95,16 @@ def test_lr_schedule_and_state_roundtrip() -> None:
     assert la == lb and b.version == 2
 
 
+def test_lr_schedule_counts_batches_with_several_minibatches() -> None:
+    """trainer.steps counts batches: with 2 minibatches per batch the cosine is halfway after
+    half the batches (it once counted optimizer steps and hit its floor halfway through)."""
+    cfg = TrainerConfig(lr=1.0, lr_schedule="cosine", steps=4, min_lr_ratio=0.1, num_minibatches=2)
+    trainer = Trainer(tiny_model(), cfg, pad_id=0)
+    lrs = [trainer.step(make_batch())["lr"] for _ in range(4)]
+    assert [round(x, 3) for x in lrs] == [round(lr_factor(s, cfg), 3) for s in (1, 2, 3, 4)]
+    assert round(lrs[1], 3) == 0.55  # cosine midpoint of 1.0 -> 0.1
+
+
 def _dp_worker(rank: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)

@@ -136,8 +136,9 @@ def _versions_per_token(loss_mask: list[int], versions: list[int]) -> list[int]:
     return out
 
 
-def lr_factor(step: int, cfg: TrainerConfig) -> float:
-    """Multiplier of cfg.lr at `step` (0-based): linear warm-up, then constant or cosine."""
+def lr_factor(step: float, cfg: TrainerConfig) -> float:
+    """Multiplier of cfg.lr at `step` (0-based, in batches; a fraction within a batch's
+    minibatches): linear warm-up, then constant or cosine."""
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     if cfg.lr_schedule == "constant":
@@ -294,8 +295,10 @@ class Trainer:
         # loop on the quickstart model here (4.6 vs 11.5 ms per step), equal within 3e-8
         self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, cfg.adam_beta2),
                                            fused=self.device.type in ("cpu", "cuda"))  # fmt: skip
+        # The schedule is in batches (trainer.steps, warmup_steps); the scheduler steps once per
+        # optimizer step, num_minibatches of them per batch.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, self.cfg)
+            self.optimizer, lambda s: lr_factor(s / self.cfg.num_minibatches, self.cfg)
         )
         # fp16's 5 exponent bits: small gradients underflow unless the loss is scaled
         self.scaler = (torch.amp.GradScaler(self.device.type) if cfg.precision == "fp16"
