@@ -67,6 +67,36 @@ def test_layouts_take_the_single_process_step(reference, layout: list[str]) -> N
     assert _max_diff(ref["state"], got["state"]) < STATE_TOL
 
 
+def test_bf16_on_the_sharded_layout_is_the_one_process_bf16_step(reference) -> None:
+    """trainer.precision = bf16 on FSDP2 (MixedPrecisionPolicy: bf16 parameters gathered,
+    float32 gradient reduction) and on one process (autocast): the same 3 steps within bf16
+    rounding, float32 master weights. Weights are compared by their update's direction: Adam
+    moves an element whose gradient is near 0 by ~lr whichever sign rounding gives it, so the
+    largest element difference says nothing (measured: cosine 0.986 bf16 sharded vs one
+    process, 0.989 vs float32; float32 sharded vs one process 1.0000)."""
+    init, ref32 = reference
+    start = pc.train(init, [], num_steps=0)["state"]
+    bf16 = ["trainer.precision=bf16"]
+    one = pc.train(init, bf16)
+    got = spawn_ranks("parallelcheck:train", 2, {"init_dir": init,
+                      "overrides": ["trainer.num_processes=2", "trainer.parallel.dp_shard=2", *bf16]},
+                      timeout_s=120)[0]  # fmt: skip
+    assert {v.dtype for v in got["state"].values()} == {torch.float32}
+    for want, have in zip(one["metrics"], got["metrics"], strict=True):
+        for key in ("pg_loss", "loss", "grad_norm"):
+            assert have[key] == pytest.approx(want[key], rel=5e-2, abs=5e-3), (key, want, have)
+
+    def update(state: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.cat([(state[k] - start[k]).flatten() for k in sorted(state)])
+
+    def cosine(a: dict, b: dict) -> float:
+        return float(torch.nn.functional.cosine_similarity(update(a), update(b), 0))
+
+    assert cosine(one["state"], got["state"]) > 0.95
+    assert cosine(ref32["state"], got["state"]) > 0.95
+    assert cosine(ref32["state"], got["state"]) < 0.9999  # bf16 did take effect
+
+
 def test_sharded_checkpoint_resumes_exactly_and_reshards(reference, tmp_path: Path) -> None:
     """2 steps on dp2 x ep2, checkpoint (DCP, every rank's shards + manifest); resumed on the
     same layout the third step equals the uninterrupted run; resumed on ep 4 (resharded) it
