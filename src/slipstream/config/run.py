@@ -22,7 +22,7 @@ class RunConfig(Section):
     """Where rollout workers run: `local` = processes on this machine (launch/local.py); `ray` =
     Ray actors (launch/ray.py, needs the `ray` extra); `torchx` = a role of their own that a
     scheduler placed, trainer ranks started by torchrun (launch/scheduled.py; set by the TorchX
-    component slipstream.launch.torchx:rl)."""
+    component src/slipstream/launch/torchx.py:rl)."""
     ray_address: str = ""
     """With `launcher = "ray"`: empty starts a private local Ray instance for this job; `auto`
     joins the existing cluster this machine belongs to; `host:port` joins that cluster."""

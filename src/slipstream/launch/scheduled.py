@@ -70,7 +70,7 @@ def _env(name: str) -> str:
     if not value:
         raise RuntimeError(
             f"run.launcher = 'torchx' needs {name} in the environment (the TorchX component "
-            "slipstream.launch.torchx:rl sets it in every role)"
+            "src/slipstream/launch/torchx.py:rl sets it in every role)"
         )
     return value
 

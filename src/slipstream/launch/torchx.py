@@ -2,9 +2,12 @@
 launches its job:
 
     torchx run -s kubernetes -cfg queue=default,service_account=slipstream \\
-        slipstream.launch.torchx:rl -j 4x8 --config configs/quickstart.toml \\
+        src/slipstream/launch/torchx.py:rl -j 4x8 --config configs/quickstart.toml \\
         --num_rollout_workers 32 --store s3://BUCKET/slipstream/run -- --model.init_from=...
-    torchx run -s local_cwd slipstream.launch.torchx:rl -j 1x1 --num_rollout_workers 2
+    torchx run -s local_cwd src/slipstream/launch/torchx.py:rl -j 1x1 --num_rollout_workers 2
+
+(TorchX 0.7 reads `X:fn` as FILE:FUNCTION, so the component is named by its path in a checkout;
+the module form `slipstream.launch.torchx:rl` is not found.)
 
 `rl` returns an AppDef of two roles (what they run: launch/scheduled.py):
 
