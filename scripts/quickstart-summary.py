@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import sys
 from pathlib import Path
 
 PEER_GAIN_POINTS = 16.8  # issue 16: TRL GRPOTrainer's gain in its 330-s run
@@ -82,26 +83,47 @@ def at_time(points: list[tuple[int, float, float]], t_s: float) -> float:
 
 
 def print_curves(run_dirs: list[Path], target: float) -> None:
-    by_setting: dict[str, list[tuple[str, list]]] = {}
+    """One row per setting. With runs of `slipstream bench peer` among them (named
+    peer-seedS), each seed's own target is also the peer's final pass@1 on that seed: the
+    seconds to reach it and that time as a multiple of the peer's whole RL time."""
+    by_setting: dict[str, dict[str, list]] = {}
     for d in sorted(run_dirs):
+        rows = read_jsonl(d / "metrics.jsonl") if (d / "metrics.jsonl").exists() else []
+        if not any(r.get("event") == "end" for r in rows):
+            print(f"skipped {d}: no end record (running, or failed)", file=sys.stderr)
+            continue
         setting, _, seed = d.name.rpartition("-seed")
-        by_setting.setdefault(setting, []).append((seed, curve(d)))
-    print(f"| setting | seeds | start | after RL | s to {target:.1%} | at 60 s | at 120 s | RL s |")
-    print("|---|---|---|---|---|---|---|---|")
+        by_setting.setdefault(setting, {})[seed] = curve(d)
+    peer = by_setting.get("peer", {})
+    head = f"| setting | seeds | start | after RL | s to {target:.1%} | at 60 s | at 120 s | RL s |"
+    if peer:
+        head += " s to the peer's final (x peer's RL s) |"
+    print(head)
+    print("|" + "---|" * head.count(" |"))
     for setting, runs in by_setting.items():
         def col(f, runs=runs) -> str:
-            return " / ".join(f(c) for _, c in runs)
+            return " / ".join(f(seed, c) for seed, c in runs.items())
 
-        def reach(c) -> str:
-            hit = next((p for p in c if p[2] >= target), None)
-            return f"{hit[1]:.0f}" if hit else "-"
+        def reach(c, goal: float) -> float | None:
+            return next((p[1] for p in c if p[2] >= goal), None)
 
-        print(
-            f"| {setting} | {','.join(s for s, _ in runs)} | {col(lambda c: f'{c[0][2]:.1%}')} | "
-            f"{col(lambda c: f'{c[-1][2]:.1%}')} | {col(reach)} | "
-            f"{col(lambda c: f'{at_time(c, 60):.1%}')} | {col(lambda c: f'{at_time(c, 120):.1%}')} | "
-            f"{col(lambda c: f'{c[-1][1]:.0f}')} |"
+        def reach_target(seed, c) -> str:
+            t = reach(c, target)
+            return "-" if t is None else f"{t:.0f}"
+
+        def reach_peer(seed, c) -> str:
+            if seed not in peer:
+                return "-"
+            t = reach(c, peer[seed][-1][2])
+            return "not reached" if t is None else f"{t:.0f} ({t / peer[seed][-1][1]:.2f}x)"
+
+        row = (
+            f"| {setting} | {','.join(runs)} | {col(lambda s, c: f'{c[0][2]:.1%}')} | "
+            f"{col(lambda s, c: f'{c[-1][2]:.1%}')} | {col(reach_target)} | "
+            f"{col(lambda s, c: f'{at_time(c, 60):.1%}')} | "
+            f"{col(lambda s, c: f'{at_time(c, 120):.1%}')} | {col(lambda s, c: f'{c[-1][1]:.0f}')} |"
         )
+        print(row + (f" {col(reach_peer)} |" if peer else ""))
 
 
 def main() -> None:
