@@ -26,6 +26,17 @@ TINY_MODEL = [
 ]  # fmt: skip
 
 
+# A few seconds of `slipstream sft` (60 steps) that learns something: CLI flags.
+TINY_SFT = [
+    "--model.hidden_size=32", "--model.num_hidden_layers=2", "--model.num_attention_heads=2",
+    "--model.num_key_value_heads=1", "--model.head_dim=16", "--model.moe_intermediate_size=32",
+    "--model.intermediate_size=64", "--model.num_experts=4", "--model.num_experts_per_tok=2",
+    "--model.max_position_embeddings=32", "--task.max_digits=2", "--task.num_heldout=64",
+    "--sft.batch_size=32", "--sft.lr=0.01", "--sft.warmup_steps=2", "--sft.log_every=20",
+    "--eval.num_prompts=64", "--run.num_threads=1",
+]  # fmt: skip
+
+
 def save_random_init(directory: Path, overrides: list[str]) -> None:
     """A random (seed 0) model for the config `overrides` describe, saved as a start checkpoint."""
     _save_random(load_config(None, overrides), directory)

@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+from jobutil import TINY_SFT
 from slipstream.cli import main
 from slipstream.config import QUICKSTART, load_config
 from slipstream.evaluate import heldout_pass_at_1
@@ -19,28 +20,7 @@ from slipstream.tasks import get_taskset
 
 pytest.importorskip("trl")
 
-TINY = [
-    "--model.hidden_size=32",
-    "--model.num_hidden_layers=2",
-    "--model.num_attention_heads=2",
-    "--model.num_key_value_heads=1",
-    "--model.head_dim=16",
-    "--model.moe_intermediate_size=32",
-    "--model.intermediate_size=64",
-    "--model.num_experts=4",
-    "--model.num_experts_per_tok=2",
-    "--model.max_position_embeddings=32",
-    "--task.max_digits=2",
-    "--task.num_heldout=64",
-    "--sft.batch_size=32",
-    "--sft.lr=0.01",
-    "--sft.warmup_steps=2",
-    "--sft.log_every=20",
-    "--eval.num_prompts=64",
-    "--run.num_threads=1",
-    "--trainer.groups_per_step=2",
-    "--trainer.lr=1e-2",
-]
+TINY = [*TINY_SFT, "--trainer.groups_per_step=2", "--trainer.lr=1e-2"]
 
 
 def test_trl_trains_the_sft_start_and_slipstream_scores_it(tmp_path) -> None:
