@@ -56,3 +56,9 @@ def test_trl_trains_the_sft_start_and_slipstream_scores_it(tmp_path) -> None:
 def test_bench_peer_refuses_a_start_that_is_not_a_checkpoint(tmp_path, capsys) -> None:
     assert main(["bench", "peer", "--init", str(tmp_path)]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_bench_peer_refuses_a_loss_trl_does_not_have(tmp_path, capsys) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["bench", "peer", "--init", str(tmp_path), "--trainer.loss=ppo"]) == 2
+    assert "TRL's GRPO only" in capsys.readouterr().err

@@ -21,11 +21,10 @@ What differs, by TRL's design: generation is synchronous and on-policy (HF `gene
 batch, then one step), no staleness, no truncated importance weights.
 
 Output in --output (default <run.output_dir>/peer): policy/ (the trained policy, HF format),
-metrics.jsonl with the same evaluation
-records as a `slipstream run` (step, elapsed_s, eval_s, pass_at_1; an end record with
-pass_at_1_before and wall_s), so `scripts/quickstart-summary.py --curve` puts peer and
-slipstream runs in one table; peer.json with the curve, samples/s and provenance (TRL and
-transformers versions, CPU, load).
+metrics.jsonl with the same evaluation records as a `slipstream run` (step, elapsed_s, eval_s,
+pass_at_1; an end record with pass_at_1_before and wall_s), so `scripts/quickstart-summary.py
+--curve` puts peer and slipstream runs in one table; peer.json with the curve, samples/s and
+provenance (TRL and transformers versions, CPU, load).
 """
 
 from __future__ import annotations
@@ -139,6 +138,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     steps = cfg.trainer.steps if args.steps is None else args.steps
     eval_every = cfg.trainer.eval_every if args.eval_every is None else args.eval_every
+    if cfg.trainer.loss != "grpo":
+        print(f"slipstream bench peer: trainer.loss = {cfg.trainer.loss!r}: the peer baseline "
+              "is TRL's GRPO only", file=sys.stderr)  # fmt: skip
+        return 2
     if steps < 1 or eval_every < 0:
         print(f"slipstream bench peer: --steps {steps} must be >= 1 and --eval-every "
               f"{eval_every} >= 0", file=sys.stderr)  # fmt: skip
