@@ -37,7 +37,7 @@ order=(baseline sync one_step_off dynamic_sampling minibatches2 minibatches4 seq
 for name in "${order[@]}"; do
     [[ -v "knobs[$name]" ]] || { echo "$0: unknown setting '$name' (known: ${!knobs[*]})" >&2; exit 2; }
 done
-[[ -f $init/manifest.json || -d $init ]] || { echo "$0: INIT '$init' is not a checkpoint" >&2; exit 2; }
+[[ -f $init/config.json ]] || { echo "$0: INIT '$init' has no config.json (an HF-format checkpoint, e.g. runs/quickstart/sft/checkpoint)" >&2; exit 2; }
 
 mkdir -p "$out/runs"
 out=$(cd "$out" && pwd)
