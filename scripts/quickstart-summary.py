@@ -64,10 +64,16 @@ def summarise(run_dir: Path, wall_by_name: dict[str, float]) -> dict:
     }
 
 
-def curve(run_dir: Path) -> list[tuple[int, float, float]]:
-    """(step, seconds of RL loop without evaluations, held-out pass@1) per evaluation, step 0 first."""
-    rows = read_jsonl(run_dir / "metrics.jsonl")
-    end = next(r for r in reversed(rows) if r.get("event") == "end")
+def curve(run_dir: Path) -> list[tuple[int, float, float]] | None:
+    """(step, seconds of RL loop without evaluations, held-out pass@1) per evaluation, step 0
+    first; None for a run without an end record (still running, or failed)."""
+    try:
+        rows = read_jsonl(run_dir / "metrics.jsonl")
+    except FileNotFoundError:
+        return None
+    end = next((r for r in reversed(rows) if r.get("event") == "end"), None)
+    if end is None:
+        return None
     points = [(0, 0.0, end["pass_at_1_before"])]
     eval_total_s = 0.0
     for r in rows:
@@ -88,12 +94,12 @@ def print_curves(run_dirs: list[Path], target: float) -> None:
     seconds to reach it and that time as a multiple of the peer's whole RL time."""
     by_setting: dict[str, dict[str, list]] = {}
     for d in sorted(run_dirs):
-        rows = read_jsonl(d / "metrics.jsonl") if (d / "metrics.jsonl").exists() else []
-        if not any(r.get("event") == "end" for r in rows):
+        points = curve(d)
+        if points is None:
             print(f"skipped {d}: no end record (running, or failed)", file=sys.stderr)
             continue
         setting, _, seed = d.name.rpartition("-seed")
-        by_setting.setdefault(setting, {})[seed] = curve(d)
+        by_setting.setdefault(setting, {})[seed] = points
     peer = by_setting.get("peer", {})
     head = f"| setting | seeds | start | after RL | s to {target:.1%} | at 60 s | at 120 s | RL s |"
     if peer:

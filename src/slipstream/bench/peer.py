@@ -65,9 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def grpo_config_kwargs(cfg: Any, steps: int) -> dict[str, Any]:
     """TRL GRPOConfig arguments for the recipe of slipstream's [trainer] and [rollout]."""
-    tc, rc = cfg.trainer, cfg.rollout
-    if tc.loss != "grpo":
-        raise ValueError(f"trainer.loss = {tc.loss!r}: the peer baseline is TRL's GRPO only")
+    tc, rc = cfg.trainer, cfg.rollout  # trainer.loss is "grpo" (run() refuses the others)
     schedule: dict[str, Any] = (
         {"lr_scheduler_type": "cosine_with_min_lr",
          "lr_scheduler_kwargs": {"min_lr_rate": tc.min_lr_ratio}}
@@ -186,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
     records: list[dict[str, Any]] = []
     pass_before = score(model)
     clock: dict[str, float] = {}
+    curve: list[dict[str, float]] = []
 
     class Evaluate(transformers.TrainerCallback):
         def on_train_begin(self, args_, state, control, **kw):  # noqa: ANN001
@@ -200,6 +199,11 @@ def run(args: argparse.Namespace) -> int:
                    "samples_total": step * cfg.trainer.groups_per_step * cfg.rollout.group_size}  # fmt: skip
             rec["eval_s"] = time.monotonic() - t_eval
             rec["elapsed_s"] = time.monotonic() - clock["t0"]
+            clock["eval_total_s"] = clock.get("eval_total_s", 0.0) + rec["eval_s"]
+            # peer.json's curve: training seconds without the evaluations (not a metrics.jsonl
+            # key: there train_s is a step's training time)
+            curve.append({"step": step, "train_s": rec["elapsed_s"] - clock["eval_total_s"],
+                          "pass_at_1": rec["pass_at_1"]})  # fmt: skip
             metrics.log(**rec)
             records.append(rec)
             print(f"peer step {step}/{steps}: held-out pass@1 {rec['pass_at_1']:.1%} "
@@ -218,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
     # the trained policy, loadable by `slipstream eval --checkpoint` / `serve --model` / transformers
     trainer.model.save_pretrained(str(out / "policy"), safe_serialization=True)
     taskset.tokenizer.save(out / "policy")
-    eval_total_s = sum(r["eval_s"] for r in records)
+    eval_total_s = clock.get("eval_total_s", 0.0)
     after = records[-1]["pass_at_1"]
     metrics.log(
         event="end", pass_at_1=after, pass_at_1_before=pass_before, wall_s=wall_s, step=steps
@@ -232,8 +236,7 @@ def run(args: argparse.Namespace) -> int:
         "steps": steps, "samples": samples, "wall_s": wall_s, "eval_s": eval_total_s,
         "samples_per_s": samples / max(wall_s - eval_total_s, 1e-9),
         "curve": [{"step": 0, "train_s": 0.0, "pass_at_1": pass_before}]
-        + [{"step": r["step"], "train_s": r["elapsed_s"] - sum(q["eval_s"] for q in records[: i + 1]),
-            "pass_at_1": r["pass_at_1"]} for i, r in enumerate(records)],
+        + curve,
         "init": str(init), "config": json.loads(cfg.model_dump_json())["trainer"],
         "provenance": collect_provenance({"trl": trl.__version__,
                                          "transformers": transformers.__version__,
