@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from jobutil import TINY_MODEL, save_random_init, start_server
+from jobutil import TINY_MODEL, save_random_init, start_server, trained_steps
 from slipstream.config import SlipstreamConfig, load_config
 from slipstream.launch.local import LocalLauncher
 from slipstream.model import hf_weights
@@ -162,6 +162,30 @@ def test_worker_that_cannot_start_fails_the_job_with_its_output(
     assert "torch is missing (simulated image)" in str(err.value)
     assert launcher.num_restarts == 2 and codes == {0: 1}
     assert len(list((tmp_path / "run" / "launch" / "logs").glob("w0.*.log"))) == 3
+
+
+def test_dynamic_sampling_on_a_random_init_trains_every_step(tmp_path: Path) -> None:
+    """A random start gets (nearly) every reward wrong, so (nearly) every group is uniform:
+    unbounded dynamic sampling would drop them all and the trainer would wait out its batch
+    timeout. The refill bound (buffer.min_signal_share) sees the share of groups with signal
+    below 10% and trains the uniform groups instead: every step runs, none of them waits."""
+    cfg = tiny_config(
+        tmp_path, "rollout.num_workers=1", "rollout.group_size=4", "trainer.groups_per_step=4",
+        "trainer.steps=6", "trainer.checkpoint_every=0", "trainer.batch_timeout_s=60",
+        "buffer.dynamic_sampling=true", "buffer.signal_window_groups=8",
+    )  # fmt: skip
+    controller = Controller(cfg, cfg.model.init_from, evaluate=False)
+    launcher = LocalLauncher(cfg, controller.coord)
+    launcher.start()
+    try:
+        result = controller.run()
+    finally:
+        launcher.stop()
+    assert result.steps == 6
+    recs = trained_steps(Path(result.metrics_path))
+    assert sorted(recs) == list(range(1, 7))
+    last = recs[6]
+    assert last["kept_uniform"] > 0 and last["signal_share"] is not None, last
 
 
 @pytest.mark.parametrize("store", ["local", "s3+stage"])

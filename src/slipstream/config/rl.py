@@ -103,7 +103,15 @@ class BufferConfig(Section):
     the config loads (whatever was written here); `async` uses the value given."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (no GRPO signal); admission control over-samples
-    to keep batches full."""
+    to keep batches full, while refilling is affordable (`min_signal_share`)."""
+    min_signal_share: float = Field(default=0.1, gt=0.0, le=1.0)
+    """Dynamic sampling drops a uniform group only while at least this share of the last
+    `signal_window_groups` groups carried signal (refilling then costs at most 1/share generated
+    groups per trained one); below it uniform groups are trained, as without dynamic sampling, so
+    a random initialisation or a mastered task never stalls the trainer."""
+    signal_window_groups: int = Field(default=64, ge=1)
+    """Groups (kept or dropped) the signal share is measured over; nothing is dropped until the
+    window is full."""
 
 
 class TrainerConfig(Section):

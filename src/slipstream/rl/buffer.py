@@ -12,8 +12,18 @@ Contract:
   with weights at least as new as the lease's version (the worker's contract) — so little
   generation is wasted. Dropped groups free their slot (that is the over-sampling that keeps batch
   sizes full under dynamic sampling).
-- Dynamic sampling (optional): a group whose rewards are all equal carries no GRPO signal and is
-  dropped at `put`.
+- Dynamic sampling (optional, DAPO's): a group whose rewards are all equal carries no GRPO signal
+  and is dropped at `put`, so batches fill with groups that do. Refilling is bounded by its
+  expected cost: a uniform group is dropped only while at least `min_signal_share` of the last
+  `signal_window_groups` groups put (kept or dropped) carried signal, i.e. while refilling costs
+  at most 1 / min_signal_share generated groups per trained one on average. Below that (a
+  random initialisation, where nearly every group is uniform, or a task the policy has
+  mastered) uniform groups are kept and trained as without dynamic sampling (counted as
+  `kept_uniform`), so a job never waits on a batch that cannot fill. Until the window holds
+  `signal_window_groups` groups nothing is dropped. DAPO's own bound (`max_num_gen_batches`)
+  counts generation batches per step and then errors out; a per-step count would either let a
+  random-init job generate that many batches per step or cut the measured quickstart runs'
+  tail (62-67 drops per 8-group step at p99, docs/rl.md).
 - Episode accounting (what the run's report shows about rollouts): every group `put` adds its
   samples' turns, tool calls, environment time, sandbox acquire waits and infrastructure
   retries, and the time in tool runs; `count_dropped_infra` adds the tasks given up after repeated infrastructure failures
@@ -75,6 +85,8 @@ class ExperienceBuffer:
         max_staleness: int,
         *,
         dynamic_sampling: bool = False,
+        min_signal_share: float = 0.1,
+        signal_window_groups: int = 64,
         on_stale: Callable[[list[Group]], None] | None = None,
     ) -> None:
         if groups_per_step < 1 or max_staleness < 0:
@@ -82,9 +94,17 @@ class ExperienceBuffer:
                 f"need groups_per_step >= 1 and max_staleness >= 0, got {groups_per_step}, "
                 f"{max_staleness}"
             )
+        if not 0.0 < min_signal_share <= 1.0 or signal_window_groups < 1:
+            raise ValueError(
+                f"need 0 < min_signal_share <= 1 and signal_window_groups >= 1, got "
+                f"{min_signal_share}, {signal_window_groups}"
+            )
         self.groups_per_step = groups_per_step
         self.max_staleness = max_staleness
         self.dynamic_sampling = dynamic_sampling
+        self.min_signal_share = min_signal_share
+        # whether each of the last signal_window_groups groups put had unequal rewards
+        self._signal: deque[bool] = deque(maxlen=signal_window_groups)
         self.on_stale = on_stale
         self._lock = threading.Lock()
         self._groups: list[Group] = []
@@ -92,6 +112,7 @@ class ExperienceBuffer:
         self.num_put = 0
         self.num_dropped_stale = 0
         self.num_dropped_uniform = 0
+        self.num_kept_uniform = 0  # uniform groups trained because refilling cost too much
         self.num_wasted_samples = 0
         self.staleness_hist: Counter[int] = Counter()
         self.episode_counts: dict[str, float] = dict.fromkeys(_EPISODE_COUNTERS, 0)
@@ -124,12 +145,21 @@ class ExperienceBuffer:
         with self._lock:
             self.num_put += 1
             self._count_episodes(group)
-            if self.dynamic_sampling and len(set(group.rewards)) == 1:
-                self.num_dropped_uniform += 1
-                self.num_wasted_samples += len(group.samples)
-                return False
+            uniform = len(set(group.rewards)) == 1
+            affordable = self._refill_affordable()  # judged on the groups before this one
+            self._signal.append(not uniform)
+            if self.dynamic_sampling and uniform:
+                if affordable:
+                    self.num_dropped_uniform += 1
+                    self.num_wasted_samples += len(group.samples)
+                    return False
+                self.num_kept_uniform += 1
             self._groups.append(group)
             return True
+
+    def _refill_affordable(self) -> bool:
+        window = self._signal
+        return len(window) == window.maxlen and sum(window) >= self.min_signal_share * len(window)
 
     def _drop_stale(self, current_version: int) -> list[Group]:
         keep, stale = [], []
@@ -179,11 +209,14 @@ class ExperienceBuffer:
             c = self.episode_counts
             n = max(1.0, c["episodes"])
             waits = list(self.acquire_s)
+            signal = self._signal
             return {
                 "buffered": len(self._groups),
                 "consumed": self.num_consumed,
                 "dropped_stale": self.num_dropped_stale,
                 "dropped_uniform": self.num_dropped_uniform,
+                "kept_uniform": self.num_kept_uniform,
+                "signal_share": round(sum(signal) / len(signal), 4) if signal else None,
                 "wasted_samples": self.num_wasted_samples,
                 "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
                 "episodes": int(c["episodes"]),
@@ -207,6 +240,8 @@ class ExperienceBuffer:
                 "num_put": self.num_put,
                 "num_dropped_stale": self.num_dropped_stale,
                 "num_dropped_uniform": self.num_dropped_uniform,
+                "num_kept_uniform": self.num_kept_uniform,
+                "signal_window": list(self._signal),
                 "num_wasted_samples": self.num_wasted_samples,
                 "staleness_hist": dict(self.staleness_hist),
                 "episode_counts": dict(self.episode_counts),
@@ -220,6 +255,10 @@ class ExperienceBuffer:
             self.num_put = state["num_put"]
             self.num_dropped_stale = state["num_dropped_stale"]
             self.num_dropped_uniform = state["num_dropped_uniform"]
+            # checkpoints from before the refill bound have neither (the window refills)
+            self.num_kept_uniform = state.get("num_kept_uniform", 0)
+            self._signal.clear()
+            self._signal.extend(state.get("signal_window", []))
             self.num_wasted_samples = state["num_wasted_samples"]
             self.staleness_hist = Counter({int(k): v for k, v in state["staleness_hist"].items()})
             # checkpoints from before episode accounting have neither (counts start at 0)

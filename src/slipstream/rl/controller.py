@@ -86,9 +86,11 @@ class Controller:
         self.max_staleness = cfg.buffer.max_staleness
         tc = cfg.trainer
         queue = TaskQueue(self.taskset.num_train)
+        bc = cfg.buffer
         buffer = ExperienceBuffer(
-            tc.groups_per_step, self.max_staleness, dynamic_sampling=cfg.buffer.dynamic_sampling
-        )
+            tc.groups_per_step, self.max_staleness, dynamic_sampling=bc.dynamic_sampling,
+            min_signal_share=bc.min_signal_share, signal_window_groups=bc.signal_window_groups,
+        )  # fmt: skip
         self.coord = Coordinator(queue, buffer)
         self.resumed_from: int | None = None
         self.skipped_checkpoints: list[str] = []  # invalid newer checkpoints passed over
@@ -227,7 +229,9 @@ class Controller:
                 "trainer_idle_frac": idle_total / max(elapsed, 1e-9),
                 "queue_pending": status.queue_pending_tasks, "queue_leased": status.queue_leased_tasks,
                 "buffered": status.buffered_groups, "dropped_stale": status.dropped_stale_groups,
-                "dropped_uniform": status.dropped_uniform_groups, "redelivered": status.redelivered_tasks,
+                "dropped_uniform": status.dropped_uniform_groups,
+                "kept_uniform": status.buffer["kept_uniform"], "signal_share": status.buffer["signal_share"],
+                "redelivered": status.redelivered_tasks,
                 "rejected_acks": status.rejected_acks, "mode": tc.mode,
             }  # fmt: skip
             if self.publisher.served_s:  # weight_sync = distributed: publish -> served, per engine
