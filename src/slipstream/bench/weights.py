@@ -2,7 +2,9 @@
 store vs over the wire (engine.weight_sync = store | distributed), with 1, 2, 4 engines.
 
 Every engine is a real `slipstream serve` process on loopback holding the model (--shape
-quickstart, larger, or mid: 0.91B parameters, 3.6 GB in fp32). Per engine count and repeat, one new
+quickstart, larger, or mid: 0.91B parameters, 3.6 GB in fp32, 1.8 GB with --run.dtype=bfloat16,
+the dtype the model, the engines and the raw broadcast then use; fp32 at `mid` needs ~10 GB per
+engine while a version is applied, bf16 about half). Per engine count and repeat, one new
 version (fresh random values, so nothing is cached) is timed from "the trainer has the tensors"
 to "every engine answered that it serves it":
 - store: `WeightStore.publish` (safetensors + manifest, what the trainer's publisher writes),
@@ -62,7 +64,8 @@ def _model(cfg: Any, shape: str) -> tuple[dict[str, Any], dict[str, Any], Any]:
     mcfg = cfg.model.model_copy(update={**MODELS[shape], "vocab_size": vocab})
     torch.manual_seed(0)
     with torch.no_grad():
-        model = MoEForCausalLM(mcfg)
+        # the engines serve run.dtype too
+        model = MoEForCausalLM(mcfg).to(getattr(torch, cfg.run.dtype))
     state, config = hf_weights(model)
     return state, config, model
 
@@ -78,7 +81,8 @@ def _fresh(state: dict[str, Any], seed: int) -> dict[str, Any]:
     return state
 
 
-def _start_engines(n: int, model_dir: Path, tmp: Path) -> tuple[list[subprocess.Popen], list[str]]:
+def _start_engines(n: int, model_dir: Path, tmp: Path,
+                   dtype: str) -> tuple[list[subprocess.Popen], list[str]]:  # fmt: skip
     import httpx
 
     from slipstream.engine.weight_transport import free_port
@@ -93,7 +97,7 @@ def _start_engines(n: int, model_dir: Path, tmp: Path) -> tuple[list[subprocess.
             [sys.executable, "-c", "from slipstream.cli import main; raise SystemExit(main())",
              "serve", "--model", str(model_dir), "--port", str(port), "-c", str(tmp / "empty.toml"),
              "--engine.max_seq_len=64", "--engine.kv_cache_tokens=256", "--engine.max_batch_size=4",
-             "--engine.weight_sync_timeout_s=600"],
+             "--engine.weight_sync_timeout_s=600", f"--run.dtype={dtype}"],
             stdout=log, stderr=subprocess.STDOUT, env=env))  # fmt: skip
         urls.append(f"http://127.0.0.1:{port}")
     deadline = time.monotonic() + 600
@@ -121,21 +125,22 @@ def _stop(procs: list[subprocess.Popen]) -> None:
         p.wait(timeout=60)
 
 
-def _raw_receiver(port: int, rank: int, world: int, sizes: list[int], rounds: int) -> None:
-    """A plain gloo rank that receives `rounds` x the buckets (fp32 element counts)."""
+def _raw_receiver(port: int, rank: int, world: int, sizes: list[int], rounds: int,
+                  dtype: str) -> None:  # fmt: skip
+    """A plain gloo rank that receives `rounds` x the buckets (element counts of `dtype`)."""
     import torch
 
     from slipstream.engine.weight_transport import WeightGroup
 
     group = WeightGroup("raw", "gloo", "127.0.0.1", port, rank, world, timeout_s=600)
-    bufs = [torch.empty(n) for n in sizes]
+    bufs = [torch.empty(n, dtype=getattr(torch, dtype)) for n in sizes]
     for _ in range(rounds):
         for b in bufs:
             group.broadcast(b)
     group.close()
 
 
-def _raw_broadcast(n: int, sizes: list[int], repeats: int) -> list[float]:
+def _raw_broadcast(n: int, sizes: list[int], repeats: int, dtype: str) -> list[float]:
     """Seconds per round of broadcasting the buckets to n plain receiver processes."""
     import multiprocessing as mp
 
@@ -145,12 +150,12 @@ def _raw_broadcast(n: int, sizes: list[int], repeats: int) -> list[float]:
 
     port = free_port()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_raw_receiver, args=(port, r + 1, n + 1, sizes, repeats + 1))
+    procs = [ctx.Process(target=_raw_receiver, args=(port, r + 1, n + 1, sizes, repeats + 1, dtype))
              for r in range(n)]  # fmt: skip
     for p in procs:
         p.start()
     group = WeightGroup("raw", "gloo", "127.0.0.1", port, 0, n + 1, timeout_s=600)
-    bufs = [torch.randn(s) for s in sizes]
+    bufs = [torch.randn(s).to(getattr(torch, dtype)) for s in sizes]
     times = []
     for i in range(repeats + 1):
         t0 = time.perf_counter()
@@ -182,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     buckets = plan_buckets(metas, cfg.engine.weight_bucket_bytes)
     sizes = [sum(m.nbytes for m in b) // b[0].dtype.itemsize for b in buckets]
     load_before = os.getloadavg()
-    print(f"bench weights: shape {args.shape}, {total / 1e9:.3f} GB ({len(state)} tensors, "
+    print(f"bench weights: shape {args.shape} in {cfg.run.dtype}, {total / 1e9:.3f} GB ({len(state)} tensors, "
           f"{len(buckets)} buckets of <= {cfg.engine.weight_bucket_bytes / 2**20:.0f} MiB), "
           f"engines {counts}, {args.repeats} versions each", flush=True)  # fmt: skip
     rows: list[dict[str, Any]] = []
@@ -192,8 +197,8 @@ def run(args: argparse.Namespace) -> int:
         save_pretrained(model, tmp / "init")
         del model  # its tensors live on in `state` (views), refreshed in place per version
         for n in counts:
-            raw = _raw_broadcast(n, sizes, args.repeats)
-            procs, urls = _start_engines(n, tmp / "init", tmp)
+            raw = _raw_broadcast(n, sizes, args.repeats, cfg.run.dtype)
+            procs, urls = _start_engines(n, tmp / "init", tmp, cfg.run.dtype)
             store = WeightStore(str(tmp / f"store{n}"), keep_last=1)
             sender = DistributedSender(urls, bucket_bytes=cfg.engine.weight_bucket_bytes,
                                        timeout_s=600)  # fmt: skip
@@ -252,7 +257,8 @@ def run(args: argparse.Namespace) -> int:
         "limit": {"name": "raw gloo broadcast of the same buckets (same run)",
                   "value": key["raw_broadcast_s"], "unit": "s"},
         "goal": "distributed >= 2x faster than store, within 1.5x of raw broadcast (mid, 2 engines)",
-        "shape": args.shape, "bucket_bytes": cfg.engine.weight_bucket_bytes, "rows": rows,
+        "shape": args.shape, "dtype": cfg.run.dtype, "bucket_bytes": cfg.engine.weight_bucket_bytes,
+        "rows": rows,
         "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
         "provenance": collect_provenance(),
     }  # fmt: skip
