@@ -168,7 +168,7 @@ def test_dynamic_sampling_on_a_random_init_trains_every_step(tmp_path: Path) -> 
     """A random start gets (nearly) every reward wrong, so (nearly) every group is uniform:
     unbounded dynamic sampling would drop them all and the trainer would wait out its batch
     timeout. The refill bound (buffer.min_signal_share) sees the share of groups with signal
-    below 10% and trains the uniform groups instead: every step runs, none of them waits."""
+    below 10% and trains the uniform groups instead: every step runs."""
     cfg = tiny_config(
         tmp_path, "rollout.num_workers=1", "rollout.group_size=4", "trainer.groups_per_step=4",
         "trainer.steps=6", "trainer.checkpoint_every=0", "trainer.batch_timeout_s=60",

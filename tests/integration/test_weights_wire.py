@@ -194,15 +194,20 @@ def test_distributed_sender_survives_kill_mid_transfer_and_admits_a_joining_engi
         sender.close()
 
 
-def test_bench_weights_runs_store_distributed_and_raw_in_one_run(tmp_path) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bench_weights_runs_store_distributed_and_raw_in_one_run(tmp_path, dtype) -> None:
+    """The bench end to end, also in bfloat16 (how `mid` fits two engines in this host's memory:
+    the model, the engines and the raw broadcast in that dtype)."""
     import json
 
     from slipstream.cli import main
 
     out = tmp_path / "weights.json"
-    assert main(["bench", "weights", "--engines", "1", "--repeats", "1", "--out", str(out)]) == 0
+    assert main(["bench", "weights", "--engines", "1", "--repeats", "1", "--out", str(out),
+                 f"--run.dtype={dtype}"]) == 0  # fmt: skip
     record = json.loads(out.read_text())
     (row,) = record["rows"]
+    assert record["dtype"] == dtype  # and the engines served what was pushed in it (else it raises)
     assert row["engines"] == 1 and row["bytes"] > 0
     assert row["store_s"] > 0 and row["distributed_s"] > 0 and row["raw_broadcast_s"] > 0
     assert record["provenance"]["cpu_model"] and len(record["load_avg_before"]) == 3
