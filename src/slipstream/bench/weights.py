@@ -97,7 +97,7 @@ def _start_engines(n: int, model_dir: Path, tmp: Path,
             [sys.executable, "-c", "from slipstream.cli import main; raise SystemExit(main())",
              "serve", "--model", str(model_dir), "--port", str(port), "-c", str(tmp / "empty.toml"),
              "--engine.max_seq_len=64", "--engine.kv_cache_tokens=256", "--engine.max_batch_size=4",
-             "--engine.weight_sync_timeout_s=600", f"--run.dtype={dtype}"],
+             "--engine.weight_sync_timeout_s=600", f"--engine.dtype={dtype}"],
             stdout=log, stderr=subprocess.STDOUT, env=env))  # fmt: skip
         urls.append(f"http://127.0.0.1:{port}")
     deadline = time.monotonic() + 600

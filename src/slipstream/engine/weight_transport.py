@@ -494,13 +494,13 @@ class DistributedSender:
         except RuntimeError as e:  # a member never joined (dead, or refused the group)
             group = None
             log.warning("weight group %s: not every engine joined: %s", name, e)
-        failed = [u for u, f in futures.items() if not _ok(f, self.timeout_s + 10.0)]
+        errors = {u: e for u, f in futures.items() if (e := _error(f, self.timeout_s + 10.0))}
         self.groups_opened.append(name)
-        if group is None or failed:
+        if group is None or errors:
             if group is not None:
                 group.close()
-            for url in failed or [u for u in members if not self._healthy(u)]:
-                self._drop(url, f"did not join group {name}")
+            for url in errors or [u for u in members if not self._healthy(u)]:
+                self._drop(url, f"did not join group {name}: {errors.get(url, 'unhealthy')}")
             if set(members) == set(self.members):  # nobody identified: give up on this epoch
                 raise TransferFailed(f"weight group {name}: could not be formed")
             return self._ensure_group()
@@ -555,14 +555,15 @@ class DistributedSender:
                 failed = {u for u, f in futures.items() if f.done() and f.exception() is not None}
                 group.close()  # unblocks the members still receiving
                 raise _PushFailed(str(e), failed) from e
-            failed = set()
+            errors: dict[str, str] = {}
             for u, f in futures.items():
-                if _ok(f, self.timeout_s + 10.0):
+                error = _error(f, self.timeout_s + 10.0)
+                if error is None:
                     served[u] = time.perf_counter() - t0  # after its last bucket: serving
                 else:
-                    failed.add(u)
-            if failed:
-                raise _PushFailed(f"members {sorted(failed)} did not receive a bucket", failed)
+                    errors[u] = error
+            if errors:
+                raise _PushFailed(f"members did not receive a bucket: {errors}", set(errors))
         return served
 
     def _post(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -626,10 +627,10 @@ class _PushFailed(RuntimeError):
         self.failed = failed
 
 
-def _ok(future: Future, timeout_s: float) -> bool:
+def _error(future: Future, timeout_s: float) -> str | None:
+    """None when a member's request succeeded, else why not (named in the push's failure)."""
     try:
         future.result(timeout=timeout_s)
-        return True
+        return None
     except Exception as e:  # noqa: BLE001 - any failure of a member's request counts
-        log.debug("member request failed: %s", e)
-        return False
+        return f"{type(e).__name__}: {e}"[:300]
