@@ -11,7 +11,8 @@
 #   1. install: the wheels of .wheelhouse/ (made by scripts/gpu-wheels.sh where PyPI is
 #      reachable, carried along) go to a --target directory; the project runs from src/ on
 #      PYTHONPATH (no build step, nothing of the machine's own Python is changed)
-#   2. gpu-tests:  pytest -m "gpu and not slow" tests/gpu   (engine, trainer, NCCL, bench smoke)
+#   2. gpu-tests:  pytest -m "gpu and not slow" tests/gpu   (engine, trainer, NCCL, bench smoke,
+#      a colocated weight push over CUDA IPC: tests/gpu/test_gpu_weights.py)
 #   3. bench-train: slipstream bench train --device cuda --preset mid (tokens/s, MFU vs the
 #      measured bf16 matmul peak, peak memory, transformers on the same batch), then
 #      --preset qwen3-30b-a3b-4l --no-hf (runs, MFU; issue 29)

@@ -11,7 +11,8 @@ cd "$(dirname "$0")/.."
 .venv/bin/ruff check src tests || exit 1
 # The layering of src/ (pyproject.toml [tool.importlinter], docs/architecture.md).
 .venv/bin/lint-imports --no-logo --no-cache || exit 1
-.venv/bin/python -m pytest -m "not gpu" "$@"
+# --durations: every run names its 30 slowest tests (the full suite has a 25-minute budget)
+.venv/bin/python -m pytest -m "not gpu" --durations=30 "$@"
 rc=$?
 if [[ $rc == 5 ]]; then echo "test: pytest collected no tests" >&2; exit 1; fi
 if [[ $# == 0 ]]; then

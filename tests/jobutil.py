@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -73,10 +74,13 @@ def trained_steps(metrics: Path) -> dict[int, dict]:
     return {r["step"]: r for r in recs if "loss" in r}
 
 
-def start_server(tmp: Path, model_dir: Path) -> tuple[subprocess.Popen, str]:
-    """`slipstream serve --model model_dir` (TINY_MODEL engine sizes) as a subprocess on a free
-    loopback port, logging to tmp/server.log; -> (process, base URL). Not waited for: a rollout
-    worker on engine.type = http waits for its /health. The caller terminates it."""
+def start_server(
+    tmp: Path, model_dir: Path, extra: Sequence[str] = ()
+) -> tuple[subprocess.Popen, str]:
+    """`slipstream serve --model model_dir` (TINY_MODEL engine sizes, then the `extra` dotted
+    overrides) as a subprocess on a free loopback port, logging to tmp/server.log; -> (process,
+    base URL). Not waited for: a rollout worker on engine.type = http waits for its /health.
+    The caller terminates it."""
     from s3util import free_port
 
     (tmp / "empty.toml").write_text("")
@@ -85,7 +89,7 @@ def start_server(tmp: Path, model_dir: Path) -> tuple[subprocess.Popen, str]:
         proc = subprocess.Popen(
             [sys.executable, "-c", "from slipstream.cli import main; raise SystemExit(main())",
              "serve", "--model", str(model_dir), "--port", str(port),
-             "-c", str(tmp / "empty.toml"), *(f"--{o}" for o in TINY_MODEL)],
+             "-c", str(tmp / "empty.toml"), *(f"--{o}" for o in (*TINY_MODEL, *extra))],
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
     return proc, f"http://127.0.0.1:{port}"

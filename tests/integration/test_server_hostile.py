@@ -157,7 +157,7 @@ def _write_bad_checkpoints(root, model) -> dict[str, tuple[object, str]]:
         d = root / name
         d.mkdir()
         save_file(bad, str(d / "model.safetensors"))
-        out[name] = (str(d), "NaN or infinite")
+        out[name] = (str(d), "NaN or inf")
     shape = dict(state)
     shape["model.norm.weight"] = torch.ones(7)
     d = root / "shape"

@@ -74,12 +74,21 @@ def _push(receiver: WeightReceiver, state: dict, names: list[str], version: int,
     """Rank 0 broadcasts `names` as one flattened bucket while the receiver takes it."""
     out: dict = {}
     metas = [TensorMeta(n, state[n].dtype, tuple(state[n].shape)) for n in names]
-    t = threading.Thread(target=lambda: out.update(r=receiver.receive(
-        names, [dtype_name(m.dtype) for m in metas], [list(m.shape) for m in metas], group,
-        version, FLATTENED_BUCKET)))  # fmt: skip
+
+    def take() -> None:
+        try:
+            out["r"] = receiver.receive(names, [dtype_name(m.dtype) for m in metas],
+                                        [list(m.shape) for m in metas], group, version,
+                                        FLATTENED_BUCKET)  # fmt: skip
+        except ValueError as e:  # raised here, on the test's thread
+            out["e"] = e
+
+    t = threading.Thread(target=take)
     t.start()
     sender.broadcast(flatten([state[n] for n in names]))
     t.join(timeout=60)
+    if "e" in out:
+        raise out["e"]
     return out["r"]
 
 
@@ -131,6 +140,76 @@ def test_receiver_applies_a_version_only_once_all_of_it_arrived() -> None:
         engine.close()
 
 
+def _push_each(receiver: WeightReceiver, state: dict, version: int, group: str,
+               sender: WeightGroup) -> object:  # fmt: skip
+    """Rank 0 broadcasts every tensor of `state` on its own (SGLang's default format)."""
+    out: dict = {}
+    names = list(state)
+    t = threading.Thread(target=lambda: out.update(r=receiver.receive(
+        names, [dtype_name(state[n].dtype) for n in names], [list(state[n].shape) for n in names],
+        group, version, None)))  # fmt: skip
+    t.start()
+    for n in names:
+        sender.broadcast(state[n].contiguous())
+    t.join(timeout=60)
+    return out["r"]
+
+
+def test_receiver_stages_in_the_models_layout_and_refuses_a_non_finite_version() -> None:
+    """Per-tensor and flattened transfers, per-expert and fused names, another dtype: all land
+    in one staging of the model's own layout, reused across versions; a NaN is refused with
+    the served weights unchanged, and the next version still applies."""
+    from slipstream.model.checkpoint import hf_from_internal
+
+    model = tiny_model(seed=0)
+    engine = NativeEngine(model, EngineConfig(max_seq_len=64, kv_cache_tokens=512))
+    try:
+        receiver = WeightReceiver(engine, timeout_s=30)
+        port = free_port()
+        t = threading.Thread(
+            target=receiver.init_group, args=("127.0.0.1", port, 1, 2, "g", "gloo")
+        )
+        t.start()
+        sender = WeightGroup("g", "gloo", "127.0.0.1", port, 0, 2, timeout_s=30)
+        t.join()
+
+        def expect(src: torch.nn.Module) -> None:
+            want = src.state_dict()
+            for k, v in model.state_dict().items():
+                assert torch.equal(v, want[k].to(v.dtype)), k
+
+        split, _ = hf_weights(tiny_model(seed=1))
+        assert _push_each(receiver, split, 1, "g", sender).applied and engine.version == 1
+        expect(tiny_model(seed=1))
+        staging = {k: v.data_ptr() for k, v in receiver._staging.items()}
+
+        src = tiny_model(seed=2)
+        fused = hf_from_internal(dict(src.state_dict()), src.config, fused_experts=True)
+        bf16 = {k: v.to(torch.bfloat16) for k, v in fused.items()}
+        names = list(bf16)
+        assert _push(receiver, bf16, names, 2, "g", sender).applied and engine.version == 2
+        expect(src.to(torch.bfloat16))
+        assert {k: v.data_ptr() for k, v in receiver._staging.items()} == staging
+
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        bad, _ = hf_weights(tiny_model(seed=3))
+        bad["model.norm.weight"] = torch.full_like(bad["model.norm.weight"], float("inf"))
+        with pytest.raises(ValueError, match="model.norm.weight.*NaN or inf"):
+            _push(receiver, bad, list(bad), 3, "g", sender)
+        assert engine.version == 2
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+        good, _ = hf_weights(tiny_model(seed=4))
+        assert _push(receiver, good, list(good), 4, "g", sender).applied and engine.version == 4
+        expect(tiny_model(seed=4))
+
+        name = "model.norm.weight"
+        with pytest.raises(ValueError, match=r"model.norm.weight: shape \[3\], the model has"):
+            receiver.receive([name], ["float32"], [[3]], "g", 5, None)
+        sender.close()
+    finally:
+        engine.close()
+
+
 def test_trainer_side_factory_stores_every_nth_refuses_nan_and_colocated_without_cuda(
     tmp_path,
 ) -> None:
@@ -139,7 +218,7 @@ def test_trainer_side_factory_stores_every_nth_refuses_nan_and_colocated_without
     from slipstream.rl.coordinator import Coordinator
     from slipstream.rl.publisher import Publisher
     from slipstream.rl.queue import TaskQueue
-    from slipstream.rl.weight_sync import DistributedWeightSync, make_weight_sync
+    from slipstream.rl.weight_sync import PushWeightSync, make_weight_sync
     from slipstream.storage import NonFiniteTensor, WeightStore
 
     store = WeightStore(str(tmp_path / "store"))
@@ -147,7 +226,7 @@ def test_trainer_side_factory_stores_every_nth_refuses_nan_and_colocated_without
     assert isinstance(make_weight_sync(load_config(None, []), store, coord), Publisher)
     cfg = load_config(None, ["engine.weight_sync=distributed", "engine.weight_store_every=3"])
     sync = make_weight_sync(cfg, store, coord)
-    assert isinstance(sync, DistributedWeightSync)
+    assert isinstance(sync, PushWeightSync)
     state, config = hf_weights(tiny_model(seed=0))
     try:
         for v in range(4):  # no engine registered: stored as due, announced
@@ -173,3 +252,48 @@ def test_trainer_side_factory_stores_every_nth_refuses_nan_and_colocated_without
         cuda = load_config(None, ["engine.weight_sync=colocated", "engine.device=cuda"])
         with pytest.raises(ValueError, match="colocated.*needs a GPU"):
             make_weight_sync(cuda, store, coord)
+
+
+def test_the_ipc_unpickler_takes_what_a_cuda_tensor_pickles_to_and_nothing_else() -> None:
+    """`IpcSender`'s payload (ForkingPickler) for a CUDA tensor is `rebuild_cuda_tensor` with
+    the tensor's class, size, stride, offset, storage class, dtype, device, handles (torch
+    2.13's reduce_tensor; no CUDA here to make a real one): the engine's restricted unpickler
+    must resolve every global of it, and refuse anything else."""
+    import base64
+    import io
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    from slipstream.engine import weight_routes
+
+    class CudaLike:  # what reduce_tensor returns for a CUDA tensor (handles are bytes)
+        def __init__(self, cls: type) -> None:
+            self.cls = cls
+
+        def __reduce__(self):  # noqa: ANN204
+            return (rebuild_cuda_tensor, (self.cls, torch.Size([4, 2]), (2, 1), 0,
+                                          torch.storage.TypedStorage, torch.bfloat16, 0, b"h",
+                                          16, 0, False, b"r", 0, b"e", True))  # fmt: skip
+
+    class Probe(weight_routes._IPCUnpickler):
+        def find_class(self, module: str, name: str):  # noqa: ANN201
+            found = super().find_class(module, name)  # refuses what the server refuses
+            return (lambda *args: args) if name == "rebuild_cuda_tensor" else found
+
+    for cls in (torch.Tensor, torch.nn.Parameter):
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump([("model.norm.weight", CudaLike(cls))])
+        raw = base64.b64decode(base64.b64encode(buf.getvalue()))
+        [(name, args)] = Probe(io.BytesIO(raw)).load()
+        assert name == "model.norm.weight" and args[0] is cls and args[5] is torch.bfloat16
+
+    class Evil:
+        def __reduce__(self):  # noqa: ANN204
+            import os
+
+            return (os.system, ("true",))
+
+    with pytest.raises(pickle.UnpicklingError, match="refusing"):
+        weight_routes._IPCUnpickler(io.BytesIO(pickle.dumps([("x", Evil())]))).load()

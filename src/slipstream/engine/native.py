@@ -71,7 +71,12 @@ from slipstream.engine.kv_cache import Part, SlotKVCache
 from slipstream.engine.outputs import completion_routing, set_prompt_logprobs, stream_events
 from slipstream.engine.prefix_cache import PrefixCache
 from slipstream.engine.routing import RoutingRecorder
-from slipstream.engine.weights import WeightSource, apply_weights, prepare_weights
+from slipstream.engine.weights import (
+    PreparedWeights,
+    WeightSource,
+    apply_weights,
+    prepare_weights,
+)
 
 log = logging.getLogger(__name__)
 
@@ -290,9 +295,17 @@ class NativeEngine:
         and validated on this thread first (`weights.prepare_weights`): ValueError/OSError naming
         the problem, with the old weights still serving. `version` must be an integer in
         [0, MAX_VERSION]; ordering rules (monotonic versions) are the caller's (the server's)."""
-        version = check_int("weight version", version, 0, MAX_VERSION)
+        check_int("weight version", version, 0, MAX_VERSION)
         self._check_serving()
-        prepared = prepare_weights(self.model, source, self.config.max_weight_source_bytes)
+        self.swap_weights(
+            version, prepare_weights(self.model, source, self.config.max_weight_source_bytes)
+        )
+
+    def swap_weights(self, version: int, prepared: PreparedWeights) -> None:
+        """Copy an already prepared version in between decode steps, blocking until applied
+        (`update_weights` without its reading and checking: for a receiver that staged and
+        checked the version itself, engine/weight_transport.py)."""
+        version = check_int("weight version", version, 0, MAX_VERSION)
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self._check_serving()

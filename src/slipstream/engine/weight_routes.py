@@ -146,6 +146,9 @@ _IPC_GLOBALS = {
     ("torch.storage", "TypedStorage"), ("torch.storage", "UntypedStorage"),
     ("torch", "Size"), ("torch", "device"), ("collections", "OrderedDict"),
     ("torch._utils", "_rebuild_tensor_v2"),
+    # the tensor's class, which rebuild_cuda_tensor rebuilds it as (reduce_tensor pickles
+    # type(tensor)): classes only, never called with payload data but the rebuilt tensor
+    ("torch", "Tensor"), ("torch.nn.parameter", "Parameter"),
 }  # fmt: skip
 
 

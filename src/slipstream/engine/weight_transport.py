@@ -13,7 +13,7 @@ The protocol (SGLang's `python/sglang/srt/managers/io_struct.py`, same JSON on o
   truncate_size} (the first truncate_size values of the parameter, flattened).
 
 Versions stay exact: the engine stages what it receives for a weight_version and swaps the whole
-version in (`NativeEngine.update_weights`, between decode steps) only once every parameter of
+version in (`NativeEngine.swap_weights`, between decode steps) only once every parameter of
 the model has arrived; a request for another version discards an incomplete staging. So a
 version split over many bucket requests is never served half-applied (SGLang applies each request
 as it arrives: a sender that wants exactness there sends one version per request set and waits).
@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -219,7 +219,16 @@ class ReceiveResult:
 
 class WeightReceiver:
     """The engine's end of SGLang's distributed protocol (see the module docstring), over one
-    `NativeEngine`. Thread-safe: the server calls it from worker threads."""
+    `NativeEngine`. Thread-safe: the server calls it from worker threads.
+
+    What arrives goes straight into a staging copy of the model's parameters, in the model's own
+    layout and dtype (each HF name, per-expert or fused, is a view of it: `hf_from_internal`),
+    allocated at the first transfer and reused for every later version, so a version costs one
+    copy out of each received bucket (none for per-tensor broadcasts of the model's dtype),
+    one finite check and the swap's copy into the live parameters, and no stacking of experts
+    or fresh allocation per version. The staging holds one more copy of the model's weights on
+    the engine's device for the engine's lifetime (SGLang instead loads each request into the
+    live weights, so a version split over requests is served half-applied)."""
 
     def __init__(self, engine: Any, *, timeout_s: float = 120.0) -> None:
         from slipstream.model.checkpoint import hf_from_internal
@@ -227,15 +236,19 @@ class WeightReceiver:
         self.engine = engine
         self.timeout_s = timeout_s
         self._groups: dict[str, WeightGroup] = {}
-        self._lock = threading.Lock()  # the groups dict and the staging
-        # one transfer at a time: two requests receiving concurrently would take each other's
-        # broadcasts (a collective matches calls by order, not by name)
+        self._lock = threading.Lock()  # the groups dict
+        # one transfer at a time, and the staging with it: two requests receiving concurrently
+        # would take each other's broadcasts (a collective matches calls by order, not by name)
         self._transfer = threading.Lock()
         internal = dict(engine.model.state_dict())
         cfg = engine.model.config
-        self._expected_split = set(hf_from_internal(internal, cfg, fused_experts=False))
-        self._expected_fused = set(hf_from_internal(internal, cfg, fused_experts=True))
-        self._staged: dict[str, torch.Tensor] = {}
+        self._expected_split = frozenset(hf_from_internal(internal, cfg, fused_experts=False))
+        self._expected_fused = frozenset(hf_from_internal(internal, cfg, fused_experts=True))
+        self._known = self._expected_split | self._expected_fused
+        self._staging: dict[str, torch.Tensor] = {}  # internal name -> tensor (lazily)
+        self._views: dict[str, torch.Tensor] = {}  # HF name (split or fused) -> view of it
+        self._flat: torch.Tensor | None = None  # the receive buffer of flattened buckets
+        self._arrived: set[str] = set()
         self._staged_version: int | None = None
 
     def init_group(self, master_address: str, master_port: int, rank_offset: int,
@@ -272,9 +285,7 @@ class WeightReceiver:
                              f"(got {len(names)}, {len(dtypes)}, {len(shapes)})")  # fmt: skip
         metas = [TensorMeta(n, parse_dtype(d), tuple(int(x) for x in s))
                  for n, d, s in zip(names, dtypes, shapes, strict=True)]  # fmt: skip
-        unknown = [
-            m.name for m in metas if m.name not in self._expected_split | self._expected_fused
-        ]
+        unknown = [m.name for m in metas if m.name not in self._known]
         if unknown:
             raise ValueError(f"unknown parameter names {unknown[:5]}")
         if load_format not in (None, "auto", FLATTENED_BUCKET):
@@ -288,42 +299,80 @@ class WeightReceiver:
             raise ValueError(f"no weight update group {group_name!r}; "
                              "POST /init_weights_update_group first")  # fmt: skip
         with self._transfer:
-            received = self._receive(group, group_name, metas, load_format)
-        with self._lock:
-            if self._staged_version != version:
-                self._staged, self._staged_version = {}, version
-            self._staged.update(received)
-            staged = dict(self._staged)
-            complete = (
-                self._expected_split <= staged.keys() or self._expected_fused <= staged.keys()
-            )
-            if complete:
-                self._staged, self._staged_version = {}, None
-        expected = len(self._expected_split)
-        if not complete:
-            return ReceiveResult(version, False, len(staged), expected)
-        self.engine.update_weights(version, staged)  # validated, then swapped between steps
-        return ReceiveResult(version, True, len(staged), expected)
+            views = self._staging_views()
+            bad_shape = [(m.name, m.shape, tuple(views[m.name].shape)) for m in metas
+                         if m.shape != tuple(views[m.name].shape)]  # fmt: skip
+            if bad_shape:
+                name, got, want = bad_shape[0]
+                raise ValueError(f"{name}: shape {list(got)}, the model has {list(want)}")
+            if self._staged_version != version:  # a new version: what was staged is dropped
+                self._arrived, self._staged_version = set(), version
+            try:
+                self._receive(group, group_name, metas, load_format, views)
+            except RuntimeError:
+                self._arrived, self._staged_version = set(), None
+                raise
+            self._arrived.update(m.name for m in metas)
+            staged = len(self._arrived)
+            expected = len(self._expected_split)
+            if not (self._expected_split <= self._arrived or self._expected_fused <= self._arrived):
+                return ReceiveResult(version, False, staged, expected)
+            self._arrived, self._staged_version = set(), None
+            self._swap(version)
+        return ReceiveResult(version, True, staged, expected)
+
+    def _staging_views(self) -> dict[str, torch.Tensor]:
+        """Under the transfer lock: the HF-named views of the staging (allocated once)."""
+        from slipstream.model.checkpoint import hf_from_internal
+
+        if not self._views:
+            model = self.engine.model
+            self._staging = {k: torch.empty_like(v) for k, v in model.state_dict().items()}
+            if model.config.tie_word_embeddings:  # one tensor, staged under its embedding name
+                self._staging.pop("lm_head.weight", None)
+            cfg = model.config
+            self._views = {**hf_from_internal(self._staging, cfg, fused_experts=False),
+                           **hf_from_internal(self._staging, cfg, fused_experts=True)}  # fmt: skip
+        return self._views
+
+    def _swap(self, version: int) -> None:
+        """Under the transfer lock (nothing writes the staging until the engine copied it)."""
+        from slipstream.engine.weights import PreparedWeights
+        from slipstream.storage import check_finite
+
+        check_finite(self._staging, f"weight version {version}")  # ValueError naming the tensor
+        self.engine.swap_weights(version, PreparedWeights(dict(self._staging)))
 
     def _receive(self, group: WeightGroup, group_name: str, metas: list[TensorMeta],
-                 load_format: str | None) -> dict[str, torch.Tensor]:  # fmt: skip
+                 load_format: str | None, views: dict[str, torch.Tensor]) -> None:  # fmt: skip
         try:
             if load_format == FLATTENED_BUCKET:
-                flat = torch.empty(sum(m.nbytes for m in metas) // metas[0].dtype.itemsize,
-                                   dtype=metas[0].dtype, device=group.device)  # fmt: skip
-                group.broadcast(flat)
-                received = unflatten(flat, metas)
+                numel = sum(m.nbytes for m in metas) // metas[0].dtype.itemsize
+                flat = self._flat
+                if flat is None or flat.dtype != metas[0].dtype or flat.numel() < numel \
+                        or flat.device != group.device:  # fmt: skip
+                    flat = self._flat = torch.empty(numel, dtype=metas[0].dtype,
+                                                    device=group.device)  # fmt: skip
+                group.broadcast(flat[:numel])
+                for name, t in unflatten(flat[:numel], metas).items():
+                    views[name].copy_(t)
             else:
-                received = {m.name: torch.empty(m.shape, dtype=m.dtype, device=group.device)
-                            for m in metas}  # fmt: skip
-                works = [group.broadcast_async(t) for t in received.values()]
+                # straight into the staging where dtype and device match (views are contiguous)
+                direct = {m.name: views[m.name] if views[m.name].dtype == m.dtype
+                          and views[m.name].device == group.device
+                          and views[m.name].is_contiguous()
+                          else torch.empty(m.shape, dtype=m.dtype, device=group.device)
+                          for m in metas}  # fmt: skip
+                works = [group.broadcast_async(t) for t in direct.values()]
                 for w in works:
                     group.wait(w)
+                for name, t in direct.items():
+                    if t is not views[name]:
+                        views[name].copy_(t)
         except RuntimeError as e:
             self._drop(group_name)
             raise RuntimeError(f"receiving from group {group_name!r} failed ({e}); the group "
                                "is closed, the served weights are unchanged") from e  # fmt: skip
-        return received
 
     def receive_tensors(self, named: Mapping[str, torch.Tensor], version: int) -> ReceiveResult:
         """Colocated (CUDA IPC): tensors already rebuilt from their handles; applied at once."""
@@ -372,24 +421,33 @@ class TransferFailed(RuntimeError):
     """A push failed on every member, or after its one retry."""
 
 
-class DistributedSender:
-    """Rank 0 of SGLang's protocol: pushes every version to the engines at `urls` (our
-    `slipstream serve` or SGLang) through their endpoints, in dtype-grouped flattened buckets.
+class WeightSender(Protocol):
+    """What the trainer's push (rl/weight_sync.py) needs of a sender: `DistributedSender` (a
+    process-group broadcast) or `IpcSender` (CUDA IPC handles)."""
+
+    dropped: list[str]
+
+    def add_engine(self, url: str, api_key: str | None = None) -> None: ...
+
+    def send(self, version: int, state: Mapping[str, torch.Tensor]) -> SendReport: ...
+
+    def close(self) -> None: ...
+
+
+class _Engines:
+    """Membership and HTTP shared by the trainer-side senders: the engines pushed to, the ones
+    dropped (caught up from the store and readmitted when they answer again), their API keys.
     `catch_up(url, headers)`: bring a (re)joining engine to the newest stored version (None: it
-    joins with whatever it serves). `api_key`: the Bearer key of the engines at `urls`
-    (`add_engine` takes one per engine). See the module docstring for membership epochs and faults."""
+    joins with whatever it serves)."""
 
     def __init__(
         self,
         urls: Sequence[str],
         *,
-        bucket_bytes: int = 256 * 2**20,
-        timeout_s: float = 60.0,
-        backend: str = "gloo",
-        master_address: str = "127.0.0.1",
-        api_key: str | None = None,
-        catch_up: Callable[[str, dict[str, str]], None] | None = None,
-        probe_timeout_s: float = 2.0,
+        timeout_s: float,
+        api_key: str | None,
+        catch_up: Callable[[str, dict[str, str]], None] | None,
+        probe_timeout_s: float,
     ) -> None:
         import httpx
 
@@ -397,28 +455,16 @@ class DistributedSender:
             raise ValueError(f"a weight sender pushes to at most {MAX_ENGINES} engines")
         self.members: list[str] = [u.rstrip("/") for u in urls]
         self.dropped: list[str] = []
-        self.bucket_bytes, self.timeout_s, self.backend = bucket_bytes, timeout_s, backend
-        self.master_address, self.catch_up, self.probe_timeout_s = (
-            master_address,
-            catch_up,
-            probe_timeout_s,
-        )
+        self.timeout_s, self.catch_up, self.probe_timeout_s = timeout_s, catch_up, probe_timeout_s
         self._keys: dict[str, str | None] = {u: api_key for u in self.members}
         self._http = httpx.Client(timeout=httpx.Timeout(timeout_s + 10.0))
         # one thread per member request in flight: every member's /init_weights_update_group
         # blocks until all joined, so fewer threads than members would deadlock the rendezvous
         # (threads are started on demand, up to this bound)
         self._pool = ThreadPoolExecutor(MAX_ENGINES, thread_name_prefix="wpush")
-        self._group: WeightGroup | None = None
-        self._group_members: list[str] = []
-        self.epoch = 0
-        self.groups_opened: list[str] = []
-        """Every group name this sender opened, in order (one per membership epoch)."""
-
-    # -- membership --
 
     def add_engine(self, url: str, api_key: str | None = None) -> None:
-        """An engine joining mid-run: caught up from the store, in the group from the next push."""
+        """An engine joining mid-run: caught up from the store, pushed to from the next version."""
         if len(self.members) + len(self.dropped) >= MAX_ENGINES:
             raise ValueError(f"a weight sender pushes to at most {MAX_ENGINES} engines")
         self._keys[url.rstrip("/")] = api_key
@@ -458,6 +504,60 @@ class DistributedSender:
             self.dropped.append(url)
             log.warning("engine %s dropped from weight pushes (%s); it catches up from the store",
                         url, why)  # fmt: skip
+
+    def _post(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        resp = self._http.post(f"{url}{path}", json=body, headers=self._headers(url))
+        out = (
+            resp.json()
+            if resp.headers.get("content-type", "").startswith("application/json")
+            else {}
+        )
+        if resp.status_code != 200 or not out.get("success", False):
+            raise RuntimeError(
+                f"{url}{path}: {resp.status_code} {out.get('message', resp.text[:200])}"
+            )
+        return out
+
+    def _post_quiet(self, url: str, path: str, body: dict[str, Any]) -> None:
+        import httpx
+
+        try:
+            self._http.post(f"{url}{path}", json=body, timeout=self.probe_timeout_s,
+                            headers=self._headers(url))  # fmt: skip
+        except httpx.HTTPError as e:
+            log.debug("%s%s: %s", url, path, e)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._http.close()
+
+
+class DistributedSender(_Engines):
+    """Rank 0 of SGLang's protocol: pushes every version to the engines at `urls` (our
+    `slipstream serve` or SGLang) through their endpoints, in dtype-grouped flattened buckets.
+    `api_key`: the Bearer key of the engines at `urls` (`add_engine` takes one per engine);
+    `catch_up`: see `_Engines`. See the module docstring for membership epochs and faults."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        bucket_bytes: int = 256 * 2**20,
+        timeout_s: float = 60.0,
+        backend: str = "gloo",
+        master_address: str = "127.0.0.1",
+        api_key: str | None = None,
+        catch_up: Callable[[str, dict[str, str]], None] | None = None,
+        probe_timeout_s: float = 2.0,
+    ) -> None:
+        super().__init__(urls, timeout_s=timeout_s, api_key=api_key, catch_up=catch_up,
+                         probe_timeout_s=probe_timeout_s)  # fmt: skip
+        self.bucket_bytes, self.backend, self.master_address = bucket_bytes, backend, master_address
+        self._group: WeightGroup | None = None
+        self._group_members: list[str] = []
+        self.epoch = 0
+        self.groups_opened: list[str] = []
+        """Every group name this sender opened, in order (one per membership epoch)."""
 
     def _close_group(self) -> None:
         group, self._group = self._group, None
@@ -539,22 +639,31 @@ class DistributedSender:
 
     def _push(self, group: WeightGroup, version: int, state: Mapping[str, torch.Tensor],
               buckets: list[list[TensorMeta]], t0: float) -> dict[str, float]:  # fmt: skip
+        """One request and one broadcast per bucket. The next bucket is flattened while this one
+        is on the wire; its request goes out only after every member answered this one, so each
+        engine takes the broadcasts in the order of its requests (a collective matches calls by
+        order, and a small bucket can leave the sender before the engine took its request)."""
         members = list(self._group_members)
         served: dict[str, float] = {}
-        for bucket in buckets:
+        flat = flatten([state[m.name] for m in buckets[0]]).to(group.device)
+        for i, bucket in enumerate(buckets):
             body = {"names": [m.name for m in bucket], "dtypes": [dtype_name(m.dtype) for m in bucket],
                     "shapes": [list(m.shape) for m in bucket], "group_name": group.name,
                     "flush_cache": False, "weight_version": str(version),
                     "load_format": FLATTENED_BUCKET}  # fmt: skip
             futures = {u: self._pool.submit(self._post, u, "/update_weights_from_distributed", body)
                        for u in members}  # fmt: skip
-            flat = flatten([state[m.name] for m in bucket]).to(group.device)
             try:
-                group.broadcast(flat)
+                work = group.broadcast_async(flat)
+                if i + 1 < len(buckets):  # overlaps the transfer
+                    flat_next = flatten([state[m.name] for m in buckets[i + 1]]).to(group.device)
+                group.wait(work)
             except RuntimeError as e:
                 failed = {u for u, f in futures.items() if f.done() and f.exception() is not None}
                 group.close()  # unblocks the members still receiving
                 raise _PushFailed(str(e), failed) from e
+            if i + 1 < len(buckets):
+                flat = flat_next
             errors: dict[str, str] = {}
             for u, f in futures.items():
                 error = _error(f, self.timeout_s + 10.0)
@@ -566,32 +675,89 @@ class DistributedSender:
                 raise _PushFailed(f"members did not receive a bucket: {errors}", set(errors))
         return served
 
-    def _post(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        resp = self._http.post(f"{url}{path}", json=body, headers=self._headers(url))
-        out = (
-            resp.json()
-            if resp.headers.get("content-type", "").startswith("application/json")
-            else {}
-        )
-        if resp.status_code != 200 or not out.get("success", False):
-            raise RuntimeError(
-                f"{url}{path}: {resp.status_code} {out.get('message', resp.text[:200])}"
-            )
-        return out
-
-    def _post_quiet(self, url: str, path: str, body: dict[str, Any]) -> None:
-        import httpx
-
-        try:
-            self._http.post(f"{url}{path}", json=body, timeout=self.probe_timeout_s,
-                            headers=self._headers(url))  # fmt: skip
-        except httpx.HTTPError as e:
-            log.debug("%s%s: %s", url, path, e)
-
     def close(self) -> None:
         self._close_group()
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._http.close()
+        super().close()
+
+
+class IpcSender(_Engines):
+    """SGLang's `POST /update_weights_from_tensor` for engines on the trainer's own GPU
+    (engine.weight_sync = "colocated"; NCCL refuses two ranks on one device): a version travels
+    as CUDA IPC handles (`ipc_payload`), one payload for every member, and each engine copies the
+    tensors device to device out of the trainer's memory before it answers; nothing crosses the
+    host. The payload points at a snapshot of the version, not at `state`, kept until every
+    member's request ended: an engine that stalls past `timeout_s` is dropped (caught up from the
+    store when it answers again) and may still copy late, and it must copy this version, not
+    the trainer's next one. The snapshot costs one copy of the weights on the GPU per push.
+    CUDA only: never run (no GPU has been lent to this work; docs/gpu.md)."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        timeout_s: float = 60.0,
+        api_key: str | None = None,
+        catch_up: Callable[[str, dict[str, str]], None] | None = None,
+        probe_timeout_s: float = 2.0,
+    ) -> None:
+        super().__init__(urls, timeout_s=timeout_s, api_key=api_key, catch_up=catch_up,
+                         probe_timeout_s=probe_timeout_s)  # fmt: skip
+        self._in_flight: dict[int, dict[str, torch.Tensor]] = {}  # version -> its snapshot
+
+    def send(self, version: int, state: Mapping[str, torch.Tensor]) -> SendReport:
+        """Push `version` (HF-named CUDA tensors) to every member; returns once each served it
+        or was dropped. ValueError (nothing sent) for a tensor not on a CUDA device."""
+        not_cuda = [n for n, t in state.items() if t.device.type != "cuda"]
+        if not_cuda:
+            raise ValueError(f"engine.weight_sync = 'colocated' sends CUDA IPC handles; "
+                             f"{len(not_cuda)} tensors are not on a GPU, e.g. {not_cuda[:3]}")  # fmt: skip
+        self._readmit()
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        t0 = time.perf_counter()
+        members = list(self.members)
+        if not members:
+            return SendReport(version, total, 0.0)
+        snapshot = {n: t.detach().clone() for n, t in state.items()}
+        torch.cuda.current_stream().synchronize()  # written before another process reads it
+        body = {"serialized_named_tensors": [ipc_payload(snapshot)], "flush_cache": False,
+                "weight_version": str(version)}  # fmt: skip
+        self._in_flight[version] = snapshot
+        futures = {u: self._pool.submit(self._post, u, "/update_weights_from_tensor", body)
+                   for u in members}  # fmt: skip
+        remaining = set(futures)
+
+        def release(u: str) -> None:  # the snapshot lives until the last request ended
+            remaining.discard(u)
+            if not remaining:
+                self._in_flight.pop(version, None)
+
+        for u, f in futures.items():
+            f.add_done_callback(lambda _f, u=u: release(u))
+        served: dict[str, float] = {}
+        dropped: list[str] = []
+        for u, f in futures.items():
+            error = _error(f, self.timeout_s + 10.0)
+            if error is None:
+                served[u] = time.perf_counter() - t0
+            else:
+                self._drop(u, error)
+                dropped.append(u)
+        return SendReport(version, total, time.perf_counter() - t0, served, dropped)
+
+
+def ipc_payload(state: Mapping[str, torch.Tensor]) -> str:
+    """One entry of SGLang's `serialized_named_tensors`: base64 of [(name, tensor)] pickled with
+    torch.multiprocessing's reductions (a CUDA tensor pickles to an IPC handle of its storage
+    plus its offset and shape; what SGLang's MultiprocessingSerializer writes)."""
+    import base64
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401 - registers the tensor reductions with ForkingPickler
+
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(list(state.items()))
+    return base64.b64encode(buf.getvalue()).decode()
 
 
 def store_catch_up(

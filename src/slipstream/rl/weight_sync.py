@@ -17,8 +17,10 @@ engines, chosen by `engine.weight_sync` (docs/weights.md). One Protocol, one fac
   the store carries it), and, on `flush`, the last one pushed. An engine that missed a version (dropped after `engine.weight_sync_timeout_s`) loads
   the newest stored one and rejoins at the next push. The publish -> served seconds of each
   engine go to `Coordinator.record_served` (metrics and /metrics).
-- `colocated`: CUDA IPC handles to engines on the trainer's GPU: refused here on a machine
-  without CUDA (the config already refuses engine.device != cuda); not run on a GPU yet.
+- `colocated`: the same pushes and store copies, the tensors sent as CUDA IPC handles to
+  engines on the trainer's GPU (engine/weight_transport.py `IpcSender`, SGLang's
+  /update_weights_from_tensor): refused on a machine without CUDA (the config already refuses
+  engine.device != cuda); never run (no GPU has been lent to this work, docs/gpu.md).
 
 Contract of `flush` under `distributed`: it stores the last pushed version from the tensors
 handed to `submit`, which must still hold that version (the controller flushes right after a
@@ -35,8 +37,10 @@ import torch
 from slipstream.config import SlipstreamConfig
 from slipstream.engine.weight_transport import (
     DistributedSender,
+    IpcSender,
     SendReport,
     TransferFailed,
+    WeightSender,
     store_catch_up,
 )
 from slipstream.rl.publisher import Publisher
@@ -74,30 +78,33 @@ def make_weight_sync(cfg: SlipstreamConfig, weights: WeightStore, coordinator: A
     mode = cfg.engine.weight_sync
     if mode == "store":
         return Publisher(weights, coordinator, background=cfg.trainer.background_publish)
+    catch_up = store_catch_up(weights)
+    timeout_s = cfg.engine.weight_sync_timeout_s
     if mode == "distributed":
-        return DistributedWeightSync(cfg, weights, coordinator)
+        backend = "nccl" if cfg.engine.device.startswith("cuda") else "gloo"
+        sender: WeightSender = DistributedSender(
+            [], bucket_bytes=cfg.engine.weight_bucket_bytes, timeout_s=timeout_s,
+            backend=backend, catch_up=catch_up)  # fmt: skip
+        return PushWeightSync(cfg, weights, coordinator, sender)
     if not torch.cuda.is_available():
         raise ValueError("engine.weight_sync = 'colocated' passes CUDA IPC handles and needs a "
                          "GPU; this machine has none (use 'distributed' or 'store')")  # fmt: skip
-    raise NotImplementedError(  # pragma: no cover - CUDA machines only
-        "engine.weight_sync = 'colocated' in the RL job: the engine side "
-        "(/update_weights_from_tensor) exists, the job's trainer side does not yet"
-    )
+    sender = IpcSender([], timeout_s=timeout_s, catch_up=catch_up)  # pragma: no cover - CUDA
+    return PushWeightSync(cfg, weights, coordinator, sender)  # pragma: no cover - CUDA
 
 
-class DistributedWeightSync:
-    """`distributed`: push every version, store every N-th (see the module docstring)."""
+class PushWeightSync:
+    """`distributed` and `colocated`: push every version with `sender` (a process-group
+    broadcast or CUDA IPC handles), store every N-th (see the module docstring)."""
 
-    def __init__(self, cfg: SlipstreamConfig, weights: WeightStore, coordinator: Any) -> None:
+    def __init__(self, cfg: SlipstreamConfig, weights: WeightStore, coordinator: Any,
+                 sender: WeightSender) -> None:  # fmt: skip
         ec = cfg.engine
         self.coord, self.every = coordinator, ec.weight_store_every
         # the store copy is written before the push and announced by the push: never
         # announce a version before the engines serve it (the workers would load it too)
         self.store = Publisher(weights, coordinator, background=False, announce=False)
-        backend = "nccl" if ec.device.startswith("cuda") else "gloo"
-        self.sender = DistributedSender([], bucket_bytes=ec.weight_bucket_bytes,
-                                        timeout_s=ec.weight_sync_timeout_s, backend=backend,
-                                        catch_up=store_catch_up(weights))  # fmt: skip
+        self.sender = sender
         self._known: dict[str, str] = {}  # url -> worker id
         self._stored = -1
         self._last: tuple[int, dict[str, torch.Tensor], dict[str, Any]] | None = None
