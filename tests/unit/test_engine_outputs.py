@@ -194,7 +194,7 @@ def _bad_sources(tmp_path, model) -> dict[str, object]:
     state = {k: v.clone() for k, v in model.state_dict().items()}
     nan = dict(state)
     nan["model.norm.weight"] = torch.full_like(state["model.norm.weight"], math.nan)
-    out["NaN or infinite"] = nan
+    out["model.norm.weight.*NaN or inf"] = nan
     incomplete = dict(state)
     del incomplete["model.norm.weight"]
     out["missing"] = incomplete
