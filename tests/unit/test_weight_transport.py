@@ -157,8 +157,9 @@ def _push_each(receiver: WeightReceiver, state: dict, version: int, group: str,
 
 def test_receiver_stages_in_the_models_layout_and_refuses_a_non_finite_version() -> None:
     """Per-tensor and flattened transfers, per-expert and fused names, another dtype: all land
-    in one staging of the model's own layout, reused across versions; a NaN is refused with
-    the served weights unchanged, and the next version still applies."""
+    in one staging of the model's own layout, which exchanges storage with the parameters at
+    each swap (no copy, no allocation); a NaN is refused with the served weights unchanged,
+    and the next version still applies."""
     from slipstream.model.checkpoint import hf_from_internal
 
     model = tiny_model(seed=0)
@@ -181,7 +182,12 @@ def test_receiver_stages_in_the_models_layout_and_refuses_a_non_finite_version()
         split, _ = hf_weights(tiny_model(seed=1))
         assert _push_each(receiver, split, 1, "g", sender).applied and engine.version == 1
         expect(tiny_model(seed=1))
-        staging = {k: v.data_ptr() for k, v in receiver._staging.items()}
+        def buffers() -> set[int]:  # the staging's storage and the model's
+            return {v.data_ptr() for v in receiver._staging.values()} | {
+                v.data_ptr() for v in model.state_dict().values()
+            }
+
+        staging = buffers()
 
         src = tiny_model(seed=2)
         fused = hf_from_internal(dict(src.state_dict()), src.config, fused_experts=True)
@@ -189,7 +195,8 @@ def test_receiver_stages_in_the_models_layout_and_refuses_a_non_finite_version()
         names = list(bf16)
         assert _push(receiver, bf16, names, 2, "g", sender).applied and engine.version == 2
         expect(src.to(torch.bfloat16))
-        assert {k: v.data_ptr() for k, v in receiver._staging.items()} == staging
+        # double-buffered: staging and parameters exchange storage, nothing is allocated
+        assert buffers() == staging
 
         before = {k: v.clone() for k, v in model.state_dict().items()}
         bad, _ = hf_weights(tiny_model(seed=3))

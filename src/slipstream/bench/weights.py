@@ -10,8 +10,10 @@ to "every engine answered that it serves it":
 - store: `WeightStore.publish` (safetensors + manifest, what the trainer's publisher writes),
   then every engine told to load it (`/update_weights_from_disk`, concurrently): the store path
   of an HTTP engine.
-- distributed: `DistributedSender.send` (dtype-grouped flattened buckets of
-  engine.weight_bucket_bytes over one gloo group; the group is opened before timing).
+- distributed: `DistributedSender.send` of what the RL job pushes, the stacked expert tensors
+  (the engine's own layout), in requests of at most engine.weight_bucket_bytes sent as
+  engine.weight_bucket_format (per-tensor broadcasts by default) over one gloo group; the
+  group is opened before timing.
 - raw broadcast (the limit): the same bucket sizes broadcast over a gloo group of the same
   number of plain receiver processes that do nothing with them, in the same run.
 Prints bytes, seconds (median of --repeats), GB/s and distributed vs store / vs raw; JSON with
@@ -175,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
     from slipstream.config import load_config
     from slipstream.engine.weight_transport import DistributedSender, TensorMeta, plan_buckets
     from slipstream.model import save_pretrained
+    from slipstream.model.checkpoint import hf_from_internal
     from slipstream.observe.provenance import collect_provenance, write_result
     from slipstream.storage import WeightStore
 
@@ -195,12 +198,16 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-weights-") as tmp_s:
         tmp = Path(tmp_s)
         save_pretrained(model, tmp / "init")
-        del model  # its tensors live on in `state` (views), refreshed in place per version
+        # what the RL job pushes (rl/weight_sync.py): the model's own stacked expert tensors,
+        # whose per-expert views `state` is (refreshed in place per version, so both move)
+        stacked = hf_from_internal(dict(model.state_dict()), model.config, fused_experts=True)
+        del model
         for n in counts:
             raw = _raw_broadcast(n, sizes, args.repeats, cfg.run.dtype)
             procs, urls = _start_engines(n, tmp / "init", tmp, cfg.run.dtype)
             store = WeightStore(str(tmp / f"store{n}"), keep_last=1)
             sender = DistributedSender(urls, bucket_bytes=cfg.engine.weight_bucket_bytes,
+                                       bucket_format=cfg.engine.weight_bucket_format,
                                        timeout_s=600)  # fmt: skip
             pool = ThreadPoolExecutor(n)
             try:
@@ -222,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
                     if version == 2:  # open the group (rendezvous) outside the timing
                         sender.open_group()
                     t0 = time.perf_counter()
-                    report = sender.send(version, state)
+                    report = sender.send(version, stacked)
                     dist_s.append(time.perf_counter() - t0)
                     if sorted(report.served_s) != sorted(urls):
                         raise RuntimeError(f"distributed push reached {sorted(report.served_s)}")

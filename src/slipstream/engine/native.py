@@ -75,6 +75,7 @@ from slipstream.engine.weights import (
     PreparedWeights,
     WeightSource,
     apply_weights,
+    exchange_weights,
     prepare_weights,
 )
 
@@ -301,17 +302,19 @@ class NativeEngine:
             version, prepare_weights(self.model, source, self.config.max_weight_source_bytes)
         )
 
-    def swap_weights(self, version: int, prepared: PreparedWeights) -> None:
-        """Copy an already prepared version in between decode steps, blocking until applied
+    def swap_weights(self, version: int, prepared: PreparedWeights, exchange: bool = False) -> None:
+        """Put an already prepared version in between decode steps, blocking until applied
         (`update_weights` without its reading and checking: for a receiver that staged and
-        checked the version itself, engine/weight_transport.py)."""
+        checked the version itself, engine/weight_transport.py). `exchange`: swap storages
+        with `prepared` instead of copying (`weights.exchange_weights`: `prepared` then holds
+        the previous version) unless CUDA graphs read the parameters' addresses, where it copies."""
         version = check_int("weight version", version, 0, MAX_VERSION)
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self._check_serving()
             if self._pending_update is not None:
                 raise RuntimeError("another weight update is in progress")
-            self._pending_update = (version, prepared, future)
+            self._pending_update = (version, prepared, exchange, future)
             self._lock.notify_all()
         future.result()
 
@@ -385,7 +388,7 @@ class NativeEngine:
     def _fail_pending(self, error: Exception) -> None:
         """Under the lock: fail every request and a pending weight update (engine stopping)."""
         if self._pending_update is not None:
-            future = self._pending_update[2]
+            future = self._pending_update[3]
             self._pending_update = None
             if not future.done():
                 future.set_exception(error)
@@ -430,10 +433,13 @@ class NativeEngine:
         """Copy validated weights in. A failure here would leave the model part-updated: the
         engine then stops serving (`error`), failing this update and every request."""
         assert self._pending_update is not None
-        version, prepared, future = self._pending_update
+        version, prepared, exchange, future = self._pending_update
         self._pending_update = None
         try:
-            apply_weights(self.model, prepared)
+            if exchange and not self.decoder.cuda_graphs:
+                exchange_weights(self.model, prepared)
+            else:
+                apply_weights(self.model, prepared)
         except (ValueError, RuntimeError) as e:
             self.error = RuntimeError(f"weight copy failed part-way, weights corrupt: {e}")
             log.error("%s", self.error)

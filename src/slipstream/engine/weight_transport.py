@@ -180,14 +180,25 @@ class WeightGroup:
         work.wait(self.timeout)
 
     def close(self) -> None:
-        """Drop this end: peers blocked in a collective of the group get an error."""
+        """Drop this end: peers blocked in a collective of the group get an error. The abort
+        runs on a daemon thread: tearing a group down can wait on a peer that is stopped or
+        gone (an engine receiving many per-tensor broadcasts was wedged for minutes by it),
+        and nobody should wait on that."""
         pg, self._pg = self._pg, None
-        if pg is not None:
-            try:
-                pg.abort()
-            except (RuntimeError, AttributeError) as e:  # an already-broken group
-                log.debug("group %s: abort: %s", self.name, e)
         self._store = None
+        if pg is not None:
+            holder = [pg]
+            del pg  # the reaper holds the last reference: the destructor runs on its thread
+            threading.Thread(target=_abort, args=(self.name, holder), daemon=True,
+                             name=f"abort-{self.name}").start()  # fmt: skip
+
+
+def _abort(name: str, holder: list[Any]) -> None:
+    try:
+        holder[0].abort()
+    except (RuntimeError, AttributeError) as e:  # an already-broken group
+        log.debug("group %s: abort: %s", name, e)
+    holder.clear()
 
 
 def _root0() -> Any:
@@ -200,6 +211,21 @@ def _root0() -> Any:
 
 
 # ---- engine side -------------------------------------------------------------------------------
+
+
+CHECK_CHUNK_BYTES = 64 * 2**20
+"""The receiver checks what landed for NaN/inf per this many bytes, while the rest arrives."""
+
+
+def _non_finite(tensors: Mapping[str, torch.Tensor], what: str) -> str | None:
+    """None when every value is finite, else `storage.check_finite`'s message naming the tensor."""
+    from slipstream.storage import NonFiniteTensor, check_finite
+
+    try:
+        check_finite(tensors, what)
+    except NonFiniteTensor as e:
+        return str(e)
+    return None
 
 
 @dataclass
@@ -309,7 +335,7 @@ class WeightReceiver:
                 self._arrived, self._staged_version = set(), version
             try:
                 self._receive(group, group_name, metas, load_format, views)
-            except RuntimeError:
+            except (RuntimeError, ValueError):  # failed, or not finite: this version is void
                 self._arrived, self._staged_version = set(), None
                 raise
             self._arrived.update(m.name for m in metas)
@@ -325,26 +351,42 @@ class WeightReceiver:
         """Under the transfer lock: the HF-named views of the staging (allocated once)."""
         from slipstream.model.checkpoint import hf_from_internal
 
-        if not self._views:
+        if not self._staging:
             model = self.engine.model
             self._staging = {k: torch.empty_like(v) for k, v in model.state_dict().items()}
             if model.config.tie_word_embeddings:  # one tensor, staged under its embedding name
                 self._staging.pop("lm_head.weight", None)
-            cfg = model.config
+        if not self._views:  # (again after an exchange: the staging holds other storage)
+            cfg = self.engine.model.config
             self._views = {**hf_from_internal(self._staging, cfg, fused_experts=False),
                            **hf_from_internal(self._staging, cfg, fused_experts=True)}  # fmt: skip
         return self._views
 
     def _swap(self, version: int) -> None:
-        """Under the transfer lock (nothing writes the staging until the engine copied it)."""
+        """Under the transfer lock (nothing writes the staging until the engine copied it).
+        Every staged tensor was checked finite as it landed (`_receive`)."""
         from slipstream.engine.weights import PreparedWeights
-        from slipstream.storage import check_finite
 
-        check_finite(self._staging, f"weight version {version}")  # ValueError naming the tensor
-        self.engine.swap_weights(version, PreparedWeights(dict(self._staging)))
+        # exchanged, not copied (where the engine allows it): the staging then holds the
+        # previous version's storage, which the next version overwrites
+        self._views = {}
+        self.engine.swap_weights(version, PreparedWeights(dict(self._staging)), exchange=True)
 
     def _receive(self, group: WeightGroup, group_name: str, metas: list[TensorMeta],
                  load_format: str | None, views: dict[str, torch.Tensor]) -> None:  # fmt: skip
+        """Receive into the staging views, checking them finite as they land (per tensor, the
+        check of one chunk runs while the next arrives). ValueError naming a non-finite
+        tensor, after the whole request was received (the collective stays in step); its
+        version is then dropped from the staging."""
+        chunk: dict[str, torch.Tensor] = {}
+        chunk_bytes, bad = 0, None
+
+        def check() -> None:
+            nonlocal chunk, chunk_bytes, bad
+            if chunk and bad is None:
+                bad = _non_finite(chunk, f"weight version {self._staged_version}")
+            chunk, chunk_bytes = {}, 0
+
         try:
             if load_format == FLATTENED_BUCKET:
                 numel = sum(m.nbytes for m in metas) // metas[0].dtype.itemsize
@@ -356,6 +398,7 @@ class WeightReceiver:
                 group.broadcast(flat[:numel])
                 for name, t in unflatten(flat[:numel], metas).items():
                     views[name].copy_(t)
+                chunk = {m.name: views[m.name] for m in metas}
             else:
                 # straight into the staging where dtype and device match (views are contiguous)
                 direct = {m.name: views[m.name] if views[m.name].dtype == m.dtype
@@ -363,16 +406,23 @@ class WeightReceiver:
                           and views[m.name].is_contiguous()
                           else torch.empty(m.shape, dtype=m.dtype, device=group.device)
                           for m in metas}  # fmt: skip
-                works = [group.broadcast_async(t) for t in direct.values()]
-                for w in works:
-                    group.wait(w)
+                # one collective in flight at a time: with many queued, a peer lost mid-way
+                # left gloo's wait() blocked past its timeout and the group's abort with it
                 for name, t in direct.items():
+                    group.broadcast(t)
                     if t is not views[name]:
                         views[name].copy_(t)
+                    chunk[name] = views[name]
+                    chunk_bytes += t.numel() * t.element_size()
+                    if chunk_bytes >= CHECK_CHUNK_BYTES:
+                        check()
         except RuntimeError as e:
             self._drop(group_name)
             raise RuntimeError(f"receiving from group {group_name!r} failed ({e}); the group "
                                "is closed, the served weights are unchanged") from e  # fmt: skip
+        check()
+        if bad is not None:
+            raise ValueError(bad)
 
     def receive_tensors(self, named: Mapping[str, torch.Tensor], version: int) -> ReceiveResult:
         """Colocated (CUDA IPC): tensors already rebuilt from their handles; applied at once."""
@@ -534,7 +584,9 @@ class _Engines:
 
 class DistributedSender(_Engines):
     """Rank 0 of SGLang's protocol: pushes every version to the engines at `urls` (our
-    `slipstream serve` or SGLang) through their endpoints, in dtype-grouped flattened buckets.
+    `slipstream serve` or SGLang) through their endpoints, one request per dtype-grouped bucket
+    of at most `bucket_bytes`, its tensors broadcast one by one (`bucket_format` "per_tensor")
+    or concatenated ("flattened_bucket").
     `api_key`: the Bearer key of the engines at `urls` (`add_engine` takes one per engine);
     `catch_up`: see `_Engines`. See the module docstring for membership epochs and faults."""
 
@@ -543,6 +595,7 @@ class DistributedSender(_Engines):
         urls: Sequence[str],
         *,
         bucket_bytes: int = 256 * 2**20,
+        bucket_format: str = "per_tensor",
         timeout_s: float = 60.0,
         backend: str = "gloo",
         master_address: str = "127.0.0.1",
@@ -552,7 +605,11 @@ class DistributedSender(_Engines):
     ) -> None:
         super().__init__(urls, timeout_s=timeout_s, api_key=api_key, catch_up=catch_up,
                          probe_timeout_s=probe_timeout_s)  # fmt: skip
+        if bucket_format not in ("per_tensor", FLATTENED_BUCKET):
+            raise ValueError(f"bucket_format {bucket_format!r} is not 'per_tensor' or "
+                             f"{FLATTENED_BUCKET!r}")  # fmt: skip
         self.bucket_bytes, self.backend, self.master_address = bucket_bytes, backend, master_address
+        self.flattened = bucket_format == FLATTENED_BUCKET
         self._group: WeightGroup | None = None
         self._group_members: list[str] = []
         self.epoch = 0
@@ -639,31 +696,38 @@ class DistributedSender(_Engines):
 
     def _push(self, group: WeightGroup, version: int, state: Mapping[str, torch.Tensor],
               buckets: list[list[TensorMeta]], t0: float) -> dict[str, float]:  # fmt: skip
-        """One request and one broadcast per bucket. The next bucket is flattened while this one
-        is on the wire; its request goes out only after every member answered this one, so each
+        """One request per bucket: its tensors broadcast one by one straight from `state`, or
+        flattened into one broadcast (the next bucket is flattened while one is on the wire).
+        The next bucket's request goes out only after every member answered this one, so each
         engine takes the broadcasts in the order of its requests (a collective matches calls by
         order, and a small bucket can leave the sender before the engine took its request)."""
         members = list(self._group_members)
         served: dict[str, float] = {}
-        flat = flatten([state[m.name] for m in buckets[0]]).to(group.device)
+
+        def flat_of(bucket: list[TensorMeta]) -> torch.Tensor:
+            return flatten([state[m.name] for m in bucket]).to(group.device)
+
+        flat = flat_of(buckets[0]) if self.flattened else None
         for i, bucket in enumerate(buckets):
             body = {"names": [m.name for m in bucket], "dtypes": [dtype_name(m.dtype) for m in bucket],
                     "shapes": [list(m.shape) for m in bucket], "group_name": group.name,
                     "flush_cache": False, "weight_version": str(version),
-                    "load_format": FLATTENED_BUCKET}  # fmt: skip
+                    "load_format": FLATTENED_BUCKET if self.flattened else None}  # fmt: skip
             futures = {u: self._pool.submit(self._post, u, "/update_weights_from_distributed", body)
                        for u in members}  # fmt: skip
             try:
-                work = group.broadcast_async(flat)
-                if i + 1 < len(buckets):  # overlaps the transfer
-                    flat_next = flatten([state[m.name] for m in buckets[i + 1]]).to(group.device)
-                group.wait(work)
+                if flat is not None:
+                    work = group.broadcast_async(flat)
+                    if i + 1 < len(buckets):  # overlaps the transfer
+                        flat = flat_of(buckets[i + 1])
+                    group.wait(work)
+                else:
+                    for m in bucket:  # one at a time, as the receiver takes them
+                        group.broadcast(state[m.name].detach().contiguous().to(group.device))
             except RuntimeError as e:
                 failed = {u for u, f in futures.items() if f.done() and f.exception() is not None}
                 group.close()  # unblocks the members still receiving
                 raise _PushFailed(str(e), failed) from e
-            if i + 1 < len(buckets):
-                flat = flat_next
             errors: dict[str, str] = {}
             for u, f in futures.items():
                 error = _error(f, self.timeout_s + 10.0)

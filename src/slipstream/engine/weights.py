@@ -197,6 +197,26 @@ def apply_weights(model: torch.nn.Module, prepared: PreparedWeights) -> None:
     load_hf_state_dict(model, prepared.tensors)  # type: ignore[arg-type]
 
 
+def exchange_weights(model: torch.nn.Module, prepared: PreparedWeights) -> None:
+    """`apply_weights` without the copy: each parameter takes the prepared tensor's storage
+    and the prepared tensor takes the parameter's, so the caller's tensors hold the previous
+    version afterwards (a receiver's staging, double-buffered). Parameter objects are kept, their
+    storage is not: only for an engine whose captured graphs do not read parameter addresses.
+    ValueError before anything moved for a name, shape, dtype or device that does not match."""
+    params = dict(model.state_dict(keep_vars=True))
+    pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, t in prepared.tensors.items():
+        p = params.get(name)
+        if p is None or (p.shape, p.dtype, p.device) != (t.shape, t.dtype, t.device):
+            raise ValueError(f"exchange_weights: {name}: {tuple(t.shape)} {t.dtype} {t.device} "
+                             f"does not match the model's parameter")  # fmt: skip
+        pairs[id(p)] = (p, t)  # a tied parameter appears under two names: exchanged once
+    with torch.no_grad():
+        for p, t in pairs.values():
+            p.data, t.data = t.data, p.data
+    model.tie_weights()  # type: ignore[operator]
+
+
 def load_weights_into(model: torch.nn.Module, source: WeightSource) -> None:
     """`prepare_weights` then `apply_weights`: strict and validated (missing or unexpected
     names, wrong shapes, non-float dtypes and non-finite values raise ValueError naming them;

@@ -121,7 +121,8 @@ class Controller:
             self._published = state
         cfg = self.model.config
         dtype = next(iter(state.values())).dtype
-        self.publisher.submit(self.trainer.version, hf_from_internal(state, cfg),
+        hf_state = hf_from_internal(state, cfg, fused_experts=self.publisher.fused_experts)
+        self.publisher.submit(self.trainer.version, hf_state,
                               hf_config_from_model_config(cfg, dtype))  # fmt: skip
 
     def _policy_for_eval(self) -> torch.nn.Module:

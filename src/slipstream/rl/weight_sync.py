@@ -57,6 +57,11 @@ class WeightSync(Protocol):
     served_s: dict[str, float]
     """Per engine (worker id): seconds from the last version's submit until it served it
     ({} where not measured)."""
+    fused_experts: bool
+    """The expert layout `submit` takes (`model.checkpoint.hf_from_internal`): False = one HF
+    tensor per expert and projection (a transformers checkpoint, what the store holds); True =
+    the model's own stacked expert tensors, which a push hands to our engines as they are (no
+    per-expert copy on either side)."""
 
     def submit(
         self, version: int, state: dict[str, torch.Tensor], hf_config: dict[str, Any]
@@ -83,7 +88,8 @@ def make_weight_sync(cfg: SlipstreamConfig, weights: WeightStore, coordinator: A
     if mode == "distributed":
         backend = "nccl" if cfg.engine.device.startswith("cuda") else "gloo"
         sender: WeightSender = DistributedSender(
-            [], bucket_bytes=cfg.engine.weight_bucket_bytes, timeout_s=timeout_s,
+            [], bucket_bytes=cfg.engine.weight_bucket_bytes,
+            bucket_format=cfg.engine.weight_bucket_format, timeout_s=timeout_s,
             backend=backend, catch_up=catch_up)  # fmt: skip
         return PushWeightSync(cfg, weights, coordinator, sender)
     if not torch.cuda.is_available():
@@ -105,6 +111,10 @@ class PushWeightSync:
         # announce a version before the engines serve it (the workers would load it too)
         self.store = Publisher(weights, coordinator, background=False, announce=False)
         self.sender = sender
+        # the engines are the job's own (engine.type = http refuses a push): they take the
+        # stacked experts as they are; the store copy is split into per-expert views
+        self.fused_experts = True
+        self._model_config = cfg.model
         self._known: dict[str, str] = {}  # url -> worker id
         self._stored = -1
         self._last: tuple[int, dict[str, torch.Tensor], dict[str, Any]] | None = None
@@ -142,7 +152,11 @@ class PushWeightSync:
     def _store(
         self, version: int, state: dict[str, torch.Tensor], hf_config: dict[str, Any]
     ) -> None:
-        self.store.submit(version, state, hf_config)
+        from slipstream.model.checkpoint import hf_from_internal
+
+        # views of the stacked tensors under per-expert names: a transformers checkpoint
+        split = hf_from_internal(state, self._model_config, fused_experts=False)
+        self.store.submit(version, split, hf_config)
         self._stored = version
 
     def flush(self) -> None:
