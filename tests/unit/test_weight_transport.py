@@ -304,3 +304,19 @@ def test_the_ipc_unpickler_takes_what_a_cuda_tensor_pickles_to_and_nothing_else(
 
     with pytest.raises(pickle.UnpicklingError, match="refusing"):
         weight_routes._IPCUnpickler(io.BytesIO(pickle.dumps([("x", Evil())]))).load()
+
+
+def test_ipc_sender_refuses_tensors_off_the_gpu_before_sending_anything() -> None:
+    """`IpcSender` (engine.weight_sync = "colocated") sends CUDA IPC handles: a CPU tensor has
+    none, so it is refused naming the tensors, with nothing posted (its CUDA path is
+    tests/gpu/test_gpu_weights.py, run by scripts/gpu-check.sh on a GPU)."""
+    from slipstream.engine.weight_transport import IpcSender
+
+    sender = IpcSender(["http://127.0.0.1:9"], timeout_s=1.0)
+    try:
+        state, _ = hf_weights(tiny_model(seed=0))
+        with pytest.raises(ValueError, match="not on a GPU, e.g. .*model"):
+            sender.send(1, state)
+        assert sender.members == ["http://127.0.0.1:9"] and sender.dropped == []
+    finally:
+        sender.close()

@@ -77,10 +77,10 @@ class EngineConfig(Section):
     weight_bucket_format: Literal["per_tensor", "flattened_bucket"] = "per_tensor"
     """weight_sync = "distributed": how a request's tensors travel. "per_tensor" (SGLang's
     default): one broadcast per tensor, sent from the trainer's tensors and received straight
-    into the engine's staging, no copy on either side (mid, 2 engines: 2.3 vs 4.2 s a version,
-    docs/weights.md). "flattened_bucket" (SGLang's load_format): one broadcast of the request's
-    tensors concatenated, which costs a copy on each side but one collective per request
-    (fewer, larger NCCL calls)."""
+    into the engine's staging, no copy on either side (the measured steps: docs/weights.md).
+    "flattened_bucket" (SGLang's load_format): one broadcast of the request's tensors
+    concatenated, which costs a copy on each side but one collective per request (fewer,
+    larger NCCL calls)."""
     weight_store_every: int = Field(default=10, ge=1, le=100_000)
     """weight_sync = "distributed": the store receives every N-th version (and the first and
     last), the fallback of an engine that missed a broadcast."""

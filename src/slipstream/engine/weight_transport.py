@@ -214,7 +214,7 @@ def _root0() -> Any:
 
 
 CHECK_CHUNK_BYTES = 64 * 2**20
-"""The receiver checks what landed for NaN/inf per this many bytes, while the rest arrives."""
+"""The receiver checks what landed for NaN/inf per this many bytes (one fused norm each)."""
 
 
 def _non_finite(tensors: Mapping[str, torch.Tensor], what: str) -> str | None:
@@ -249,12 +249,13 @@ class WeightReceiver:
 
     What arrives goes straight into a staging copy of the model's parameters, in the model's own
     layout and dtype (each HF name, per-expert or fused, is a view of it: `hf_from_internal`),
-    allocated at the first transfer and reused for every later version, so a version costs one
-    copy out of each received bucket (none for per-tensor broadcasts of the model's dtype),
-    one finite check and the swap's copy into the live parameters, and no stacking of experts
-    or fresh allocation per version. The staging holds one more copy of the model's weights on
-    the engine's device for the engine's lifetime (SGLang instead loads each request into the
-    live weights, so a version split over requests is served half-applied)."""
+    allocated at the first transfer: a version costs one copy out of each flattened bucket (none
+    for per-tensor broadcasts of the model's dtype) and one finite check, and the swap exchanges
+    the staging's storage with the parameters' (copies where CUDA graphs captured their
+    addresses), so the staging then holds the previous version for the next to overwrite; no
+    stacking of experts, no allocation per version. The staging holds one more copy of the
+    model's weights on the engine's device for the engine's lifetime (SGLang instead loads each
+    request into the live weights, so a version split over requests is served half-applied)."""
 
     def __init__(self, engine: Any, *, timeout_s: float = 120.0) -> None:
         from slipstream.model.checkpoint import hf_from_internal
@@ -363,7 +364,7 @@ class WeightReceiver:
         return self._views
 
     def _swap(self, version: int) -> None:
-        """Under the transfer lock (nothing writes the staging until the engine copied it).
+        """Under the transfer lock (nothing writes the staging until the engine took it).
         Every staged tensor was checked finite as it landed (`_receive`)."""
         from slipstream.engine.weights import PreparedWeights
 
@@ -374,10 +375,9 @@ class WeightReceiver:
 
     def _receive(self, group: WeightGroup, group_name: str, metas: list[TensorMeta],
                  load_format: str | None, views: dict[str, torch.Tensor]) -> None:  # fmt: skip
-        """Receive into the staging views, checking them finite as they land (per tensor, the
-        check of one chunk runs while the next arrives). ValueError naming a non-finite
-        tensor, after the whole request was received (the collective stays in step); its
-        version is then dropped from the staging."""
+        """Receive into the staging views, checking them finite per CHECK_CHUNK_BYTES as they
+        land. ValueError naming a non-finite tensor, after the whole request was received (the
+        collective stays in step); its version is then dropped from the staging."""
         chunk: dict[str, torch.Tensor] = {}
         chunk_bytes, bad = 0, None
 
