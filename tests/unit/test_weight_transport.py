@@ -182,6 +182,7 @@ def test_receiver_stages_in_the_models_layout_and_refuses_a_non_finite_version()
         split, _ = hf_weights(tiny_model(seed=1))
         assert _push_each(receiver, split, 1, "g", sender).applied and engine.version == 1
         expect(tiny_model(seed=1))
+
         def buffers() -> set[int]:  # the staging's storage and the model's
             return {v.data_ptr() for v in receiver._staging.values()} | {
                 v.data_ptr() for v in model.state_dict().values()
