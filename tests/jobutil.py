@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import httpx
 import torch
 
 from slipstream.config import SlipstreamConfig, load_config
@@ -93,3 +95,18 @@ def start_server(
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
     return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 180) -> None:
+    """Until `url`/health answers 200 (AssertionError with the log's tail if the process
+    exits or `timeout_s` passes)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, log.read_text()
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"{url} did not come up: {log.read_text()[-2000:]}"
+        time.sleep(0.1)

@@ -18,24 +18,11 @@ import httpx
 import pytest
 import torch
 
-from jobutil import TINY_MODEL, save_random_init, start_server
+from jobutil import TINY_MODEL, save_random_init, start_server, wait_healthy
 from slipstream.config import load_config
 from slipstream.engine.weight_transport import DistributedSender, IpcSender
 from slipstream.model import MoEForCausalLM, hf_weights
 from slipstream.tasks import get_taskset
-
-
-def _wait_healthy(url: str, proc, log, timeout_s: float = 180) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, f"{url} did not come up: {log.read_text()[-2000:]}"
-        time.sleep(0.1)
 
 
 @pytest.mark.gpu
@@ -44,7 +31,7 @@ def test_colocated_push_serves_the_pushed_weights(gpu, record, tmp_path) -> None
     proc, url = start_server(tmp_path, tmp_path / "init", [f"engine.device={gpu.type}"])
     sender = None
     try:
-        _wait_healthy(url, proc, tmp_path / "server.log")
+        wait_healthy(proc, url, tmp_path / "server.log")
         cfg = load_config(None, TINY_MODEL)
         vocab = get_taskset(cfg.task).tokenizer.vocab_size
         sender = (IpcSender([url], timeout_s=120) if gpu.type == "cuda"

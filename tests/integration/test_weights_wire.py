@@ -23,25 +23,12 @@ import httpx
 import pytest
 import torch
 
-from jobutil import TINY_MODEL, save_random_init, start_server
+from jobutil import TINY_MODEL, save_random_init, start_server, wait_healthy
 from slipstream.config import load_config
 from slipstream.engine.weight_transport import DistributedSender, free_port, store_catch_up
 from slipstream.model import MoEForCausalLM, hf_weights, save_pretrained
 from slipstream.storage import WeightStore
 from slipstream.tasks import get_taskset
-
-
-def _wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert proc.poll() is None, log.read_text()
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, f"{url} did not come up: {log.read_text()[-2000:]}"
-        time.sleep(0.1)
 
 
 class Servers:
@@ -55,7 +42,7 @@ class Servers:
         d.mkdir()
         proc, url = start_server(d, self.tmp / "init")
         self.procs.append(proc)
-        _wait_healthy(proc, url, d / "server.log")
+        wait_healthy(proc, url, d / "server.log")
         return url
 
     def close(self) -> None:

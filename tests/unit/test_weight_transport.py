@@ -92,18 +92,22 @@ def _push(receiver: WeightReceiver, state: dict, names: list[str], version: int,
     return out["r"]
 
 
+def _joined(engine: NativeEngine) -> tuple[WeightReceiver, WeightGroup]:
+    """The engine's receiver as rank 1 and a sender as rank 0 of one gloo group "g"."""
+    receiver = WeightReceiver(engine, timeout_s=30)
+    port = free_port()
+    t = threading.Thread(target=receiver.init_group, args=("127.0.0.1", port, 1, 2, "g", "gloo"))
+    t.start()
+    sender = WeightGroup("g", "gloo", "127.0.0.1", port, 0, 2, timeout_s=30)
+    t.join()
+    return receiver, sender
+
+
 def test_receiver_applies_a_version_only_once_all_of_it_arrived() -> None:
     model = tiny_model(seed=0)
     engine = NativeEngine(model, EngineConfig(max_seq_len=64, kv_cache_tokens=512))
     try:
-        receiver = WeightReceiver(engine, timeout_s=30)
-        port = free_port()
-        t = threading.Thread(
-            target=receiver.init_group, args=("127.0.0.1", port, 1, 2, "g", "gloo")
-        )
-        t.start()
-        sender = WeightGroup("g", "gloo", "127.0.0.1", port, 0, 2, timeout_s=30)
-        t.join()
+        receiver, sender = _joined(engine)
         assert receiver.groups() == ["g"]
         before = {k: v.clone() for k, v in model.state_dict().items()}
         new, _ = hf_weights(tiny_model(seed=1))
@@ -165,14 +169,7 @@ def test_receiver_stages_in_the_models_layout_and_refuses_a_non_finite_version()
     model = tiny_model(seed=0)
     engine = NativeEngine(model, EngineConfig(max_seq_len=64, kv_cache_tokens=512))
     try:
-        receiver = WeightReceiver(engine, timeout_s=30)
-        port = free_port()
-        t = threading.Thread(
-            target=receiver.init_group, args=("127.0.0.1", port, 1, 2, "g", "gloo")
-        )
-        t.start()
-        sender = WeightGroup("g", "gloo", "127.0.0.1", port, 0, 2, timeout_s=30)
-        t.join()
+        receiver, sender = _joined(engine)
 
         def expect(src: torch.nn.Module) -> None:
             want = src.state_dict()
