@@ -1,5 +1,6 @@
 """Weights over the wire, real processes over gloo: `slipstream serve` processes receive weight
-versions through SGLang's distributed-update endpoints (engine/weight_transport.py).
+versions through SGLang's distributed-update endpoints and vLLM's weight-transfer API
+(engine/weight_transport.py, engine/weight_routes.py).
 
 - A client written only against SGLang's documented protocol (httpx + torch.distributed; no
   slipstream code on the sending side) pushes new weights, one broadcast per tensor as SGLang's
@@ -74,7 +75,7 @@ def _model_info(url: str) -> dict:
 def test_sglang_protocol_client_pushes_over_gloo_and_greedy_equals_transformers(servers, tmp_path):
     import torch.distributed as dist
 
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     url = servers.start(0)
     model = _new_model(seed=1)
     state, _ = hf_weights(model)
@@ -119,9 +120,13 @@ def test_sglang_protocol_client_pushes_over_gloo_and_greedy_equals_transformers(
     assert _model_info(url)["weight_version"] == "7"
 
     # --- greedy after the push == transformers on the pushed weights ---
-    save_pretrained(model, tmp_path / "pushed")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "pushed"),
-                                                           dtype=torch.float32).eval()  # fmt: skip
+    _greedy_equals_transformers(url, model, tmp_path / "pushed")
+
+
+def _greedy_equals_transformers(url: str, model: MoEForCausalLM, path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    save_pretrained(model, path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     for prompt in ([1, 5, 7, 9], [1, 12, 3]):
         out = httpx.post(f"{url}/generate", json={"input_ids": prompt, "sampling_params": {
             "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}, timeout=60).json()  # fmt: skip
@@ -131,6 +136,112 @@ def test_sglang_protocol_client_pushes_over_gloo_and_greedy_equals_transformers(
                 nxt = hf(ids).logits[:, -1].argmax(-1, keepdim=True)
                 ids = torch.cat([ids, nxt], dim=1)
         assert out["output_ids"] == ids[0, len(prompt) :].tolist()
+
+
+def test_vllm_protocol_client_pushes_over_gloo_and_greedy_equals_transformers(servers, tmp_path):
+    """A client written only against vLLM's weight-transfer API (its dev-mode RLHF routes, as
+    vLLM's HTTPVLLMWeightSyncClient and TRL call them; the one extension: `backend` "gloo" in
+    init_info, since vLLM's own group is NCCL) pushes into `slipstream serve`; the version is
+    served only once /finish_weight_update names it, an update missing parameters is refused at
+    the finish with the served weights unchanged, and greedy then equals transformers'."""
+    import torch.distributed as dist
+
+    pytest.importorskip("transformers")
+    url = servers.start(0)
+    assert httpx.get(f"{url}/get_world_size", timeout=10).json() == {"world_size": 1}
+    model = _new_model(seed=4)
+    state, _ = hf_weights(model)
+    names = list(state)
+    port = free_port()
+    init = {"init_info": {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+                          "world_size": 2, "backend": "gloo"}}  # fmt: skip
+    answers: dict[str, httpx.Response] = {}
+    t = threading.Thread(target=lambda: answers.update(
+        init=httpx.post(f"{url}/init_weight_transfer_engine", json=init, timeout=60)))  # fmt: skip
+    t.start()
+    timeout = datetime.timedelta(seconds=60)
+    store = dist.TCPStore(
+        "127.0.0.1", port, 2, is_master=True, timeout=timeout, wait_for_workers=False
+    )
+    # the engine's end of vLLM's protocol is the group "vllm-weight-transfer" (vLLM names none)
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("slipstream/vllm-weight-transfer", store), 0, 2,
+                               timeout)  # fmt: skip
+    t.join()
+    assert answers["init"].status_code == 200, answers["init"].text
+    assert answers["init"].json() == {"message": "Weight transfer initialized"}
+
+    def update(batch: list[str]) -> httpx.Response:
+        info = {"names": batch, "dtype_names": [str(state[n].dtype).removeprefix("torch.")
+                                                for n in batch],
+                "shapes": [list(state[n].shape) for n in batch], "packed": False}  # fmt: skip
+        out: dict[str, httpx.Response] = {}
+        t = threading.Thread(target=lambda: out.update(r=httpx.post(
+            f"{url}/update_weights", json={"update_info": info}, timeout=60)))  # fmt: skip
+        t.start()
+        for n in batch:  # one broadcast per tensor, in `names` order (packed=False)
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            pg.broadcast([state[n].contiguous()], opts).wait(timeout)
+        t.join()
+        return out["r"]
+
+    # an update that misses a parameter is refused at the finish; nothing changes
+    assert httpx.post(f"{url}/start_weight_update", timeout=10).status_code == 200
+    assert update(names[:3]).status_code == 200
+    resp = httpx.post(f"{url}/finish_weight_update", json={"weight_version": "5"}, timeout=10)
+    assert resp.status_code == 400 and "not all" in resp.text
+    assert _model_info(url)["weight_version"] == "0"
+    # no update in progress now: /update_weights is refused before anything is received
+    info = {"names": names[:1], "dtype_names": ["float32"], "shapes": [list(state[names[0]].shape)]}
+    resp = httpx.post(f"{url}/update_weights", json={"update_info": info}, timeout=10)
+    assert resp.status_code == 400 and "start_weight_update" in resp.text
+
+    # the whole version in two requests: served at the finish, not before
+    assert httpx.post(f"{url}/start_weight_update", timeout=10).status_code == 200
+    half = len(names) // 2
+    assert update(names[:half]).json() == {"message": "Weights updated"}
+    assert _model_info(url)["weight_version"] == "0"
+    assert update(names[half:]).status_code == 200
+    assert _model_info(url)["weight_version"] == "0"
+    resp = httpx.post(f"{url}/finish_weight_update", json={"weight_version": "5"}, timeout=10)
+    assert resp.json() == {"message": "Weight update finished"}
+    assert httpx.get(f"{url}/weight_info", timeout=10).json() == {"weight_version": "5"}
+    got = httpx.post(f"{url}/get_weights_by_name",
+                     json={"name": "model.norm.weight", "truncate_size": 8}, timeout=10)  # fmt: skip
+    assert got.json() == state["model.norm.weight"].reshape(-1)[:8].tolist()
+    # packed transfers (vLLM's packed_broadcast) are refused, naming what to send
+    info = {**info, "packed": True}
+    resp = httpx.post(f"{url}/update_weights", json={"update_info": info}, timeout=10)
+    assert resp.status_code == 400 and "packed" in resp.text
+
+    _greedy_equals_transformers(url, model, tmp_path / "pushed")
+
+
+def test_distributed_sender_drives_vllm_protocol_to_two_engines(servers, tmp_path) -> None:
+    """`DistributedSender(api="vllm")` (engine.api = "vllm"): rank offsets from /get_world_size,
+    every version start -> per-bucket updates -> finish, on both engines; a stopped engine is
+    dropped within the bound and the survivor serves the version over a new group."""
+    a, b = servers.start(0), servers.start(1)
+    sender = DistributedSender([a, b], bucket_bytes=2**16, timeout_s=5.0, api="vllm")
+    try:
+        for v in (1, 2):
+            state, _ = hf_weights(_new_model(seed=10 + v))
+            report = sender.send(v, state)
+            assert sorted(report.served_s) == sorted([a, b]) and not report.dropped
+            want = state["model.norm.weight"].reshape(-1)[:8].tolist()
+            for u in (a, b):
+                assert _model_info(u)["weight_version"] == str(v)
+                got = httpx.post(f"{u}/get_weights_by_name",
+                                 json={"name": "model.norm.weight", "truncate_size": 8}, timeout=10)  # fmt: skip
+                assert got.json() == want
+        os.kill(servers.procs[1].pid, signal.SIGSTOP)
+        state, _ = hf_weights(_new_model(seed=13))
+        report = sender.send(3, state)
+        assert report.dropped == [b] and list(report.served_s) == [a], report
+        assert _model_info(a)["weight_version"] == "3"
+        assert sender.groups_opened == ["slipstream-weights-e1", "slipstream-weights-e2"]
+    finally:
+        sender.close()
 
 
 def test_distributed_sender_survives_kill_mid_transfer_and_admits_a_joining_engine(

@@ -15,6 +15,7 @@ from slipstream.config.engine import EngineConfig
 from slipstream.engine.native import NativeEngine
 from slipstream.engine.weight_transport import (
     FLATTENED_BUCKET,
+    DistributedSender,
     TensorMeta,
     WeightGroup,
     WeightReceiver,
@@ -67,6 +68,34 @@ def test_config_keys_are_bounded_and_colocated_needs_cuda() -> None:
         EngineConfig(weight_store_every=0)
     with pytest.raises(ValidationError, match="engine.weight_sync = 'colocated'.*engine.device"):
         EngineConfig(weight_sync="colocated")
+
+
+def test_vllm_api_is_for_distributed_per_tensor_pushes_and_reaches_the_sender(tmp_path) -> None:
+    """engine.api = "vllm" selects vLLM's weight-transfer API for the job's pushes; it is
+    refused where it would mean nothing (store) or what is not spoken (IPC, packed buckets)."""
+    from slipstream.config import load_config
+    from slipstream.rl.buffer import ExperienceBuffer
+    from slipstream.rl.coordinator import Coordinator
+    from slipstream.rl.queue import TaskQueue
+    from slipstream.rl.weight_sync import make_weight_sync
+    from slipstream.storage import WeightStore
+
+    assert EngineConfig().api == "sglang"
+    with pytest.raises(ValidationError, match="engine.api = 'vllm'.*weight_sync = 'distributed'"):
+        EngineConfig(api="vllm")
+    with pytest.raises(ValidationError, match="engine.api = 'vllm'.*'per_tensor'"):
+        EngineConfig(api="vllm", weight_sync="distributed", weight_bucket_format="flattened_bucket")
+    with pytest.raises(ValueError, match="bucket_format must be 'per_tensor'"):
+        DistributedSender([], api="vllm", bucket_format="flattened_bucket")
+    with pytest.raises(ValueError, match="api 'triton'"):
+        DistributedSender([], api="triton")
+    cfg = load_config(None, ["engine.weight_sync=distributed", "engine.api=vllm"])
+    coord = Coordinator(TaskQueue(10), ExperienceBuffer(groups_per_step=1, max_staleness=1))
+    sync = make_weight_sync(cfg, WeightStore(str(tmp_path / "store")), coord)
+    try:
+        assert sync.sender.api == "vllm" and not sync.sender.success_field
+    finally:
+        sync.close()
 
 
 def _push(receiver: WeightReceiver, state: dict, names: list[str], version: int, group: str,

@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
             store = WeightStore(str(tmp / f"store{n}"), keep_last=1)
             sender = DistributedSender(urls, bucket_bytes=cfg.engine.weight_bucket_bytes,
                                        bucket_format=cfg.engine.weight_bucket_format,
-                                       timeout_s=600)  # fmt: skip
+                                       timeout_s=600, api=cfg.engine.api)  # fmt: skip
             pool = ThreadPoolExecutor(n)
             try:
                 store_s, dist_s = [], []
@@ -264,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
         "limit": {"name": "raw gloo broadcast of the same buckets (same run)",
                   "value": key["raw_broadcast_s"], "unit": "s"},
         "goal": "distributed >= 2x faster than store, within 1.5x of raw broadcast (mid, 2 engines)",
-        "shape": args.shape, "dtype": cfg.run.dtype, "bucket_bytes": cfg.engine.weight_bucket_bytes,
+        "api": cfg.engine.api, "shape": args.shape, "dtype": cfg.run.dtype, "bucket_bytes": cfg.engine.weight_bucket_bytes,
         "rows": rows,
         "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
         "provenance": collect_provenance(),

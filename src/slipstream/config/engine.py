@@ -71,6 +71,13 @@ class EngineConfig(Section):
     `weight_store_every`-th version for resumes, new engines and failed transfers;
     `colocated`: CUDA IPC handles to an engine on the trainer's GPU
     (/update_weights_from_tensor), CUDA only."""
+    api: Literal["sglang", "vllm"] = "sglang"
+    """weight_sync = "distributed": the weight-transfer API the trainer drives the engines with.
+    `sglang`: SGLang's /init_weights_update_group + /update_weights_from_distributed. `vllm`:
+    vLLM's weight-transfer API (/init_weight_transfer_engine, /start_weight_update,
+    /update_weights, /finish_weight_update; one broadcast per tensor). The job's own engines
+    (`slipstream serve`) answer both; over NCCL a vLLM server needs vLLM's own PyNccl group on
+    the trainer (the vllm package installed there; docs/weights.md)."""
     weight_bucket_bytes: int = Field(default=256 * 2**20, ge=2**20, le=2**32)
     """weight_sync = "distributed": most bytes of one update request (one dtype; a larger
     tensor travels alone)."""
@@ -101,6 +108,17 @@ class EngineConfig(Section):
                 f"engine.weight_sync = {self.weight_sync!r} with engine.type = 'http' is not "
                 "supported in the RL job yet (the rollout workers' native engines take pushes); "
                 "use engine.type = 'native' or engine.weight_sync = 'store'"
+            )
+        if self.api == "vllm" and self.weight_sync != "distributed":
+            raise ValueError(
+                f"engine.api = 'vllm' selects vLLM's weight-transfer API for pushes and needs "
+                f"engine.weight_sync = 'distributed' (got {self.weight_sync!r}; vLLM's IPC "
+                "backend is not spoken, use engine.api = 'sglang' for 'colocated')"
+            )
+        if self.api == "vllm" and self.weight_bucket_format != "per_tensor":
+            raise ValueError(
+                "engine.api = 'vllm' sends one broadcast per tensor (vLLM's packed format is "
+                "not spoken): engine.weight_bucket_format must be 'per_tensor'"
             )
         if self.weight_sync == "colocated" and not self.device.startswith("cuda"):
             raise ValueError(

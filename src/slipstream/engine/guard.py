@@ -39,7 +39,9 @@ from slipstream.engine.base import MAX_SAMPLES, MAX_VERSION
 ADMIN_PATHS = frozenset(
     {"/update_weights_from_disk", "/abort_request", "/flush_cache", "/update_weights",
      "/update_weight_version", "/init_weights_update_group", "/update_weights_from_distributed",
-     "/destroy_weights_update_group", "/update_weights_from_tensor"}
+     "/destroy_weights_update_group", "/update_weights_from_tensor",
+     # vLLM's weight-transfer API (engine/weight_routes.py)
+     "/init_weight_transfer_engine", "/start_weight_update", "/finish_weight_update"}
 )  # fmt: skip
 PUBLIC_PATHS = frozenset({"/health", "/health_generate"})
 _ERROR_TYPES = {

@@ -1,8 +1,21 @@
-"""SGLang's weight-transfer endpoints on `slipstream serve` (engine/weight_transport.py has the
-protocol and the receiving end): POST /init_weights_update_group, /update_weights_from_distributed,
-/destroy_weights_update_group, /update_weights_from_tensor (CUDA only), GET|POST
-/get_weights_by_name. Bodies and answers ({"success", "message"}) are SGLang's
-(python/sglang/srt/managers/io_struct.py); the modifying ones are admin endpoints (guard.py).
+"""The weight-transfer endpoints of `slipstream serve` (engine/weight_transport.py has the
+protocols and the receiving end), so a trainer written for SGLang or for vLLM pushes into it:
+
+- SGLang's: POST /init_weights_update_group, /update_weights_from_distributed,
+  /destroy_weights_update_group, /update_weights_from_tensor (CUDA only), GET|POST
+  /get_weights_by_name. Bodies and answers ({"success", "message"}) are SGLang's
+  (python/sglang/srt/managers/io_struct.py).
+- vLLM's (its dev-mode RLHF router, `vllm/entrypoints/serve/dev/rlhf/api_router.py`, NCCL
+  backend): POST /init_weight_transfer_engine {"init_info": {master_address, master_port,
+  rank_offset, world_size}}, /start_weight_update, /update_weights {"update_info": {names,
+  dtype_names, shapes, packed}}, /finish_weight_update {"weight_version"}; GET /get_world_size,
+  /weight_info. Answers {"message"} as vLLM's. One difference, said here and in docs/weights.md:
+  vLLM's NCCL backend forms its own group (vLLM's StatelessProcessGroup + PyNccl), ours a torch
+  process group; `init_info` takes our extra key `backend` ("gloo" on CPU, the default for a CPU
+  engine; "nccl": torch's), and a CUDA engine asked without it refuses rather than wait on a
+  rendezvous it cannot join. Packed (`packed: true`) transfers are refused.
+
+The modifying ones are admin endpoints (guard.py).
 """
 
 from __future__ import annotations
@@ -11,7 +24,7 @@ import asyncio
 import base64
 import io
 import pickle
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -20,7 +33,7 @@ from pydantic import Field
 from slipstream.engine.guard import error_response, parse_version
 from slipstream.engine.protocol import Strict
 from slipstream.engine.server_state import ServerState
-from slipstream.engine.weight_transport import DEFAULT_GROUP, WeightReceiver
+from slipstream.engine.weight_transport import DEFAULT_GROUP, VLLM_GROUP, WeightReceiver
 
 Name = Annotated[str, Field(min_length=1, max_length=512)]
 
@@ -54,6 +67,44 @@ class UpdateWeightsFromTensorReqInput(Strict):
     load_format: str | None = None
     flush_cache: bool = True
     abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+class VllmInitInfo(Strict):
+    """vLLM's NCCLWeightTransferInitInfo, plus our `backend` (see the module docstring)."""
+
+    master_address: Annotated[str, Field(min_length=1, max_length=255)]
+    master_port: Annotated[int, Field(ge=1, le=65535)]
+    rank_offset: Annotated[int, Field(ge=1, le=65535)]
+    world_size: Annotated[int, Field(ge=2, le=65536)]
+    backend: Literal["gloo", "nccl"] | None = None
+
+
+class VllmInitRequest(Strict):
+    init_info: VllmInitInfo
+
+
+class VllmStartRequest(Strict):
+    # older vLLM clients send it; our names are always the checkpoint's
+    is_checkpoint_format: bool = True
+
+
+class VllmUpdateInfo(Strict):
+    """vLLM's NCCLWeightTransferUpdateInfo."""
+
+    names: list[Name]
+    dtype_names: list[Annotated[str, Field(max_length=40)]]
+    shapes: list[list[Annotated[int, Field(ge=0)]]]
+    packed: bool = False
+    packed_buffer_size_bytes: int | None = None
+    packed_num_buffers: int | None = None
+
+
+class VllmUpdateRequest(Strict):
+    update_info: VllmUpdateInfo
+
+
+class VllmFinishRequest(Strict):
     weight_version: str | None = None
 
 
@@ -127,6 +178,83 @@ def add_weight_routes(app: FastAPI, state: ServerState, timeout_s: float) -> Wei
         except (ValueError, pickle.UnpicklingError) as e:
             return answer(False, f"Failed to update weights: {e}", 400)
         return answer(True, result.message)
+
+    # -- vLLM's weight-transfer API --
+
+    def vllm_answer(message: str, status: int = 200) -> JSONResponse:
+        if status == 200:
+            return JSONResponse({"message": message})
+        return error_response(status, message)
+
+    @app.post("/init_weight_transfer_engine")
+    async def init_weight_transfer_engine(obj: VllmInitRequest) -> JSONResponse:
+        info = obj.init_info
+        if info.rank_offset >= info.world_size:
+            return vllm_answer(f"rank_offset {info.rank_offset} >= world_size {info.world_size}",
+                               400)  # fmt: skip
+        backend = info.backend
+        if backend is None:
+            if next(engine.model.parameters()).device.type == "cuda":
+                return vllm_answer(
+                    "init_info has no 'backend': vLLM's NCCL backend forms vLLM's own PyNccl "
+                    "group, which slipstream serve does not join; send backend 'nccl' (a torch "
+                    "NCCL group, what slipstream's trainer forms) or use SGLang's "
+                    "/init_weights_update_group", 400)  # fmt: skip
+            backend = "gloo"
+        if VLLM_GROUP in receiver.groups():  # vLLM replaces the engine's group on a new init
+            receiver.destroy_group(VLLM_GROUP)
+        try:
+            await asyncio.to_thread(receiver.init_group, info.master_address, info.master_port,
+                                    info.rank_offset, info.world_size, VLLM_GROUP, backend)  # fmt: skip
+        except ValueError as e:
+            return vllm_answer(f"Failed to init weight transfer: {e}", 400)
+        except RuntimeError as e:  # rendezvous failed or timed out
+            return vllm_answer(f"Failed to init weight transfer: {e}", 503)
+        return vllm_answer("Weight transfer initialized")
+
+    @app.post("/start_weight_update")
+    async def start_weight_update(request: Request) -> JSONResponse:
+        raw = await request.body()
+        obj = VllmStartRequest.model_validate_json(raw) if raw.strip() else VllmStartRequest()
+        if not obj.is_checkpoint_format:
+            return vllm_answer("is_checkpoint_format false (kernel-format weights) is not "
+                               "supported: send the checkpoint's names", 400)  # fmt: skip
+        await asyncio.to_thread(receiver.begin_update)
+        return vllm_answer("Weight update started")
+
+    @app.post("/update_weights")
+    async def update_weights(obj: VllmUpdateRequest) -> JSONResponse:
+        info = obj.update_info
+        if info.packed:
+            return vllm_answer("packed weight transfers are not supported; send packed false "
+                               "(one broadcast per tensor)", 400)  # fmt: skip
+        try:
+            await asyncio.to_thread(receiver.receive, info.names, info.dtype_names, info.shapes,
+                                    VLLM_GROUP, None, None)  # fmt: skip
+        except ValueError as e:
+            return vllm_answer(f"Failed to update weights: {e}", 400)
+        except RuntimeError as e:
+            return vllm_answer(f"Failed to update weights: {e}", 503)
+        return vllm_answer("Weights updated")
+
+    @app.post("/finish_weight_update")
+    async def finish_weight_update(request: Request) -> JSONResponse:
+        raw = await request.body()
+        obj = VllmFinishRequest.model_validate_json(raw) if raw.strip() else VllmFinishRequest()
+        try:
+            version = parse_version(obj.weight_version, engine.version, options)
+            await asyncio.to_thread(receiver.finish_update, version)
+        except ValueError as e:
+            return vllm_answer(f"Failed to finish the weight update: {e}", 400)
+        return vllm_answer("Weight update finished")
+
+    @app.get("/get_world_size")
+    async def get_world_size() -> JSONResponse:
+        return JSONResponse({"world_size": 1})  # one rank per engine (no tensor parallelism)
+
+    @app.get("/weight_info")
+    async def weight_info() -> JSONResponse:
+        return JSONResponse({"weight_version": str(engine.version)})
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
     async def get_weights_by_name(request: Request) -> Any:

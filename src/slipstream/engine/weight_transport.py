@@ -1,5 +1,6 @@
-"""Weights over the wire: SGLang's distributed weight-update protocol, engine side and trainer
-side, over a torch process group (gloo on CPU, NCCL between GPUs).
+"""Weights over the wire: SGLang's distributed weight-update protocol (and vLLM's weight-transfer
+API, below), engine side and trainer side, over a torch process group (gloo on CPU, NCCL between
+GPUs).
 
 The protocol (SGLang's `python/sglang/srt/managers/io_struct.py`, same JSON on our server):
 - `POST /init_weights_update_group` {master_address, master_port, rank_offset, world_size,
@@ -17,6 +18,16 @@ version in (`NativeEngine.swap_weights`, between decode steps) only once every p
 the model has arrived; a request for another version discards an incomplete staging. So a
 version split over many bucket requests is never served half-applied (SGLang applies each request
 as it arrives: a sender that wants exactness there sends one version per request set and waits).
+
+vLLM's weight-transfer API (`DistributedSender(api="vllm")`; engine/weight_routes.py has the
+bodies): `POST /init_weight_transfer_engine` {"init_info": {master_address, master_port,
+rank_offset, world_size}} joins the group (vLLM names none: one per engine, replaced by the next
+init); a version is `POST /start_weight_update`, one `POST /update_weights` {"update_info":
+{names, dtype_names, shapes, packed: false}} per bucket (one broadcast per tensor, in order), and
+`POST /finish_weight_update` {"weight_version"}, which is when our engine swaps the staged
+version in (vLLM loads each tensor as it lands; the trainer pauses generation around the update
+if it wants no mix, as TRL does). A vLLM server's NCCL group is vLLM's own PyNccl group, which the
+trainer forms with vLLM's code (`VllmNcclGroup`); over gloo only `slipstream serve` answers.
 
 Elasticity (trainer side, `DistributedSender`): every membership change opens a new group (a new
 group_name and port: one per membership epoch), so no group is ever reused after a member was
@@ -46,6 +57,9 @@ import torch
 log = logging.getLogger(__name__)
 
 DEFAULT_GROUP = "weight_update_group"
+VLLM_GROUP = "vllm-weight-transfer"
+"""The group of vLLM's protocol, which names none (one per engine; a new init replaces it)."""
+_PENDING = -1  # the staged version of a vLLM update until /finish_weight_update names it
 MAX_ENGINES = 256
 """Engines one `DistributedSender` pushes to (one HTTP request thread each during a push)."""
 FLATTENED_BUCKET = "flattened_bucket"
@@ -302,11 +316,36 @@ class WeightReceiver:
         with self._lock:
             return sorted(self._groups)
 
+    def begin_update(self) -> None:
+        """vLLM's /start_weight_update: a new update whose version is named when it ends
+        (`finish_update`); whatever was staged before is dropped."""
+        with self._transfer:
+            self._arrived, self._staged_version = set(), _PENDING
+
+    def finish_update(self, version: int) -> ReceiveResult:
+        """vLLM's /finish_weight_update: serve what the update since `begin_update` staged, as
+        `version`. ValueError (the served weights unchanged) when no update was begun or not
+        every parameter of the model arrived."""
+        with self._transfer:
+            if self._staged_version != _PENDING:
+                raise ValueError("no weight update in progress; POST /start_weight_update first")
+            staged, expected = len(self._arrived), len(self._expected_split)
+            if not (self._expected_split <= self._arrived or self._expected_fused <= self._arrived):
+                self._arrived, self._staged_version = set(), None
+                raise ValueError(f"the update holds {staged} of the model's parameters, not all "
+                                 f"({expected} per-expert names or the stacked ones); the "
+                                 "served weights are unchanged")  # fmt: skip
+            self._arrived, self._staged_version = set(), None
+            self._swap(version)
+        return ReceiveResult(version, True, staged, expected)
+
     def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                group_name: str, version: int, load_format: str | None) -> ReceiveResult:  # fmt: skip
+                group_name: str, version: int | None, load_format: str | None) -> ReceiveResult:  # fmt: skip
         """Receive the named tensors from rank 0 of `group_name`; stage them under `version`
-        and apply the version when complete. ValueError for a bad request (nothing received);
-        RuntimeError when the transfer failed (the group is then closed: the sender rebuilds)."""
+        and apply the version when complete (SGLang). `version` None: stage them into the
+        update `begin_update` opened, applied by `finish_update` (vLLM). ValueError for a bad
+        request (nothing received); RuntimeError when the transfer failed (the group is then
+        closed: the sender rebuilds)."""
         if not (len(names) == len(dtypes) == len(shapes)) or not names:
             raise ValueError(f"names, dtypes, shapes must be non-empty and of one length "
                              f"(got {len(names)}, {len(dtypes)}, {len(shapes)})")  # fmt: skip
@@ -332,7 +371,10 @@ class WeightReceiver:
             if bad_shape:
                 name, got, want = bad_shape[0]
                 raise ValueError(f"{name}: shape {list(got)}, the model has {list(want)}")
-            if self._staged_version != version:  # a new version: what was staged is dropped
+            if version is None and self._staged_version != _PENDING:
+                raise ValueError("no weight update in progress; POST /start_weight_update first")
+            if version is not None and self._staged_version != version:
+                # a new version: what was staged is dropped
                 self._arrived, self._staged_version = set(), version
             try:
                 self._receive(group, group_name, metas, load_format, views)
@@ -342,6 +384,8 @@ class WeightReceiver:
             self._arrived.update(m.name for m in metas)
             staged = len(self._arrived)
             expected = len(self._expected_split)
+            if version is None:  # vLLM: applied by finish_update
+                return ReceiveResult(self.engine.version, False, staged, expected)
             if not (self._expected_split <= self._arrived or self._expected_fused <= self._arrived):
                 return ReceiveResult(version, False, staged, expected)
             self._arrived, self._staged_version = set(), None
@@ -384,7 +428,9 @@ class WeightReceiver:
         def check() -> None:
             nonlocal chunk, chunk_bytes, bad
             if chunk and bad is None:
-                bad = _non_finite(chunk, f"weight version {self._staged_version}")
+                what = ("the weight update in progress" if self._staged_version == _PENDING
+                        else f"weight version {self._staged_version}")  # fmt: skip
+                bad = _non_finite(chunk, what)
             chunk, chunk_bytes = {}, 0
 
         try:
@@ -507,6 +553,8 @@ class _Engines:
         self.dropped: list[str] = []
         self.timeout_s, self.catch_up, self.probe_timeout_s = timeout_s, catch_up, probe_timeout_s
         self._keys: dict[str, str | None] = {u: api_key for u in self.members}
+        self.success_field = True
+        """SGLang answers {"success": bool, ...}; vLLM answers 200 {"message"} or an error."""
         self._http = httpx.Client(timeout=httpx.Timeout(timeout_s + 10.0))
         # one thread per member request in flight: every member's /init_weights_update_group
         # blocks until all joined, so fewer threads than members would deadlock the rendezvous
@@ -562,10 +610,9 @@ class _Engines:
             if resp.headers.get("content-type", "").startswith("application/json")
             else {}
         )
-        if resp.status_code != 200 or not out.get("success", False):
-            raise RuntimeError(
-                f"{url}{path}: {resp.status_code} {out.get('message', resp.text[:200])}"
-            )
+        if resp.status_code != 200 or (self.success_field and not out.get("success", False)):
+            why = out.get("message") or out.get("detail") or resp.text[:200]
+            raise RuntimeError(f"{url}{path}: {resp.status_code} {why}")
         return out
 
     def _post_quiet(self, url: str, path: str, body: dict[str, Any]) -> None:
@@ -583,10 +630,17 @@ class _Engines:
 
 
 class DistributedSender(_Engines):
-    """Rank 0 of SGLang's protocol: pushes every version to the engines at `urls` (our
-    `slipstream serve` or SGLang) through their endpoints, one request per dtype-grouped bucket
-    of at most `bucket_bytes`, its tensors broadcast one by one (`bucket_format` "per_tensor")
-    or concatenated ("flattened_bucket").
+    """Rank 0 of a distributed weight-update protocol: pushes every version to the engines at
+    `urls` through their endpoints, one request per dtype-grouped bucket of at most
+    `bucket_bytes`, its tensors broadcast one by one (`bucket_format` "per_tensor") or
+    concatenated ("flattened_bucket").
+    `api` "sglang": SGLang's endpoints (our `slipstream serve` or SGLang). `api` "vllm": vLLM's
+    weight-transfer API (our `slipstream serve` or a vLLM server in dev mode): the group is
+    formed by /init_weight_transfer_engine (rank offsets from each engine's /get_world_size),
+    a version is /start_weight_update, one /update_weights per bucket (per tensor: vLLM's
+    packed format is not spoken), /finish_weight_update with the version. With `backend`
+    "nccl" the trainer's end is vLLM's own PyNccl group (`VllmNcclGroup`, needs the vllm
+    package; never run here); "gloo" is a torch group only `slipstream serve` joins.
     `api_key`: the Bearer key of the engines at `urls` (`add_engine` takes one per engine);
     `catch_up`: see `_Engines`. See the module docstring for membership epochs and faults."""
 
@@ -602,15 +656,23 @@ class DistributedSender(_Engines):
         api_key: str | None = None,
         catch_up: Callable[[str, dict[str, str]], None] | None = None,
         probe_timeout_s: float = 2.0,
+        api: str = "sglang",
     ) -> None:
-        super().__init__(urls, timeout_s=timeout_s, api_key=api_key, catch_up=catch_up,
-                         probe_timeout_s=probe_timeout_s)  # fmt: skip
         if bucket_format not in ("per_tensor", FLATTENED_BUCKET):
             raise ValueError(f"bucket_format {bucket_format!r} is not 'per_tensor' or "
                              f"{FLATTENED_BUCKET!r}")  # fmt: skip
+        if api not in ("sglang", "vllm"):
+            raise ValueError(f"api {api!r} is not 'sglang' or 'vllm'")
+        if api == "vllm" and bucket_format != "per_tensor":
+            raise ValueError("api 'vllm' sends one broadcast per tensor (vLLM's packed format "
+                             "is not spoken): bucket_format must be 'per_tensor'")  # fmt: skip
+        super().__init__(urls, timeout_s=timeout_s, api_key=api_key, catch_up=catch_up,
+                         probe_timeout_s=probe_timeout_s)  # fmt: skip
+        self.api = api
+        self.success_field = api == "sglang"
         self.bucket_bytes, self.backend, self.master_address = bucket_bytes, backend, master_address
         self.flattened = bucket_format == FLATTENED_BUCKET
-        self._group: WeightGroup | None = None
+        self._group: WeightGroup | VllmNcclGroup | None = None
         self._group_members: list[str] = []
         self.epoch = 0
         self.groups_opened: list[str] = []
@@ -621,6 +683,8 @@ class DistributedSender(_Engines):
         if group is None:
             return
         group.close()
+        if self.api == "vllm":  # vLLM has no destroy: its next init replaces the group
+            return
         for url in self._group_members:  # best effort: a member may be gone
             if url in self.members:
                 self._post_quiet(url, "/destroy_weights_update_group", {"group_name": group.name})
@@ -629,7 +693,29 @@ class DistributedSender(_Engines):
         """Form the group of the current members now (else the next `send` does)."""
         self._ensure_group()
 
-    def _ensure_group(self) -> WeightGroup | None:
+    def _ranks(self, url: str) -> int:
+        """Ranks an engine takes in the group: 1, or vLLM's /get_world_size (TP x PP x DP)."""
+        if self.api == "sglang":
+            return 1
+        resp = self._http.get(f"{url}/get_world_size", headers=self._headers(url),
+                              timeout=self.probe_timeout_s + 10.0)  # fmt: skip
+        resp.raise_for_status()
+        return int(resp.json()["world_size"])
+
+    def _init_request(self, port: int, rank_offset: int, world: int,
+                      name: str) -> tuple[str, dict[str, Any]]:  # fmt: skip
+        if self.api == "sglang":
+            return "/init_weights_update_group", {
+                "master_address": self.master_address, "master_port": port,
+                "rank_offset": rank_offset, "world_size": world, "group_name": name,
+                "backend": self.backend}  # fmt: skip
+        info: dict[str, Any] = {"master_address": self.master_address, "master_port": port,
+                                "rank_offset": rank_offset, "world_size": world}  # fmt: skip
+        if self.backend == "gloo":  # our extension: vLLM has no gloo backend (and no such key)
+            info["backend"] = "gloo"
+        return "/init_weight_transfer_engine", {"init_info": info}
+
+    def _ensure_group(self) -> WeightGroup | VllmNcclGroup | None:
         if self._group is not None and self._group_members == self.members:
             return self._group
         self._close_group()
@@ -638,16 +724,24 @@ class DistributedSender(_Engines):
         self.epoch += 1
         members = list(self.members)
         name, port = f"slipstream-weights-e{self.epoch}", free_port(self.master_address)
-        world = len(members) + 1
-        futures = {
-            url: self._pool.submit(self._post, url, "/init_weights_update_group", {
-                "master_address": self.master_address, "master_port": port, "rank_offset": i + 1,
-                "world_size": world, "group_name": name, "backend": self.backend})
-            for i, url in enumerate(members)
-        }  # fmt: skip
+        offsets: dict[str, int] = {}
+        world = 1
+        for url in members:
+            try:
+                ranks = self._ranks(url)
+            except Exception as e:  # noqa: BLE001 - an engine that cannot say is left out
+                self._drop(url, f"GET /get_world_size failed: {e}")
+                return self._ensure_group()
+            offsets[url], world = world, world + ranks
+        futures = {url: self._pool.submit(self._post, url, *self._init_request(
+                       port, offsets[url], world, name)) for url in members}  # fmt: skip
         try:
-            group = WeightGroup(name, self.backend, self.master_address, port, 0, world,
-                                self.timeout_s)  # fmt: skip
+            group: WeightGroup | VllmNcclGroup | None
+            if self.api == "vllm" and self.backend == "nccl":  # pragma: no cover - CUDA + vllm
+                group = VllmNcclGroup(name, self.master_address, port, world)
+            else:  # the engine's end is named VLLM_GROUP under vLLM's protocol (it names none)
+                group = WeightGroup(VLLM_GROUP if self.api == "vllm" else name, self.backend,
+                                    self.master_address, port, 0, world, self.timeout_s)  # fmt: skip
         except RuntimeError as e:  # a member never joined (dead, or refused the group)
             group = None
             log.warning("weight group %s: not every engine joined: %s", name, e)
@@ -694,8 +788,29 @@ class DistributedSender(_Engines):
                               attempt > 0)  # fmt: skip
         raise TransferFailed(f"weight version {version}: push failed twice")
 
-    def _push(self, group: WeightGroup, version: int, state: Mapping[str, torch.Tensor],
-              buckets: list[list[TensorMeta]], t0: float) -> dict[str, float]:  # fmt: skip
+    def _bucket_request(self, bucket: list[TensorMeta], group_name: str,
+                        version: int) -> tuple[str, dict[str, Any]]:  # fmt: skip
+        names = [m.name for m in bucket]
+        dtypes = [dtype_name(m.dtype) for m in bucket]
+        shapes = [list(m.shape) for m in bucket]
+        if self.api == "vllm":
+            return "/update_weights", {"update_info": {
+                "names": names, "dtype_names": dtypes, "shapes": shapes, "packed": False}}  # fmt: skip
+        return "/update_weights_from_distributed", {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+            "flush_cache": False, "weight_version": str(version),
+            "load_format": FLATTENED_BUCKET if self.flattened else None}  # fmt: skip
+
+    def _all(self, members: list[str], path: str, body: dict[str, Any]) -> None:
+        """One request to every member; _PushFailed naming the ones that failed."""
+        futures = {u: self._pool.submit(self._post, u, path, body) for u in members}
+        errors = {u: e for u, f in futures.items() if (e := _error(f, self.timeout_s + 10.0))}
+        if errors:
+            raise _PushFailed(f"{path} failed: {errors}", set(errors))
+
+    def _push(self, group: WeightGroup | VllmNcclGroup, version: int,
+              state: Mapping[str, torch.Tensor], buckets: list[list[TensorMeta]],
+              t0: float) -> dict[str, float]:  # fmt: skip
         """One request per bucket: its tensors broadcast one by one straight from `state`, or
         flattened into one broadcast (the next bucket is flattened while one is on the wire).
         The next bucket's request goes out only after every member answered this one, so each
@@ -707,16 +822,15 @@ class DistributedSender(_Engines):
         def flat_of(bucket: list[TensorMeta]) -> torch.Tensor:
             return flatten([state[m.name] for m in bucket]).to(group.device)
 
+        if self.api == "vllm":  # the version is named when it is finished
+            self._all(members, "/start_weight_update", {})
         flat = flat_of(buckets[0]) if self.flattened else None
         for i, bucket in enumerate(buckets):
-            body = {"names": [m.name for m in bucket], "dtypes": [dtype_name(m.dtype) for m in bucket],
-                    "shapes": [list(m.shape) for m in bucket], "group_name": group.name,
-                    "flush_cache": False, "weight_version": str(version),
-                    "load_format": FLATTENED_BUCKET if self.flattened else None}  # fmt: skip
-            futures = {u: self._pool.submit(self._post, u, "/update_weights_from_distributed", body)
-                       for u in members}  # fmt: skip
+            path, body = self._bucket_request(bucket, group.name, version)
+            futures = {u: self._pool.submit(self._post, u, path, body) for u in members}
             try:
                 if flat is not None:
+                    assert isinstance(group, WeightGroup)  # flattened: SGLang's protocol only
                     work = group.broadcast_async(flat)
                     if i + 1 < len(buckets):  # overlaps the transfer
                         flat = flat_of(buckets[i + 1])
@@ -737,11 +851,46 @@ class DistributedSender(_Engines):
                     errors[u] = error
             if errors:
                 raise _PushFailed(f"members did not receive a bucket: {errors}", set(errors))
+        if self.api == "vllm":  # serving once the finish answered
+            self._all(members, "/finish_weight_update", {"weight_version": str(version)})
+            served = {u: time.perf_counter() - t0 for u in members}
         return served
 
     def close(self) -> None:
         self._close_group()
         super().close()
+
+
+class VllmNcclGroup:  # pragma: no cover - CUDA and the vllm package (neither here)
+    """The trainer's end of a vLLM server's NCCL weight-transfer group: vLLM's own
+    StatelessProcessGroup + PyNcclCommunicator, formed by vLLM's
+    `NCCLWeightTransferEngine.trainer_init` (the only wire vLLM's NCCL backend listens on; a
+    torch process group does not rendezvous with it). Needs the vllm package in the trainer's
+    environment, as TRL's vLLM client does. PyNccl's broadcast has no timeout of its own: a
+    member lost mid-broadcast is noticed by its HTTP request failing. Never run: no GPU and no
+    vllm here (docs/weights.md)."""
+
+    def __init__(self, name: str, master_address: str, master_port: int, world_size: int) -> None:
+        try:
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+        except ImportError as e:
+            raise ValueError(
+                "engine.api = 'vllm' over NCCL forms vLLM's own PyNccl group on the trainer, "
+                "which needs the vllm package installed beside the trainer (pip install vllm); "
+                "on CPU use gloo with slipstream serve"
+            ) from e
+        self.name = name
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self._comm: Any = NCCLWeightTransferEngine.trainer_init({
+            "master_address": master_address, "master_port": master_port,
+            "world_size": world_size})  # fmt: skip
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        self._comm.broadcast(tensor, src=0, stream=torch.cuda.current_stream())
+        torch.cuda.current_stream().synchronize()
+
+    def close(self) -> None:
+        self._comm = None
 
 
 class IpcSender(_Engines):

@@ -10,7 +10,8 @@ engines, chosen by `engine.weight_sync` (docs/weights.md). One Protocol, one fac
   background, then announced; every engine loads it from there (today's path).
 - `distributed`: every version broadcast to every registered engine (`Coordinator.engines()`:
   each rollout worker's engine serves SGLang's weight endpoints and registers its URL) over a
-  torch process group (engine/weight_transport.py `DistributedSender`), then announced; the
+  torch process group (engine/weight_transport.py `DistributedSender`, through SGLang's
+  endpoints or, with `engine.api = "vllm"`, vLLM's weight-transfer API), then announced; the
   store receives the first version and every `engine.weight_store_every`-th (synchronously,
   before the push: the fallback exists before anyone needs it), every version a push could not
   deliver to some engine (it catches up with exactly that version) or to any (TransferFailed:
@@ -90,7 +91,7 @@ def make_weight_sync(cfg: SlipstreamConfig, weights: WeightStore, coordinator: A
         sender: WeightSender = DistributedSender(
             [], bucket_bytes=cfg.engine.weight_bucket_bytes,
             bucket_format=cfg.engine.weight_bucket_format, timeout_s=timeout_s,
-            backend=backend, catch_up=catch_up)  # fmt: skip
+            backend=backend, catch_up=catch_up, api=cfg.engine.api)  # fmt: skip
         return PushWeightSync(cfg, weights, coordinator, sender)
     if not torch.cuda.is_available():
         raise ValueError("engine.weight_sync = 'colocated' passes CUDA IPC handles and needs a "
