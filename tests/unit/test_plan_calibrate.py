@@ -171,3 +171,48 @@ def test_engine_weight_probe_times_the_factory_built_native_engine(tmp_path: Pat
     got = probe_engine_weight_load(tmp_path / "store", 1, repeats=2)
     assert got["fetch_s"] > 0 and got["apply_s"] > 0 and got["step_s"] > 0
     assert got["batch_rows"] == 8.0  # the probe's request: 8 samples decoded together
+
+
+def _weights_bench(tmp_path: Path) -> Path:
+    rows = [{"engines": 1, "bytes": 4096 * 4 * 1000, "distributed_s": 1.0},
+            {"engines": 2, "bytes": 4096 * 4 * 1000, "distributed_s": 1.5}]  # fmt: skip
+    path = tmp_path / "weights.json"
+    path.write_text(json.dumps({"benchmark": "weights", "rows": rows}))
+    return path
+
+
+def test_calibrate_plans_a_store_run_with_pushed_weights_from_bench_weights(tmp_path: Path) -> None:
+    """--weights-bench: the bench's (engines, distributed_s) rows become the push times,
+    scaled to the run's version bytes (read from its newest stored version's header)."""
+    from slipstream.plan.calibrate import version_bytes
+
+    run, bench = make_run(tmp_path), make_bench(tmp_path)
+    assert version_bytes(run / "store" / "weights") == 4096 * 4
+    job = load_config("configs/quickstart.toml", ["trainer.mode=sync", "rollout.num_workers=2",
+                                                   f"trainer.steps={NUM_STEPS}"])  # fmt: skip
+    plan = calibrate(run, job, engine_bench=bench, warmup_steps=2, probes=PROBES, fit=False,
+                     weights_bench=_weights_bench(tmp_path))  # fmt: skip
+    w = plan.weights
+    assert w.sync == "distributed" and w.push_s == [(1, 1.0), (2, 1.5)]
+    assert w.push_seconds(2) == pytest.approx(1.5 / 1000)  # the run's model is 1000x smaller
+    assert any("weights pushed (what-if" in n for n in plan.calibration.notes)
+    with pytest.raises(ValueError, match="not a `slipstream bench weights` result"):
+        calibrate(run, job, engine_bench=bench, probes=PROBES, fit=False, weights_bench=bench)
+
+
+def test_calibrate_takes_a_pushing_runs_own_push_out_of_its_steps(tmp_path: Path) -> None:
+    run, bench = make_run(tmp_path), make_bench(tmp_path)
+    metrics = run / "metrics.jsonl"
+    recs = [json.loads(x) for x in metrics.read_text().splitlines()]
+    for r in recs[:-1]:
+        r["weight_served_s_max"] = 0.04
+    metrics.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    job = load_config("configs/quickstart.toml", [
+        "trainer.mode=sync", "rollout.num_workers=2", f"trainer.steps={NUM_STEPS}",
+        "engine.weight_sync=distributed"])  # fmt: skip
+    plan = calibrate(run, job, engine_bench=bench, warmup_steps=2, probes=PROBES, fit=False)
+    assert plan.weights.sync == "distributed" and plan.weights.push_s == [(2, 0.04)]
+    assert plan.trainer.step_s.values == pytest.approx([r["train_s"] - 0.04 for r in recs[:-1]])
+    with pytest.raises(ValueError, match="its own push times are used"):
+        calibrate(run, job, engine_bench=bench, probes=PROBES, fit=False,
+                  weights_bench=_weights_bench(tmp_path))  # fmt: skip

@@ -165,3 +165,41 @@ def test_backoff_chain_and_notify_follow_the_worker_loop() -> None:
     assert wake_on_notify(0.0, 0.005, 0.0055, 0.001, 0.05) == pytest.approx((0.006, 0.01))
     # a notify before the wait began is lost: the wait runs in full
     assert wake_on_notify(1.0, 0.005, 0.9, 0.001, 0.05) == pytest.approx((1.005, 0.01))
+
+
+def test_pushed_weights_cost_the_trainer_the_push_at_the_live_instance_count() -> None:
+    """weights.sync = distributed: the push (interpolated over the measured engine counts and
+    scaled by bytes) sits in the trainer's step, so a trainer-bound loop runs at 1 / (step +
+    push); the store copy of every store_every-th version adds its write; no fetch is paid."""
+    from slipstream.plan.rates import WeightRates
+
+    w = WeightRates(sync="distributed", push_s=[(1, 0.1), (2, 0.2), (4, 0.3)], push_bytes=1000)
+    assert [w.push_seconds(n) for n in (1, 2, 3, 4)] == pytest.approx([0.1, 0.2, 0.25, 0.3])
+    assert w.push_seconds(8) == pytest.approx(0.5)  # extended along the last two points
+    assert w.push_seconds(0) == 0.0
+    half = w.model_copy(update={"version_bytes": 500})
+    assert half.push_seconds(3) == pytest.approx(0.125)
+    base = [*FAST, "trainer.step_s.value=0.5", "rollout.engine.step_fixed_s=1e-4",
+            "loop.steps=200", "rollout.num_instances=3", "rollout.engine.weight_fetch_s=5.0"]  # fmt: skip
+    pushed = [*base, "weights.sync=distributed", "weights.push_s=[[1, 0.1], [2, 0.2], [4, 0.3]]",
+              "weights.push_bytes=1000"]  # fmt: skip
+    res = simulate(with_overrides(PlanConfig(), pushed))
+    assert res.samples_per_s == pytest.approx(64 / 0.75, rel=1e-6)  # 0.5 + push to 3 = 0.25
+    assert res.mean_train_s == pytest.approx(0.75, rel=1e-6)
+    # the store write of v1 and every 10th version inside those steps
+    stored = simulate(with_overrides(PlanConfig(), [*pushed, "weights.store_write_s=1.0"]))
+    assert stored.mean_train_s == pytest.approx(0.75 + 1.0 / 10, rel=0.05)
+    # the store path with the same 5 s fetch: a worker fetches before its next lease and the
+    # trainer starves; pushed versions are never fetched
+    store = simulate(with_overrides(PlanConfig(), base))
+    assert store.samples_per_s < res.samples_per_s / 2 and store.trainer_idle_frac > 0.5
+
+
+def test_pushed_weights_need_measured_push_times() -> None:
+    from slipstream.config.base import ConfigError
+
+    with pytest.raises(ConfigError, match="push_s.*plan calibrate --weights-bench"):
+        with_overrides(PlanConfig(), ["weights.sync=distributed"])
+    with pytest.raises(ConfigError, match="increasing"):
+        with_overrides(PlanConfig(), ["weights.sync=distributed", "weights.push_bytes=1",
+                                      "weights.push_s=[[2, 0.1], [1, 0.2]]"])  # fmt: skip

@@ -59,6 +59,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="benchmarks/results/engine-quiet.json",
         help="`slipstream bench engine` JSON with the run's model (engine curve)",
     )
+    c.add_argument(
+        "--weights-bench",
+        default=None,
+        help="`slipstream bench weights` JSON: plan this store run's job with weights pushed "
+        "(engine.weight_sync = distributed) at the bench's measured push times",
+    )
     c.add_argument("--warmup-steps", type=int, default=2, help="steps excluded from figures")
     c.add_argument("--no-fit", action="store_true", help="keep slowdown 1 (no latency fit)")
     c.set_defaults(func=cmd_calibrate)
@@ -142,7 +148,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     job = load_config(args.config, args.overrides)
     plan = calibrate(args.run_dir, job, engine_bench=args.engine_bench,
-                     warmup_steps=args.warmup_steps, fit=not args.no_fit)  # fmt: skip
+                     warmup_steps=args.warmup_steps, fit=not args.no_fit,
+                     weights_bench=args.weights_bench)  # fmt: skip
     out = Path(args.out or Path(args.run_dir) / "plan-rates.toml")
     header = (f"slipstream plan calibrate {args.run_dir} (job config {args.config}"
               + (" + " + " ".join(args.overrides) if args.overrides else "") + ")")  # fmt: skip

@@ -59,6 +59,7 @@ from slipstream.plan.rates import (
     RolloutRates,
     TrainerRates,
     VerifierRates,
+    WeightRates,
 )
 from slipstream.plan.results import figures_from_metrics
 from slipstream.rl.coordinator import connect
@@ -320,6 +321,34 @@ def probe_engine_weight_load(
             for k in ("fetch_s", "apply_s", "step_s", "batch_rows")}  # fmt: skip
 
 
+def version_bytes(weights_dir: Path) -> int:
+    """Bytes of the tensors of the newest version under `<store>/weights` (its safetensors
+    header's data offsets; nothing is read but the header)."""
+    versions = sorted(p for p in weights_dir.glob("v*") if (p / "manifest.json").is_file())
+    if not versions:
+        raise FileNotFoundError(f"no published weight version under {weights_dir}")
+    total = 0
+    for path in sorted(versions[-1].glob("*.safetensors")):
+        with path.open("rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        total += sum(m["data_offsets"][1] - m["data_offsets"][0]
+                     for k, m in header.items() if k != "__metadata__")  # fmt: skip
+    return total
+
+
+def weights_from_bench(bench_json: Path, run_version_bytes: int, store_every: int) -> WeightRates:
+    """`[weights]` for pushed versions from a `slipstream bench weights` JSON: its
+    (engines, distributed_s) rows as the push times, scaled to the run's version bytes."""
+    record = json.loads(Path(bench_json).read_text())
+    if record.get("benchmark") != "weights" or not record.get("rows"):
+        raise ValueError(f"{bench_json}: not a `slipstream bench weights` result (no rows)")
+    rows = sorted(record["rows"], key=lambda r: int(r["engines"]))
+    return WeightRates(sync="distributed",
+                       push_s=[(int(r["engines"]), float(r["distributed_s"])) for r in rows],
+                       push_bytes=int(rows[0]["bytes"]), version_bytes=run_version_bytes,
+                       store_every=store_every)  # fmt: skip
+
+
 def run_probes(
     run_dir: Path, num_workers: int = 1, pythonpath: str | None = None, rpc_calls: int = 200
 ) -> dict[str, Any]:
@@ -370,10 +399,15 @@ def calibrate(
     request_latency_s: float | None = None,
     fit: bool = True,
     probes: dict[str, Any] | None = None,
+    weights_bench: str | Path | None = None,
 ) -> PlanConfig:
     """Rates for the run in `run_dir`, started with the job config `job` (a SlipstreamConfig).
     `probes`: results of `run_probes(run_dir)` taken earlier (e.g. right after the run); None =
-    probe now."""
+    probe now. Weights: a run with `engine.weight_sync = "distributed"` gives its own push
+    times (per step `weight_served_s_max`, taken out of its `train_s` so the simulator adds the
+    push back at the live instance count); `weights_bench` (a `slipstream bench weights` JSON)
+    plans a store run's job with pushed weights at the bench's measured push times, scaled to
+    the run's version bytes."""
     run_dir = Path(run_dir)
     records = read_metrics(run_dir / "metrics.jsonl")
     fig = figures_from_metrics(records, warmup_steps)
@@ -463,6 +497,7 @@ def calibrate(
         measured["probe_slowdown"] = probes["probe_engine_step_s"] / (
             fixed_s + per_token_s * probes["probe_engine_batch_rows"]
         )
+    _calibrate_weights(plan, run_dir, job, steps, weights_bench, notes, measured)
     if fit:
         plan, k, fit_lat = fit_slowdown(plan, request_latency_s)
         measured.update(fitted_slowdown=k, fitted_request_latency_s=fit_lat)
@@ -472,6 +507,45 @@ def calibrate(
                          "(recorded only: weight and RPC probes are used as measured)")  # fmt: skip
     plan.calibration = CalibrationInfo(source=str(run_dir), notes=notes, measured=measured)
     return plan
+
+
+def _calibrate_weights(plan: PlanConfig, run_dir: Path, job: Any, steps: list[dict[str, Any]],
+                       weights_bench: str | Path | None, notes: list[str],
+                       measured: dict[str, float]) -> None:  # fmt: skip
+    """`plan.weights` (and the step times of a pushing run) as `calibrate`'s docstring says."""
+    if job.engine.weight_sync not in ("store", "distributed"):
+        raise ValueError(f"engine.weight_sync = {job.engine.weight_sync!r}: the planner models "
+                         "'store' and 'distributed'")  # fmt: skip
+    if job.engine.weight_sync == "store" and weights_bench is None:
+        return
+    nbytes = version_bytes(run_dir / "store" / "weights")
+    every = job.engine.weight_store_every
+    if job.engine.weight_sync == "distributed":
+        if weights_bench is not None:
+            raise ValueError("the run pushed its weights (engine.weight_sync = 'distributed'): "
+                             "its own push times are used; --weights-bench is for a store run")  # fmt: skip
+        served = [float(r.get("weight_served_s_max", 0.0)) for r in steps]
+        pushed = sorted(x for x in served if x > 0)
+        if not pushed:
+            raise ValueError(f"{run_dir}/metrics.jsonl has no weight_served_s_max: no push "
+                             "reached an engine in this run")  # fmt: skip
+        push_s = pushed[len(pushed) // 2]
+        step_s = plan.trainer.step_s  # the run's train_s, replayed in order
+        step_s.values = [max(1e-6, t - x) for t, x in zip(step_s.values, served, strict=True)]
+        plan.weights = WeightRates(sync="distributed", push_s=[(job.rollout.num_workers, push_s)],
+                                   push_bytes=nbytes, store_every=every)  # fmt: skip
+        measured.update(push_s_median=push_s, version_bytes=float(nbytes))
+        notes.append(f"weights pushed (distributed): median publish -> served {push_s * 1e3:.1f} "
+                     f"ms to {job.rollout.num_workers} engines ({nbytes / 1e6:.2f} MB per "
+                     "version), taken out of each step's train_s; store copies stay inside it")  # fmt: skip
+        return
+    plan.weights = weights_from_bench(Path(weights_bench), nbytes, every)  # type: ignore[arg-type]
+    w = plan.weights
+    notes.append(f"weights pushed (what-if, from {weights_bench}): push "
+                 + ", ".join(f"{t:.3f} s at {n} engines" for n, t in w.push_s)
+                 + f" for {w.push_bytes / 1e9:.3f} GB, scaled to this run's {nbytes / 1e6:.2f} MB "
+                 "per version; store copies every "
+                 f"{every}-th version not modelled (store_write_s 0)")  # fmt: skip
 
 
 def fit_slowdown(

@@ -70,7 +70,7 @@ class Instance:
     pending_apply: int | None = None
     # weights
     loading: bool = False  # the worker's weights lock is held (fetch + apply in progress)
-    load_by: str = ""  # "loop" (sync before a lease) or "watcher"
+    load_by: str = ""  # "loop" (sync before a lease), "watcher" or "push" (weights.sync)
     watcher_origin_s: float = 0.0
     watcher_scheduled_s: float = math.inf
     watcher_blocked: bool = False

@@ -4,7 +4,8 @@ Sections (all optional; defaults describe one trainer process and one rollout wo
 quickstart on an idle host): `[loop]` (the RL algorithm's shape: batch, group size, staleness
 bound), `[trainer]` (step-time model, nodes, price, `[trainer.ep]` expert-parallel traffic),
 `[rollout]` (instances, worker settings, `[rollout.engine]` throughput model, `[rollout.spot]`
-interruptions), `[verifier]` (latency distribution and concurrency), `[sweep]` (what `slipstream
+interruptions), `[verifier]` (latency distribution and concurrency), `[weights]` (store or
+pushed weight versions, measured push times), `[sweep]` (what `slipstream
 plan search` searches), `[calibration]` (where the numbers came from; free text, not used).
 
 `load_rates(path, overrides)` fails with ConfigError naming key, value and file, like
@@ -149,6 +150,64 @@ class EngineRates(Section):
     """Time the engine pauses at a step boundary to apply a fetched version."""
 
 
+class WeightRates(Section):
+    """How a version reaches the engines (the job's `engine.weight_sync`; docs/weights.md)."""
+
+    sync: Literal["store", "distributed"] = "store"
+    """`store`: the trainer publishes (trainer.publish_s, if not in step_s), each instance's
+    watcher finds the version within `rollout.weight_poll_s`, fetches it
+    (rollout.engine.weight_fetch_s) and applies it at a step boundary (weight_apply_s).
+    `distributed`: the trainer pushes every version to every live instance inside its step (the
+    push, `push_s` at the number of live instances, is on its critical path; the synchronous
+    store copy of every `store_every`-th version too); an instance has the version when the push
+    returns and applies it at its next step boundary (weight_apply_s): no poll, no fetch."""
+    push_s: list[tuple[int, float]] = Field(default_factory=list)
+    """distributed: measured (engines, seconds) points of one version's push until every engine
+    serves it, at `push_bytes` (`slipstream bench weights` rows: engines, distributed_s;
+    `plan calibrate --weights-bench` reads them). Between points linear in the engine count;
+    beyond the last, extended along the last two (one point: constant)."""
+    push_bytes: int = Field(default=0, ge=0)
+    """distributed: bytes of the version `push_s` was measured with."""
+    version_bytes: int = Field(default=0, ge=0)
+    """distributed: bytes of one version of the planned job (0 = push_bytes); the push times
+    scale by version_bytes / push_bytes (it is bandwidth-bound: docs/weights.md)."""
+    store_every: int = Field(default=10, ge=1, le=100_000)
+    """distributed: `engine.weight_store_every` (the first version is stored too)."""
+    store_write_s: float = Field(default=0.0, ge=0)
+    """distributed: the synchronous store write of a stored version (trainer's critical path)."""
+
+    @model_validator(mode="after")
+    def _distributed_is_measured(self) -> WeightRates:
+        if self.sync != "distributed":
+            return self
+        if not self.push_s or self.push_bytes < 1:
+            raise ValueError(
+                "sync = 'distributed' needs push_s (measured (engines, seconds) points) and "
+                "push_bytes: `slipstream plan calibrate --weights-bench BENCH.json` writes them "
+                "from `slipstream bench weights`"
+            )
+        engines = [n for n, _ in self.push_s]
+        if any(n < 1 for n in engines) or engines != sorted(set(engines)):
+            raise ValueError(f"push_s engine counts must be >= 1 and increasing, got {engines}")
+        if any(not (math.isfinite(t) and t > 0) for _, t in self.push_s):
+            raise ValueError(f"push_s seconds must be finite and > 0, got {self.push_s}")
+        return self
+
+    def push_seconds(self, engines: int) -> float:
+        """One version's push to `engines` live instances (see `push_s`)."""
+        if engines < 1:
+            return 0.0
+        pts = self.push_s
+        scale = (self.version_bytes or self.push_bytes) / self.push_bytes
+        if len(pts) == 1 or engines <= pts[0][0]:
+            return pts[0][1] * scale
+        for (n0, t0), (n1, t1) in zip(pts, pts[1:], strict=False):
+            if engines <= n1:
+                return (t0 + (t1 - t0) * (engines - n0) / (n1 - n0)) * scale
+        (n0, t0), (n1, t1) = pts[-2], pts[-1]
+        return max(t1, t1 + (t1 - t0) * (engines - n1) / (n1 - n0)) * scale
+
+
 class SpotRates(Section):
     interruptions_per_node_hour: float = Field(default=0.0, ge=0)
     """Poisson rate of Spot interruption notices per Spot node (an instance of m nodes is
@@ -288,6 +347,8 @@ class PlanConfig(Section):
     """Rollout instances: worker settings, engine throughput, Spot."""
     verifier: VerifierRates = Field(default_factory=VerifierRates)
     """Verification latency and concurrency."""
+    weights: WeightRates = Field(default_factory=WeightRates)
+    """How versions reach the engines: the store, or pushed (measured push times)."""
     sweep: SweepRates = Field(default_factory=SweepRates)
     """What `slipstream plan search` searches and optimises."""
     calibration: CalibrationInfo = Field(default_factory=CalibrationInfo)

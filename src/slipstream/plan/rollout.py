@@ -41,6 +41,15 @@ class RolloutMixin:
         inst.pending_apply = version
         self._engine_kick(inst)
 
+    def _push_arrived(self, inst: Instance, version: int) -> None:
+        """weights.sync = distributed: the trainer's push left `version` staged in the engine
+        (the push's time was the trainer's); applied at the next step boundary. A worker that
+        wants the version meanwhile waits for that apply, as for a load."""
+        inst.loading = True
+        inst.load_by = "push"
+        inst.pending_apply = version
+        self._engine_kick(inst)
+
     def _apply_done(self, inst: Instance, gen: int) -> None:
         if not self._live(inst, gen):
             return

@@ -14,7 +14,9 @@ What is simulated (one event heap, simulated seconds):
   `tasks_per_lease` tasks while it holds fewer than `max_inflight_tasks`, backs off 5 -> 50 ms
   when nothing is granted, brings its engine to the store's latest version before starting a
   lease (fetch, then apply at a step boundary, pausing generation), and a watcher thread does the
-  same every `weight_poll_s`. The engine runs continuous batching: a group is admitted whole when
+  same every `weight_poll_s`; with `[weights] sync = "distributed"` the trainer's step holds
+  the push to every live instance instead, and each applies the version at its next step
+  boundary (no poll, no fetch). The engine runs continuous batching: a group is admitted whole when
   G KV slots are free; a step costs slowdown * (fixed + per_token * tokens in the forward) /
   throughput_scale; a sample's first token comes from the prefill step; a group's oldest token
   version is the engine's version when it was admitted (partial rollouts).
@@ -245,6 +247,11 @@ class Simulator(RolloutMixin):
         self.idle_s.append(self.now - self.wait_start_s)
         step = self.step_sampler.draw_one() * self.step_scale + self.ep_s
         step += self.plan.trainer.publish_s
+        w = self.plan.weights
+        if w.sync == "distributed":  # the push (and a due store copy) inside the step
+            v = self.coordinator.version() + 1
+            step += w.push_seconds(sum(1 for i in self.instances if i.alive))
+            step += w.store_write_s if v == 1 or v % w.store_every == 0 else 0.0
         self.train_s.append(step)
         self.trainer_state = "training"
         self.at(self.now + step, self._train_done)
@@ -265,8 +272,11 @@ class Simulator(RolloutMixin):
         if len(self.step_end_s) >= self.plan.loop.steps:
             self.finished = True
             return
+        pushed = self.plan.weights.sync == "distributed"
         for inst in self.instances:
-            if inst.alive:
+            if inst.alive and pushed:
+                self._push_arrived(inst, v)
+            elif inst.alive:
                 self._schedule_watch(inst)
         self._slots_changed()
         self.trainer_state = "overhead"
