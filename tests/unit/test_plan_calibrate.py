@@ -196,6 +196,7 @@ def test_calibrate_plans_a_store_run_with_pushed_weights_from_bench_weights(tmp_
     assert w.sync == "distributed" and w.push_s == [(1, 1.0), (2, 1.5)]
     assert w.push_seconds(2) == pytest.approx(1.5 / 1000)  # the run's model is 1000x smaller
     assert any("weights pushed (what-if" in n for n in plan.calibration.notes)
+    assert any("bench pushed 1e+03x this run's bytes" in n for n in plan.calibration.notes)
     with pytest.raises(ValueError, match="not a `slipstream bench weights` result"):
         calibrate(run, job, engine_bench=bench, probes=PROBES, fit=False, weights_bench=bench)
 

@@ -525,22 +525,33 @@ def _calibrate_weights(plan: PlanConfig, run_dir: Path, job: Any, steps: list[di
             raise ValueError("the run pushed its weights (engine.weight_sync = 'distributed'): "
                              "its own push times are used; --weights-bench is for a store run")  # fmt: skip
         served = [float(r.get("weight_served_s_max", 0.0)) for r in steps]
-        pushed = sorted(x for x in served if x > 0)
+        pushed = [x for x in served if x > 0]
         if not pushed:
             raise ValueError(f"{run_dir}/metrics.jsonl has no weight_served_s_max: no push "
                              "reached an engine in this run")  # fmt: skip
-        push_s = pushed[len(pushed) // 2]
+        # the mean, not the median: every step pays its push, and the pushes' tail (a push
+        # that met a busy engine) is part of what the trainer paid (the median missed ~9% of
+        # the samples/s of the quickstart's trainer-bound runs: docs/plan.md)
+        push_s = sum(pushed) / len(pushed)
         step_s = plan.trainer.step_s  # the run's train_s, replayed in order
         step_s.values = [max(1e-6, t - x) for t, x in zip(step_s.values, served, strict=True)]
         plan.weights = WeightRates(sync="distributed", push_s=[(job.rollout.num_workers, push_s)],
                                    push_bytes=nbytes, store_every=every)  # fmt: skip
-        measured.update(push_s_median=push_s, version_bytes=float(nbytes))
-        notes.append(f"weights pushed (distributed): median publish -> served {push_s * 1e3:.1f} "
+        measured.update(push_s_mean=push_s, version_bytes=float(nbytes))
+        notes.append(f"weights pushed (distributed): mean publish -> served {push_s * 1e3:.1f} "
                      f"ms to {job.rollout.num_workers} engines ({nbytes / 1e6:.2f} MB per "
                      "version), taken out of each step's train_s; store copies stay inside it")  # fmt: skip
         return
     plan.weights = weights_from_bench(Path(weights_bench), nbytes, every)  # type: ignore[arg-type]
     w = plan.weights
+    ratio = w.push_bytes / nbytes
+    if not 0.5 <= ratio <= 2.0:
+        # per-request and per-tensor costs do not scale with bytes: on the 2-vCPU EPYC the
+        # quickstart's 7.2 MB push ran at 0.15 GB/s and mid's 1.83 GB at 0.94 GB/s
+        notes.append(f"WARNING: the bench pushed {ratio:.3g}x this run's bytes per version; its "
+                     "times are scaled by bytes, but a push's per-request and per-tensor costs "
+                     "are not: bench the job's own shape for a faithful figure")  # fmt: skip
+        log.warning(notes[-1])
     notes.append(f"weights pushed (what-if, from {weights_bench}): push "
                  + ", ".join(f"{t:.3f} s at {n} engines" for n, t in w.push_s)
                  + f" for {w.push_bytes / 1e9:.3f} GB, scaled to this run's {nbytes / 1e6:.2f} MB "
