@@ -866,9 +866,10 @@ class VllmNcclGroup:  # pragma: no cover - CUDA and the vllm package (neither he
     StatelessProcessGroup + PyNcclCommunicator, formed by vLLM's
     `NCCLWeightTransferEngine.trainer_init` (the only wire vLLM's NCCL backend listens on; a
     torch process group does not rendezvous with it). Needs the vllm package in the trainer's
-    environment, as TRL's vLLM client does. PyNccl's broadcast has no timeout of its own: a
-    member lost mid-broadcast is noticed by its HTTP request failing. Never run: no GPU and no
-    vllm here (docs/weights.md)."""
+    environment, as TRL's vLLM client does. PyNccl has neither a timeout nor an abort: a member
+    lost mid-broadcast leaves this broadcast (and the trainer) blocked, so the bounded-timeout
+    guarantee of the torch groups does not hold on this wire (docs/weights.md). Never run: no
+    GPU and no vllm here."""
 
     def __init__(self, name: str, master_address: str, master_port: int, world_size: int) -> None:
         try:
