@@ -45,8 +45,11 @@ def _has_float(ann: object) -> bool:
 
 
 def _bad_value(ann: object, x: float) -> object:
-    """`x` in the shape the field takes: a float, a list of floats, a dict of floats."""
+    """`x` in the shape the field takes: a float, a list of floats or of (int, float) pairs, a
+    dict of floats."""
     origin = typing.get_origin(ann)
+    if origin is list and typing.get_origin(typing.get_args(ann)[0]) is tuple:
+        return [(1, 1.0), (2, x)]
     if origin is list:
         return [1.0, x]
     if origin is dict:

@@ -212,7 +212,7 @@ def test_calibrate_takes_a_pushing_runs_own_push_out_of_its_steps(tmp_path: Path
         "trainer.mode=sync", "rollout.num_workers=2", f"trainer.steps={NUM_STEPS}",
         "engine.weight_sync=distributed"])  # fmt: skip
     plan = calibrate(run, job, engine_bench=bench, warmup_steps=2, probes=PROBES, fit=False)
-    assert plan.weights.sync == "distributed" and plan.weights.push_s == [(2, 0.04)]
+    assert plan.weights.sync == "distributed" and plan.weights.push_s == [(2, pytest.approx(0.04))]
     assert plan.trainer.step_s.values == pytest.approx([r["train_s"] - 0.04 for r in recs[:-1]])
     with pytest.raises(ValueError, match="its own push times are used"):
         calibrate(run, job, engine_bench=bench, probes=PROBES, fit=False,
