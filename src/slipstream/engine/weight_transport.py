@@ -289,6 +289,8 @@ class WeightReceiver:
         self._staging: dict[str, torch.Tensor] = {}  # internal name -> tensor (lazily)
         self._views: dict[str, torch.Tensor] = {}  # HF name (split or fused) -> view of it
         self._flat: torch.Tensor | None = None  # the receive buffer of flattened buckets
+        # finite checks of what landed, while the next tensors arrive (`_receive`)
+        self._checker = ThreadPoolExecutor(1, thread_name_prefix="wcheck")
         self._arrived: set[str] = set()
         self._staged_version: int | None = None
 
@@ -420,55 +422,69 @@ class WeightReceiver:
     def _receive(self, group: WeightGroup, group_name: str, metas: list[TensorMeta],
                  load_format: str | None, views: dict[str, torch.Tensor]) -> None:  # fmt: skip
         """Receive into the staging views, checking them finite per CHECK_CHUNK_BYTES as they
-        land. ValueError naming a non-finite tensor, after the whole request was received (the
-        collective stays in step); its version is then dropped from the staging."""
+        land, on the checker thread while the next tensors arrive (inline, each check held up
+        the sender's next broadcast: a receiver that has not posted its receive stalls the
+        collective). ValueError naming a non-finite tensor, after the whole request was
+        received (the collective stays in step); its version is then dropped from the
+        staging."""
         chunk: dict[str, torch.Tensor] = {}
-        chunk_bytes, bad = 0, None
+        checks: list[Future] = []
+        what = ("the weight update in progress" if self._staged_version == _PENDING
+                else f"weight version {self._staged_version}")  # fmt: skip
 
         def check() -> None:
-            nonlocal chunk, chunk_bytes, bad
-            if chunk and bad is None:
-                what = ("the weight update in progress" if self._staged_version == _PENDING
-                        else f"weight version {self._staged_version}")  # fmt: skip
-                bad = _non_finite(chunk, what)
-            chunk, chunk_bytes = {}, 0
+            if chunk:  # the views stay untouched until the swap, after every check ended
+                checks.append(self._checker.submit(_non_finite, dict(chunk), what))
+                chunk.clear()
 
         try:
-            if load_format == FLATTENED_BUCKET:
-                numel = sum(m.nbytes for m in metas) // metas[0].dtype.itemsize
-                flat = self._flat
-                if flat is None or flat.dtype != metas[0].dtype or flat.numel() < numel \
-                        or flat.device != group.device:  # fmt: skip
-                    flat = self._flat = torch.empty(numel, dtype=metas[0].dtype,
-                                                    device=group.device)  # fmt: skip
-                group.broadcast(flat[:numel])
-                for name, t in unflatten(flat[:numel], metas).items():
-                    views[name].copy_(t)
-                chunk = {m.name: views[m.name] for m in metas}
-            else:
-                # straight into the staging where dtype and device match (views are contiguous)
-                direct = {m.name: views[m.name] if views[m.name].dtype == m.dtype
-                          and views[m.name].device == group.device
-                          and views[m.name].is_contiguous()
-                          else torch.empty(m.shape, dtype=m.dtype, device=group.device)
-                          for m in metas}  # fmt: skip
-                # one collective in flight at a time: with many queued, a peer lost mid-way
-                # left gloo's wait() blocked past its timeout and the group's abort with it
-                for name, t in direct.items():
-                    group.broadcast(t)
-                    if t is not views[name]:
-                        views[name].copy_(t)
-                    chunk[name] = views[name]
-                    chunk_bytes += t.numel() * t.element_size()
-                    if chunk_bytes >= CHECK_CHUNK_BYTES:
-                        check()
+            self._receive_into(group, metas, load_format, views, chunk, check)
         except RuntimeError as e:
+            for f in checks:
+                f.result()
             self._drop(group_name)
             raise RuntimeError(f"receiving from group {group_name!r} failed ({e}); the group "
                                "is closed, the served weights are unchanged") from e  # fmt: skip
         check()
+        bad = next((b for f in checks if (b := f.result()) is not None), None)
         if bad is not None:
             raise ValueError(bad)
+
+    def _receive_into(self, group: WeightGroup, metas: list[TensorMeta], load_format: str | None,
+                      views: dict[str, torch.Tensor], chunk: dict[str, torch.Tensor],
+                      check: Callable[[], None]) -> None:  # fmt: skip
+        """`_receive`'s transfer: into the views, `chunk` filled as tensors land, `check()` per
+        CHECK_CHUNK_BYTES (it takes the chunk and starts a new one)."""
+        chunk_bytes = 0
+        if load_format == FLATTENED_BUCKET:
+            numel = sum(m.nbytes for m in metas) // metas[0].dtype.itemsize
+            flat = self._flat
+            if flat is None or flat.dtype != metas[0].dtype or flat.numel() < numel \
+                    or flat.device != group.device:  # fmt: skip
+                flat = self._flat = torch.empty(numel, dtype=metas[0].dtype,
+                                                device=group.device)  # fmt: skip
+            group.broadcast(flat[:numel])
+            for name, t in unflatten(flat[:numel], metas).items():
+                views[name].copy_(t)
+            chunk.update({m.name: views[m.name] for m in metas})
+        else:
+            # straight into the staging where dtype and device match (views are contiguous)
+            direct = {m.name: views[m.name] if views[m.name].dtype == m.dtype
+                      and views[m.name].device == group.device
+                      and views[m.name].is_contiguous()
+                      else torch.empty(m.shape, dtype=m.dtype, device=group.device)
+                      for m in metas}  # fmt: skip
+            # one collective in flight at a time: with many queued, a peer lost mid-way
+            # left gloo's wait() blocked past its timeout and the group's abort with it
+            for name, t in direct.items():
+                group.broadcast(t)
+                if t is not views[name]:
+                    views[name].copy_(t)
+                chunk[name] = views[name]
+                chunk_bytes += t.numel() * t.element_size()
+                if chunk_bytes >= CHECK_CHUNK_BYTES:
+                    check()
+                    chunk_bytes = 0
 
     def receive_tensors(self, named: Mapping[str, torch.Tensor], version: int) -> ReceiveResult:
         """Colocated (CUDA IPC): tensors already rebuilt from their handles; applied at once."""
@@ -648,7 +664,7 @@ class DistributedSender(_Engines):
         self,
         urls: Sequence[str],
         *,
-        bucket_bytes: int = 256 * 2**20,
+        bucket_bytes: int = 2**30,
         bucket_format: str = "per_tensor",
         timeout_s: float = 60.0,
         backend: str = "gloo",
