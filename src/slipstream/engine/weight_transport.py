@@ -264,7 +264,8 @@ class WeightReceiver:
     What arrives goes straight into a staging copy of the model's parameters, in the model's own
     layout and dtype (each HF name, per-expert or fused, is a view of it: `hf_from_internal`),
     allocated at the first transfer: a version costs one copy out of each flattened bucket (none
-    for per-tensor broadcasts of the model's dtype) and one finite check, and the swap exchanges
+    for per-tensor broadcasts of the model's dtype) and one finite check (per 64 MiB, on a
+    thread while the next tensors land), and the swap exchanges
     the staging's storage with the parameters' (copies where CUDA graphs captured their
     addresses), so the staging then holds the previous version for the next to overwrite; no
     stacking of experts, no allocation per version. The staging holds one more copy of the
