@@ -18,7 +18,9 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -72,6 +74,22 @@ def _model_info(url: str) -> dict:
     return httpx.get(f"{url}/get_model_info", timeout=10).json()
 
 
+def _rank0(port: int, group: str, init: Callable[[], None]) -> tuple[Any, datetime.timedelta]:
+    """The trainer's end of a 2-rank gloo group, formed while `init` (the engine's init
+    request) runs on a thread: torch.distributed only, as an outside client would."""
+    import torch.distributed as dist
+
+    t = threading.Thread(target=init)
+    t.start()
+    timeout = datetime.timedelta(seconds=60)
+    store = dist.TCPStore(
+        "127.0.0.1", port, 2, is_master=True, timeout=timeout, wait_for_workers=False
+    )
+    pg = dist.ProcessGroupGloo(dist.PrefixStore(f"slipstream/{group}", store), 0, 2, timeout)
+    t.join()
+    return pg, timeout
+
+
 def test_sglang_protocol_client_pushes_over_gloo_and_greedy_equals_transformers(servers, tmp_path):
     import torch.distributed as dist
 
@@ -86,15 +104,8 @@ def test_sglang_protocol_client_pushes_over_gloo_and_greedy_equals_transformers(
     init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
             "world_size": 2, "group_name": group, "backend": "gloo"}  # fmt: skip
     answers: dict[str, httpx.Response] = {}
-    t = threading.Thread(target=lambda: answers.update(
+    pg, timeout = _rank0(port, group, lambda: answers.update(
         init=httpx.post(f"{url}/init_weights_update_group", json=init, timeout=60)))  # fmt: skip
-    t.start()
-    timeout = datetime.timedelta(seconds=60)
-    store = dist.TCPStore(
-        "127.0.0.1", port, 2, is_master=True, timeout=timeout, wait_for_workers=False
-    )
-    pg = dist.ProcessGroupGloo(dist.PrefixStore(f"slipstream/{group}", store), 0, 2, timeout)
-    t.join()
     assert answers["init"].json()["success"], answers["init"].text
     body = {"names": names, "dtypes": [str(state[n].dtype).removeprefix("torch.") for n in names],
             "shapes": [list(state[n].shape) for n in names], "group_name": group,
@@ -156,17 +167,9 @@ def test_vllm_protocol_client_pushes_over_gloo_and_greedy_equals_transformers(se
     init = {"init_info": {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
                           "world_size": 2, "backend": "gloo"}}  # fmt: skip
     answers: dict[str, httpx.Response] = {}
-    t = threading.Thread(target=lambda: answers.update(
-        init=httpx.post(f"{url}/init_weight_transfer_engine", json=init, timeout=60)))  # fmt: skip
-    t.start()
-    timeout = datetime.timedelta(seconds=60)
-    store = dist.TCPStore(
-        "127.0.0.1", port, 2, is_master=True, timeout=timeout, wait_for_workers=False
-    )
     # the engine's end of vLLM's protocol is the group "vllm-weight-transfer" (vLLM names none)
-    pg = dist.ProcessGroupGloo(dist.PrefixStore("slipstream/vllm-weight-transfer", store), 0, 2,
-                               timeout)  # fmt: skip
-    t.join()
+    pg, timeout = _rank0(port, "vllm-weight-transfer", lambda: answers.update(
+        init=httpx.post(f"{url}/init_weight_transfer_engine", json=init, timeout=60)))  # fmt: skip
     assert answers["init"].status_code == 200, answers["init"].text
     assert answers["init"].json() == {"message": "Weight transfer initialized"}
 

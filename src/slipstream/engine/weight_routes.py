@@ -38,11 +38,17 @@ from slipstream.engine.weight_transport import DEFAULT_GROUP, VLLM_GROUP, Weight
 Name = Annotated[str, Field(min_length=1, max_length=512)]
 
 
-class InitWeightsUpdateGroupReqInput(Strict):
+class Rendezvous(Strict):
+    """Where the trainer (rank 0) hosts a group's rendezvous, and this engine's rank in it: the
+    fields SGLang's and vLLM's init requests share."""
+
     master_address: Annotated[str, Field(min_length=1, max_length=255)]
     master_port: Annotated[int, Field(ge=1, le=65535)]
     rank_offset: Annotated[int, Field(ge=1, le=65535)]
     world_size: Annotated[int, Field(ge=2, le=65536)]
+
+
+class InitWeightsUpdateGroupReqInput(Rendezvous):
     group_name: Name = DEFAULT_GROUP
     backend: str = "nccl"
 
@@ -70,13 +76,9 @@ class UpdateWeightsFromTensorReqInput(Strict):
     weight_version: str | None = None
 
 
-class VllmInitInfo(Strict):
+class VllmInitInfo(Rendezvous):
     """vLLM's NCCLWeightTransferInitInfo, plus our `backend` (see the module docstring)."""
 
-    master_address: Annotated[str, Field(min_length=1, max_length=255)]
-    master_port: Annotated[int, Field(ge=1, le=65535)]
-    rank_offset: Annotated[int, Field(ge=1, le=65535)]
-    world_size: Annotated[int, Field(ge=2, le=65536)]
     backend: Literal["gloo", "nccl"] | None = None
 
 
