@@ -447,9 +447,9 @@ class WeightReceiver:
             raise RuntimeError(f"receiving from group {group_name!r} failed ({e}); the group "
                                "is closed, the served weights are unchanged") from e  # fmt: skip
         check()
-        bad = next((b for f in checks if (b := f.result()) is not None), None)
-        if bad is not None:
-            raise ValueError(bad)
+        found = [b for f in checks if (b := f.result()) is not None]  # every check has ended
+        if found:
+            raise ValueError(found[0])
 
     def _receive_into(self, group: WeightGroup, metas: list[TensorMeta], load_format: str | None,
                       views: dict[str, torch.Tensor], chunk: dict[str, torch.Tensor],
