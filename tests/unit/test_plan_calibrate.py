@@ -121,6 +121,15 @@ def test_calibrate_builds_rates_from_the_run_and_fits_the_latency(tmp_path: Path
     assert plan.rollout.engine.slowdown == m["fitted_slowdown"]
     assert plan.rollout.rpc_busy_s == PROBES["rpc_busy_s"]
     assert plan.rollout.engine.weight_fetch_s == PROBES["weight_fetch_s"]
+    # the quickstart drops uniform groups, which the simulator does not: said in the notes
+    warning = "WARNING: the run used buffer.dynamic_sampling"
+    assert job.buffer.dynamic_sampling
+    assert any(n.startswith(warning) for n in plan.calibration.notes)
+    off = load_config("configs/quickstart.toml", ["trainer.mode=sync", "rollout.num_workers=1",
+                                                   f"trainer.steps={NUM_STEPS}",
+                                                   "buffer.dynamic_sampling=false"])  # fmt: skip
+    notes = calibrate(run, off, engine_bench=bench, probes=PROBES, fit=False).calibration.notes
+    assert not any(n.startswith(warning) for n in notes)
 
 
 def test_heavy_verifier_delay_is_not_counted_twice(tmp_path: Path) -> None:

@@ -498,6 +498,13 @@ def calibrate(
             fixed_s + per_token_s * probes["probe_engine_batch_rows"]
         )
     _calibrate_weights(plan, run_dir, job, steps, weights_bench, notes, measured)
+    if job.buffer.dynamic_sampling:
+        # every dropped group is generated and never trained: the simulator, which does not
+        # drop them, predicts more samples/s than such a run makes (+60% on the quickstart)
+        notes.append("WARNING: the run used buffer.dynamic_sampling, which the simulator does "
+                     "not model (dropped groups are generated, never trained): its samples/s "
+                     "will be overstated; calibrate a run with --buffer.dynamic_sampling=false")  # fmt: skip
+        log.warning(notes[-1])
     if fit:
         plan, k, fit_lat = fit_slowdown(plan, request_latency_s)
         measured.update(fitted_slowdown=k, fitted_request_latency_s=fit_lat)
