@@ -170,7 +170,8 @@ class WeightRates(Section):
     """distributed: bytes of the version `push_s` was measured with."""
     version_bytes: int = Field(default=0, ge=0)
     """distributed: bytes of one version of the planned job (0 = push_bytes); the push times
-    scale by version_bytes / push_bytes (it is bandwidth-bound: docs/weights.md)."""
+    scale by version_bytes / push_bytes, which holds near the measured size only (a push also
+    costs per request and per tensor: measure the job's own shape; docs/plan.md)."""
     store_every: int = Field(default=10, ge=1, le=100_000)
     """distributed: `engine.weight_store_every` (the first version is stored too)."""
     store_write_s: float = Field(default=0.0, ge=0)
