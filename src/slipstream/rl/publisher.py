@@ -55,9 +55,10 @@ class Publisher:
         self.wait_s = 0.0
         """Total time `submit`/`flush` waited for the previous publish."""
         self.served_s: dict[str, float] = {}
-        self.fused_experts = False  # the store holds transformers checkpoints
         """Publish -> served seconds per engine (rl/weight_sync.py): not measured here, every
         engine loads from the store on its own."""
+        self.fused_experts = False
+        """`submit` takes per-expert tensors: the store holds transformers checkpoints."""
 
     def submit(
         self, version: int, state: dict[str, torch.Tensor], hf_config: dict[str, Any]
