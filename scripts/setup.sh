@@ -34,8 +34,8 @@ if [[ ! -x .venv/bin/python ]]; then
   echo "setup: creating .venv"
   "$PY" -m venv .venv
 fi
-EXTRAS="serve,hf"
-((DEV)) && EXTRAS="serve,hf,s3,ray,dev"
+EXTRAS="serve,hf,data"
+((DEV)) && EXTRAS="serve,hf,data,s3,ray,dev"
 stamp=".venv/.slipstream-installed-$EXTRAS"
 if [[ ! -f "$stamp" || pyproject.toml -nt "$stamp" ]]; then
   .venv/bin/pip install -q --upgrade pip

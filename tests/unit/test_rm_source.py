@@ -99,3 +99,72 @@ def test_missing_local_reward_model_names_the_path(tmp_path):
     cfg = load_config(None, [*TINY, f"run.output_dir={tmp_path}", "reward.source=reward_model"])
     with pytest.raises(FileNotFoundError, match=str(tmp_path / "rm" / "checkpoint")):
         make_reward_source(cfg, InProcessVerifier(get_taskset(cfg.task)))
+
+
+class _GarbageRM:
+    """A real HTTP server on loopback answering every /classify with one fixed JSON body (raw
+    text, so NaN and Infinity go out as Python's json writes them)."""
+
+    def __init__(self, body: str) -> None:
+        import http.server
+
+        payload = body.encode()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 (http.server's name)
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize(
+    "item",
+    [
+        '{"index": 0, "logits": [NaN]}',
+        '{"index": 0, "logits": [Infinity]}',
+        '{"index": 0, "logits": [-Infinity]}',
+        '{"index": 0, "logits": [1e400]}',
+        '{"index": 0, "logits": ["1e400"]}',
+        '{"index": 0, "logits": ["9"]}',
+        '{"index": 0, "logits": [true]}',
+        '{"index": 0, "logits": [null]}',
+        '{"index": 0, "logits": []}',
+        '{"index": 0, "probs": [2.0]}',
+        '{"index": 0, "probs": [-0.5]}',
+        '{"index": 0, "probs": [NaN]}',
+        '{"index": 0, "probs": ["0.5"]}',
+        '{"index": 0}',
+    ],
+)
+def test_a_garbage_reward_model_answer_is_never_a_reward(item):
+    # issue 44: NaN, infinities, strings, booleans and out-of-range probabilities were coerced
+    # into rewards (Infinity -> 1.0, the maximum); each is an infrastructure failure instead
+    server = _GarbageRM('{"data": [' + item + "]}")
+    try:
+        with pytest.raises(ServiceUnavailable, match="malformed answer"):
+            HTTPScorer(server.url, 5.0).score(["1+1=2"])
+    finally:
+        server.close()
+
+
+def test_a_finite_reward_model_answer_is_a_score():
+    server = _GarbageRM('{"data": [{"index": 1, "probs": [0.5]}, {"index": 0, "logits": [-2]}]}')
+    try:
+        assert HTTPScorer(server.url, 5.0).score(["a", "b"]) == pytest.approx([-2.0, 0.0])
+    finally:
+        server.close()

@@ -78,7 +78,7 @@ class HTTPScorer:
         try:
             data = sorted(r.json()["data"], key=lambda d: d["index"])
             out = [_logit_of(d) for d in data]
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, IndexError) as e:
             raise ServiceUnavailable(f"reward model {self.url}: malformed answer: {e}") from e
         if len(out) != len(texts):
             raise ServiceUnavailable(f"reward model {self.url}: {len(out)} scores for "
@@ -89,12 +89,28 @@ class HTTPScorer:
         self._client.close()
 
 
+def _finite_number(value: Any, what: str) -> float:
+    """`value` as a float when it is a finite JSON number; ValueError for anything else. Python's
+    json accepts NaN and Infinity, and float() takes "1e400", "9" and True: none of them is a
+    score, and a garbage answer must never become a reward (issue 44)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{what} is {value!r} ({type(value).__name__}), not a number")
+    out = float(value)
+    if not math.isfinite(out):
+        raise ValueError(f"{what} is {value!r}, not a finite number")
+    return out
+
+
 def _logit_of(d: dict[str, Any]) -> float:
     """The raw reward of one classify result: our `logits`, else the logit of vLLM's one-label
-    sigmoid `probs`."""
+    sigmoid `probs`. Only finite numbers are scores, and a probability only within [0, 1] (the
+    ends map to the largest finite logits); anything else raises ValueError."""
     if "logits" in d:
-        return float(d["logits"][0])
-    p = min(max(float(d["probs"][0]), 1e-12), 1 - 1e-12)
+        return _finite_number(d["logits"][0], "logits[0]")
+    p = _finite_number(d["probs"][0], "probs[0]")
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"probs[0] is {p!r}, outside [0, 1]")
+    p = min(max(p, 1e-12), 1 - 1e-12)
     return math.log(p / (1 - p))
 
 
