@@ -406,6 +406,34 @@ def test_serve_warns_when_binding_beyond_loopback_without_a_key(model, tmp_path,
     assert "no config.json" in capsys.readouterr().err
 
 
+def test_serve_refuses_an_empty_api_key(model, tmp_path, capsys, monkeypatch):
+    """`--api-key "$UNSET"` or `SLIPSTREAM_API_KEY=` must not open the admin routes: refused
+    before anything is loaded or bound, in one line naming where the empty key came from."""
+    import uvicorn
+
+    from slipstream.cli import main
+
+    save_pretrained(model, tmp_path / "m")
+    (tmp_path / "empty.toml").write_text("")
+    served: list[object] = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.append(app))
+    serve = ["serve", "--model", str(tmp_path / "m"), "-c", str(tmp_path / "empty.toml")]
+    monkeypatch.delenv("SLIPSTREAM_API_KEY", raising=False)
+    for args, needle in ((["--api-key", ""], "--api-key is empty"),
+                         (["--api-key", "  "], "--api-key is empty"),
+                         (["--api-key-scope", "all"], "--api-key-scope all needs a key")):  # fmt: skip
+        assert main([*serve, *args]) == 2
+        err = capsys.readouterr().err.strip()
+        assert needle in err and "\n" not in err and "Traceback" not in err
+    monkeypatch.setenv("SLIPSTREAM_API_KEY", "")
+    assert main(serve) == 2
+    assert "$SLIPSTREAM_API_KEY is empty" in capsys.readouterr().err
+    assert main([*serve, "--host", "0.0.0.0"]) == 2 and not served
+    monkeypatch.setenv("SLIPSTREAM_API_KEY", KEY)
+    assert main(serve) == 0 and len(served) == 1
+    assert "API key on admin endpoints" in capsys.readouterr().out
+
+
 # ---- numbers, bodies, batches ----------------------------------------------------------------
 
 HUGE = 2**70

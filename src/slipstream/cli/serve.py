@@ -44,10 +44,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument(
         "--api-key",
-        default=os.environ.get(API_KEY_ENV),
+        default=None,
         help=f"require 'Authorization: Bearer KEY' on the admin endpoints (weight updates, "
         f"abort, flush; every endpoint but /health with --api-key-scope all). Default: "
-        f"${API_KEY_ENV}, else no authentication",
+        f"${API_KEY_ENV}, else no authentication; an empty key is refused",
     )
     p.add_argument("--api-key-scope", choices=("admin", "all"), default="admin")
     p.add_argument(
@@ -115,6 +115,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if not lo <= value <= hi:  # what a TCP port / the request guard can take
             print(f"slipstream serve: {flag} {value}: must be in [{lo}, {hi}]", file=sys.stderr)
             return 2
+    api_key, key_source = args.api_key, "--api-key"
+    if api_key is None:
+        api_key, key_source = os.environ.get(API_KEY_ENV), f"${API_KEY_ENV}"
+    if api_key is not None and not api_key.strip():
+        # an unset shell variable (`--api-key "$KEY"`, `SLIPSTREAM_API_KEY=`) must not open the
+        # admin routes: no authentication is asked for by leaving both out, never by an empty key
+        print(f"slipstream serve: {key_source} is empty: pass a key, or leave out --api-key and "
+              f"unset {API_KEY_ENV} to serve without authentication", file=sys.stderr)  # fmt: skip
+        return 2
+    if api_key is None and args.api_key_scope == "all":
+        print(f"slipstream serve: --api-key-scope all needs a key (--api-key or ${API_KEY_ENV})",
+              file=sys.stderr)  # fmt: skip
+        return 2
     logging.basicConfig(level=args.log_level.upper())
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():
@@ -124,7 +137,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     options = ServeOptions(
         served_model_name=args.served_model_name or model_dir.resolve().name,
-        api_key=args.api_key or None,
+        api_key=api_key,
         api_key_scope=args.api_key_scope,
         max_request_bytes=args.max_request_bytes,
         max_batch_samples=args.max_batch_samples,
