@@ -1,19 +1,57 @@
-"""`[model]`: the MoE policy architecture. Field names match Hugging Face `Qwen3MoeConfig` so the
-section maps one-to-one onto a checkpoint's `config.json`."""
+"""`[model]`: the MoE policy architecture. `model_type` names the family (the registry in
+model/families/); the other fields are the union of what the families need, named as in Hugging
+Face's `Qwen3MoeConfig` where it has the field. A family maps its `config.json` onto them
+(`Family.config_from_hf`) and back (`Family.config_to_hf`), so the section maps one-to-one onto
+a checkpoint of that family."""
 
 from typing import Literal, get_args
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from slipstream.config.base import Section
 
 MoEImpl = Literal["grouped", "grouped_mm", "loop"]
 """The expert compute paths `model.moe_impl` may name (model/moe_block.py implements each)."""
+QKNorm = Literal["per_head", "full", "none"]
+"""q/k RMSNorm before RoPE: per head (Qwen3, GLM's `use_qk_norm`), over the whole projection
+(OLMoE: weights (H*Dh,), (K*Dh,)), or none (Mixtral, GPT-OSS)."""
+RouterScheme = Literal["softmax_topk", "sigmoid_group_topk", "topk_softmax"]
+"""How a router's logits become top-k ids and weights (model/router.py): `softmax_topk`
+(Qwen3-MoE, Mixtral, OLMoE: softmax over E, top-k, renormalised if `norm_topk_prob`),
+`sigmoid_group_topk` (GLM-4.5 / DeepSeek-V3: sigmoid scores, selection on scores + correction
+bias within the best `topk_group` of `n_group` groups, weights from the unbiased scores,
+renormalised if `norm_topk_prob`, times `routed_scaling_factor`), `topk_softmax` (GPT-OSS: top-k
+of the logits, softmax over the k)."""
 MOE_IMPLS: tuple[str, ...] = get_args(MoEImpl)
 """The same list as a tuple (validation messages, benchmarks): one list, not a second copy."""
+ExpertActivation = Literal["swiglu", "clamped_swiglu"]
+"""`swiglu`: silu(gate) * up. `clamped_swiglu` (GPT-OSS): (clamp(up, -limit, limit) + 1) * g *
+sigmoid(alpha * g), g = clamp(gate, max=limit)."""
+LayerType = Literal["full_attention", "sliding_attention"]
+
+
+class YarnRope(Section):
+    """YaRN RoPE scaling (transformers' `rope_type = "yarn"`, `_compute_yarn_parameters`)."""
+
+    factor: float = Field(gt=0)
+    """Context extension factor (GPT-OSS: 32)."""
+    original_max_position_embeddings: int = Field(ge=1)
+    """The pretraining context the ramp is computed against (GPT-OSS: 4096)."""
+    beta_fast: float = 32.0
+    """Rotations above which a frequency is extrapolated (kept)."""
+    beta_slow: float = 1.0
+    """Rotations below which a frequency is interpolated (divided by `factor`)."""
+    truncate: bool = True
+    """Round the correction range to whole dimensions (GPT-OSS: false)."""
+    attention_factor: float | None = None
+    """cos/sin multiplier; None: 0.1 * ln(factor) + 1 (mscale / mscale_all_dim are not read)."""
 
 
 class ModelConfig(Section):
+    model_type: str = "qwen3_moe"
+    """The model family (HF `model_type`): a key of the registry in model/families/ (qwen3_moe,
+    qwen3, mixtral, olmoe, glm4_moe, ...). Decides the checkpoint format; the architecture is the
+    fields below."""
     init_from: str | None = None
     """Load weights (and architecture) from this HF-format directory instead of a random init."""
     vocab_size: int = Field(default=0, ge=0)
@@ -44,6 +82,33 @@ class ModelConfig(Section):
     """Layer indices that use a dense FFN instead of MoE."""
     shared_expert_intermediate_size: int = Field(default=0, ge=0)
     """Width of an always-on shared expert; 0 = none (Qwen3-MoE has none)."""
+    shared_expert_gated: bool = True
+    """The shared expert is scaled by sigmoid(shared_expert_gate(x)) (Qwen2-MoE); False: added
+    as it is (GLM-4.5 / DeepSeek `shared_experts`)."""
+    router_scheme: RouterScheme = "softmax_topk"
+    """How router logits become expert ids and weights (see `RouterScheme`)."""
+    router_bias: bool = False
+    """A bias on the router (`mlp.gate.bias`; GPT-OSS's `mlp.router.bias`)."""
+    router_correction_bias: bool = False
+    """The router holds an `e_score_correction_bias` (E,) float32 buffer added to the scores for
+    expert selection only (sigmoid_group_topk); it travels with checkpoints and weight pushes and
+    is never trained."""
+    n_group: int = Field(default=1, ge=1)
+    """sigmoid_group_topk: experts are split into this many groups (must divide num_experts)."""
+    topk_group: int = Field(default=1, ge=1)
+    """sigmoid_group_topk: experts are chosen within the best this-many groups."""
+    routed_scaling_factor: float = Field(default=1.0, gt=0)
+    """sigmoid_group_topk: the routed experts' weights are multiplied by this."""
+    attention_bias: bool = False
+    """Biases on q/k/v_proj (GLM's, OLMoE's and GPT-OSS's HF `attention_bias`)."""
+    attention_out_bias: bool = False
+    """A bias on o_proj (OLMoE's and GPT-OSS's HF `attention_bias` set it too; GLM's does not)."""
+    qk_norm: QKNorm = "per_head"
+    """q/k RMSNorm before RoPE (see `QKNorm`)."""
+    clip_qkv: float | None = Field(default=None, gt=0)
+    """Clamp q, k and v to [-clip_qkv, clip_qkv] after the q/k norm (OLMoE); None: no clamp."""
+    partial_rotary_factor: float = Field(default=1.0, gt=0, le=1)
+    """RoPE rotates the first head_dim * factor dims of each head (GLM-4.5: 0.5)."""
     max_position_embeddings: int = Field(default=512, ge=8)
     """Longest sequence (prompt + completion) the model handles."""
     rope_theta: float = Field(default=10000.0, gt=0)
@@ -56,6 +121,26 @@ class ModelConfig(Section):
     """Weight of the router z-loss (mean squared logsumexp of router logits)."""
     tie_word_embeddings: bool = False
     """Share the input embedding and the LM head."""
+    attention_sinks: bool = False
+    """A learned per-head sink logit (`self_attn.sinks`, GPT-OSS): an extra softmax column whose
+    probability is dropped (model/attention_variants.py)."""
+    sliding_window: int | None = Field(default=None, ge=1)
+    """Keys a query sees in a `sliding_attention` layer, itself included."""
+    layer_types: list[LayerType] = Field(default_factory=list)
+    """Per layer `full_attention` or `sliding_attention` (with `sliding_window`); empty: all full."""
+    rope_scaling: YarnRope | None = None
+    """YaRN RoPE scaling; None: plain RoPE."""
+    norm_weight_in_float32: bool = False
+    """RMSNorm multiplies its weight in float32 before the cast back (GPT-OSS); false: after the
+    cast (Qwen3). Equal in float32."""
+    expert_bias: bool = False
+    """Biases on the experts' gate_up and down projections (GPT-OSS)."""
+    expert_activation: ExpertActivation = "swiglu"
+    """The experts' gated activation (see `ExpertActivation`)."""
+    swiglu_alpha: float = Field(default=1.702, gt=0)
+    """`clamped_swiglu`'s sigmoid slope."""
+    swiglu_limit: float = Field(default=7.0, gt=0)
+    """`clamped_swiglu`'s clamp."""
     initializer_range: float = Field(default=0.02, gt=0)
     """Std of the normal init of linear/embedding/expert weights (random init only)."""
     moe_impl: MoEImpl = "grouped"
@@ -65,3 +150,23 @@ class ModelConfig(Section):
     `grouped_mm` the same but an error instead of the fallback; `loop` is the slow per-expert
     reference (model/moe_block.py). Applied to a built model by its converter (model/converters.py
     `ExpertPath`, from `model_converters`); building `MoEForCausalLM` does not read it."""
+
+    @model_validator(mode="after")
+    def _layer_types(self) -> "ModelConfig":
+        if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is "
+                f"{self.num_hidden_layers}"
+            )
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ValueError(
+                "layer_types names sliding_attention layers but sliding_window is unset"
+            )
+        return self
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """The sliding window of layer `layer_idx` (keys a query sees, itself included), None for
+        a full-attention layer."""
+        if self.layer_types and self.layer_types[layer_idx] == "sliding_attention":
+            return self.sliding_window
+        return None
