@@ -33,9 +33,9 @@ LayerType = Literal["full_attention", "sliding_attention"]
 class YarnRope(Section):
     """YaRN RoPE scaling (transformers' `rope_type = "yarn"`, `_compute_yarn_parameters`)."""
 
-    factor: float = Field(gt=0)
+    factor: float = Field(default=1.0, gt=0)
     """Context extension factor (GPT-OSS: 32)."""
-    original_max_position_embeddings: int = Field(ge=1)
+    original_max_position_embeddings: int = Field(default=4096, ge=1)
     """The pretraining context the ramp is computed against (GPT-OSS: 4096)."""
     beta_fast: float = 32.0
     """Rotations above which a frequency is extrapolated (kept)."""
