@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
+from slipstream.config.agent import AgentConfig
 from slipstream.config.base import ConfigError, Section, apply_overrides, load_model, parse_override
 from slipstream.config.engine import EngineConfig
 from slipstream.config.eval import EvalConfig
@@ -52,6 +53,7 @@ class SlipstreamConfig(Section):
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     rm: RMConfig = Field(default_factory=RMConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
 
     @model_validator(mode="after")
     def _resolve_derived(self) -> SlipstreamConfig:

@@ -11,7 +11,7 @@ class TaskConfig(Section):
     name: Literal["arithmetic", "countdown", "code", "tool_arithmetic"] = "arithmetic"
     """Built-in task: multi-digit arithmetic, Countdown, sandboxed code problems, or arithmetic
     whose teacher sometimes uses the `<py>` tool (`tool_arithmetic`, for `env = "python_tool"`)."""
-    env: Literal["single_turn", "python_tool", "code_tests"] = "single_turn"
+    env: Literal["single_turn", "python_tool", "code_tests", "agent"] = "single_turn"
     """Rollout environment (slipstream.envs, docs/envs.md): `single_turn` (the prompt, one
     completion, the verifier's reward), `python_tool` (the policy may run `<py>...</py>` programs
     in the episode's sandbox before it answers), `code_tests` (the `code` task, revised against
