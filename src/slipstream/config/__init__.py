@@ -66,6 +66,7 @@ class SlipstreamConfig(Section):
         - `trainer.routing_replay = "r3"` turns on `rollout.record_routing`.
         - `store.url` empty -> `<run.output_dir>/store` as an absolute path, so every process of
           the job (rollout workers, trainer ranks) opens the same store whatever its directory.
+        - `task.max_prompt_tokens` 0 -> the model's context minus the completion cap.
         - `trainer.parallel.dp_replicate` 0 -> num_processes / (dp_shard x ep); the layout is
           checked against trainer.num_processes and model.num_experts.
         """
@@ -85,6 +86,9 @@ class SlipstreamConfig(Section):
             self.rollout.record_routing = True
         if not self.store.url:
             self.store.url = str(Path(self.run.output_dir).resolve() / "store")
+        if self.task.max_prompt_tokens == 0:
+            completion = self.rollout.max_new_tokens or self.engine.max_new_tokens
+            self.task.max_prompt_tokens = max(1, self.model.max_position_embeddings - completion)
         if self.sft.min_pass_at_1 > 0:
             need = self.eval.num_prompts + self.sft.val_prompts
             if self.task.num_heldout < need:
