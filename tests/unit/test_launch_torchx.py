@@ -26,7 +26,11 @@ yaml = pytest.importorskip("yaml")
 from torchx.runner import get_runner  # noqa: E402
 
 from slipstream.launch import torchx as component  # noqa: E402
-from slipstream.launch.worker import COORDINATOR_AUTHKEY_ENV, COORDINATOR_PORT_ENV  # noqa: E402
+from slipstream.launch.worker import (  # noqa: E402
+    COORDINATOR_AUTHKEY_ENV,
+    COORDINATOR_HOST_ENV,
+    COORDINATOR_PORT_ENV,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 COMPONENT = f"{REPO / 'src/slipstream/launch/torchx.py'}:rl"
@@ -49,15 +53,20 @@ def dryrun(args: list[str]) -> dict[str, Any]:
     return ApiClient().sanitize_for_serialization(info.request.resource)
 
 
-def full_job(args: list[str]) -> dict[str, Any]:
-    """What `python -m slipstream.launch.torchx --queue default -- ARGS` prints (parsed back)."""
+def full_output(args: list[str]) -> str:
+    """What `python -m slipstream.launch.torchx --queue default -- ARGS` prints."""
     import contextlib
     import io
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert component.main(["--queue", "default", "--", *args]) == 0
-    return yaml.safe_load(out.getvalue())
+    return out.getvalue()
+
+
+def full_job(args: list[str]) -> dict[str, Any]:
+    """The Volcano Job of that output (parsed back): its last document."""
+    return list(yaml.safe_load_all(full_output(args)))[-1]
 
 
 def pods(job: dict[str, Any], role: str) -> list[dict[str, Any]]:
@@ -69,8 +78,9 @@ def tasks(job: dict[str, Any], role: str) -> list[dict[str, Any]]:
     return [t for t in job["spec"]["tasks"] if t["name"].startswith(f"{role}-")]
 
 
-def env_of(pod: dict[str, Any]) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+def env_of(pod: dict[str, Any]) -> dict[str, Any]:
+    """name -> value (a string), or its `valueFrom` (a dict)."""
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in pod["spec"]["containers"][0]["env"]}  # fmt: skip
 
 
 def shell_command(pod: dict[str, Any]) -> list[str]:
@@ -113,21 +123,24 @@ def test_dry_run_is_one_volcano_job_of_4_trainer_and_32_rollout_pods(stock: dict
 
 
 def _without_placement(job: dict[str, Any]) -> str:
-    """The job as JSON with what kubernetes_resource adds removed and what differs between two
-    calls of the component (the unique app id, the random authkey) masked."""
+    """The job as JSON with what kubernetes_resource adds removed (placement, the authkey's
+    Secret reference, the coordinator's address, the security context) and what differs between
+    two calls of the component (the unique app id) masked."""
     import copy
     import json
 
     job = copy.deepcopy(job)
+    added_env = {COORDINATOR_AUTHKEY_ENV, COORDINATOR_HOST_ENV, "HOME"}
     for task in job["spec"]["tasks"]:
         task.pop("policies", None)
         spec = task["template"]["spec"]
-        for key in ("tolerations", "terminationGracePeriodSeconds"):
+        for key in ("tolerations", "terminationGracePeriodSeconds", "securityContext",
+                    "automountServiceAccountToken"):  # fmt: skip
             spec.pop(key, None)
         spec["nodeSelector"].pop(component.NODE_GROUP_LABEL, None)
-        for e in spec["containers"][0]["env"]:
-            if e["name"] == COORDINATOR_AUTHKEY_ENV:
-                e["value"] = "KEY"
+        container = spec["containers"][0]
+        container["env"] = [e for e in container["env"] if e["name"] not in added_env]
+        container.pop("securityContext", None)
     return json.dumps(job, sort_keys=True).replace(job["metadata"]["name"], "APP")
 
 
@@ -220,8 +233,9 @@ def test_trainer_ranks_rendezvous_like_dist_ddp_and_run_slipstream_run(job: dict
 
 def test_rollout_workers_find_the_coordinator_by_the_trainers_service_name(job: dict[str, Any]) -> None:  # fmt: skip
     trainer0 = pods(job, "trainer")[0]
-    keys = {env_of(p)[COORDINATOR_AUTHKEY_ENV] for p in pods(job, "trainer") + pods(job, "rollout")}
-    assert len(keys) == 1 and re.fullmatch("[0-9a-f]{32}", keys.pop())  # one key, this job's
+    refs = [env_of(p)[COORDINATOR_AUTHKEY_ENV] for p in pods(job, "trainer") + pods(job, "rollout")]
+    secret = component.authkey_secret_name(job["metadata"]["name"])  # one key, this job's
+    assert all(r == {"secretKeyRef": {"name": secret, "key": "authkey"}} for r in refs)
     for i, pod in enumerate(pods(job, "rollout")):
         argv = shell_command(pod)
         assert argv[:3] == ["python", "-m", "slipstream.launch.worker"]
@@ -247,6 +261,50 @@ def test_image_and_node_groups_are_deploys() -> None:
         assert groups[name]["taints"][0]["key"] == component.GPU_TAINT
 
 
+def test_the_authkey_is_in_the_jobs_secret_and_the_pods_run_unprivileged() -> None:
+    """The coordinator unpickles what an authkey holder sends: the key is in a per-job Secret
+    (never a value in a pod spec, which whoever reads the Job or its pods sees), the coordinator
+    binds the trainer pod's IP, only the job's pods reach its pods, and no pod runs as root,
+    escalates privileges or keeps a capability it does not need."""
+    docs = list(yaml.safe_load_all(full_output(["-j", "2x2", "--num_rollout_workers", "3", "--",
+                                                "--model.init_from=/init"])))  # fmt: skip
+    assert [d["kind"] for d in docs] == ["Secret", "NetworkPolicy", "Job"]
+    secret, policy, job = docs
+    app = job["metadata"]["name"]
+    for doc in (secret, policy):
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    assert secret["metadata"]["name"] == component.authkey_secret_name(app)
+    key = secret["stringData"]["authkey"]
+    assert re.fullmatch("[0-9a-f]{32}", key) and key not in yaml.safe_dump(job)
+    job_pods = {"matchLabels": {component.JOB_LABEL: app}}
+    assert policy["spec"]["podSelector"] == job_pods
+    assert policy["spec"]["ingress"] == [{"from": [{"podSelector": job_pods}]}]
+    for role in ("trainer", "rollout"):
+        for pod in pods(job, role):
+            assert pod["metadata"]["labels"][component.JOB_LABEL] == app
+            validate_pod(pod)
+            env = env_of(pod)
+            assert env[COORDINATOR_AUTHKEY_ENV] == {
+                "secretKeyRef": {"name": secret["metadata"]["name"], "key": "authkey"}}  # fmt: skip
+            assert all(not isinstance(v, str) or key not in v for v in env.values())
+            spec, sc = pod["spec"], pod["spec"]["containers"][0]["securityContext"]
+            assert (
+                spec["securityContext"]["runAsNonRoot"] and spec["securityContext"]["runAsUser"] > 0
+            )
+            assert spec["automountServiceAccountToken"] is False
+            assert sc["allowPrivilegeEscalation"] is False and not sc["privileged"]
+            assert sc["capabilities"]["drop"] == ["ALL"]
+            assert sc["capabilities"].get("add", []) == (["IPC_LOCK"] if role == "trainer" else [])
+            # the coordinator (trainer rank 0) binds the pod's own address, not 0.0.0.0
+            host = env.get(COORDINATOR_HOST_ENV)
+            assert host == (
+                {"fieldRef": {"fieldPath": "status.podIP"}} if role == "trainer" else None
+            )
+    # a local scheduler still passes the key in the processes' environment
+    stock = dryrun(["-j", "1x1", "--num_rollout_workers", "1"])
+    assert re.fullmatch("[0-9a-f]{32}", env_of(pods(stock, "rollout")[0])[COORDINATOR_AUTHKEY_ENV])
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -260,24 +318,50 @@ def test_image_and_node_groups_are_deploys() -> None:
         (["-j", "1x3"], "trainer.groups_per_step (8) must be a multiple of trainer.num_processes"),
     ],
 )
-def test_bad_arguments_fail_before_submission_naming_them(args: list[str], message: str) -> None:
-    with pytest.raises(Exception, match=re.escape(message)):
+def test_bad_arguments_fail_before_submission_naming_them(args: list[str], message: str,
+                                                          capsys) -> None:  # fmt: skip
+    from torchx.specs.finder import ComponentValidationException
+
+    # the kind `torchx run` prints as one line (any other exception: a traceback)
+    with pytest.raises(ComponentValidationException, match=re.escape(message)):
         dryrun(args)
+    assert component.main(["--queue", "default", "--", *args]) == 2
+    out = capsys.readouterr()
+    assert not out.out and message in out.err and out.err.count("\n") == 1
 
 
-def test_deploy_readme_command_dry_runs() -> None:
-    """The `torchx run -s kubernetes` command deploy/README.md shows is one this component takes."""
+def test_deploy_readme_commands_dry_run() -> None:
+    """deploy/README.md's commands are ones this component takes: the `python -m` submission
+    (Secret, NetworkPolicy, Job) and the `torchx run --dryrun -s kubernetes` check, which passes
+    `--workspace ""` (torchx's default workspace builds an image: a Docker daemon)."""
     text = (REPO / "deploy/README.md").read_text()
     block = next(
         b for b in re.findall(r"```bash\n(.*?)```", text, re.S) if "launch/torchx.py:rl" in b
     )
-    line = next(c for c in block.replace("\\\n", " ").splitlines() if "launch/torchx.py:rl" in c)
-    argv = shlex.split(line.replace("$REGISTRY", "registry.example"))
-    assert argv[:3] == ["torchx", "run", "-s"] and argv[3] == "kubernetes"
-    args = argv[argv.index("src/slipstream/launch/torchx.py:rl") + 1 :]
-    job = dryrun(args)
-    trainer = pods(job, "trainer")[0]
-    assert trainer["spec"]["containers"][0]["image"] == "registry.example/slipstream:0.1.0-gpu"
-    mounts = {m["mountPath"] for m in trainer["spec"]["containers"][0]["volumeMounts"]}
-    assert "/init" in mounts
-    assert len(pods(job, "rollout")) == 32 and len(pods(job, "trainer")) == 4
+    lines = [c.replace("$REGISTRY", "registry.example")
+             for c in block.replace("\\\n", " ").splitlines() if c and not c.startswith("#")]  # fmt: skip
+    submit = next(c for c in lines if c.startswith("python -m slipstream.launch.torchx"))
+    command, pipe = submit.split(" | ")
+    assert pipe.split()[:3] == ["kubectl", "apply", "-n"] and pipe.endswith("-f -")
+    docs = list(yaml.safe_load_all(full_output(shlex.split(command)[8:])))
+    assert shlex.split(command)[3:8] == [
+        "--queue",
+        "default",
+        "--service_account",
+        "slipstream",
+        "--",
+    ]
+    assert [d["kind"] for d in docs] == ["Secret", "NetworkPolicy", "Job"]
+    check = shlex.split(
+        next(c for c in lines if "launch/torchx.py:rl" in c and c.startswith("torchx"))
+    )
+    assert check[:5] == ["torchx", "run", "--dryrun", "-s", "kubernetes"]
+    assert check[check.index("--workspace") + 1] == ""
+    args = check[check.index("src/slipstream/launch/torchx.py:rl") + 1 :]
+    assert args == shlex.split(command)[8:]  # the same job both ways
+    for job in (dryrun(args), docs[-1]):
+        trainer = pods(job, "trainer")[0]
+        assert trainer["spec"]["containers"][0]["image"] == "registry.example/slipstream:0.1.0-gpu"
+        mounts = {m["mountPath"] for m in trainer["spec"]["containers"][0]["volumeMounts"]}
+        assert "/init" in mounts
+        assert len(pods(job, "rollout")) == 32 and len(pods(job, "trainer")) == 4

@@ -48,8 +48,13 @@ from typing import Any, Dict, List, Optional  # noqa: UP035
 
 from torchx import specs
 from torchx.specs import macros
+from torchx.specs.finder import ComponentValidationException
 
-from slipstream.launch.worker import COORDINATOR_AUTHKEY_ENV, COORDINATOR_PORT_ENV
+from slipstream.launch.worker import (
+    COORDINATOR_AUTHKEY_ENV,
+    COORDINATOR_HOST_ENV,
+    COORDINATOR_PORT_ENV,
+)
 
 # deploy/'s names (deploy/eks/cluster.yaml, deploy/Dockerfile.gpu); tests/unit/test_launch_torchx.py
 # keeps them in step with those files.
@@ -72,6 +77,23 @@ REPLICA_POLICIES = [{"event": "PodEvicted", "action": "RestartTask"},
                     {"event": "PodFailed", "action": "RestartTask"}]  # fmt: skip
 COORDINATOR_PORT = 29600
 RDZV_PORT = 29500
+JOB_LABEL = "app.kubernetes.io/instance"  # TorchX's label of every pod of one app (its id)
+AUTHKEY_SECRET_KEY = "authkey"  # the key of the job's Secret that holds the coordinator's authkey
+POD_UID = 1000  # the non-root user the pods run as (the image runs as root otherwise)
+# What a pod may do: no privilege escalation, no Linux capability but what a role needs (the
+# trainer's EFA/RDMA memory registration locks pages: IPC_LOCK). The rollout pods run their
+# bwrap sandboxes in unprivileged user namespaces, which the runtime's default seccomp profile
+# refuses (unshare(CLONE_NEWUSER) needs CAP_SYS_ADMIN there): seccomp RuntimeDefault is the
+# trainer's only.
+TRAINER_CAPABILITIES = ["IPC_LOCK"]
+
+
+class JobArgumentError(ComponentValidationException, ValueError):
+    """A bad argument or config of the component, in one line: `torchx run` prints this kind
+    as its own error (a line, no traceback) and exits 1."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split()))
 
 
 def _resolve(config: str, overrides: list[str]) -> Any:
@@ -79,7 +101,12 @@ def _resolve(config: str, overrides: list[str]) -> Any:
     (a bad key fails the `torchx run`, naming it)."""
     from slipstream.config import load_config
 
-    return load_config(config, [o[2:] if o.startswith("--") else o for o in overrides])
+    try:
+        return load_config(config, [o[2:] if o.startswith("--") else o for o in overrides])
+    except ValueError as e:  # ConfigError, a missing file's message
+        raise JobArgumentError(str(e)) from None
+    except OSError as e:
+        raise JobArgumentError(f"--config {config}: {e.strerror or e}") from None
 
 
 def rl(
@@ -122,13 +149,13 @@ def rl(
                             ("rollout_gpus", rollout_gpus, 0), ("max_retries", max_retries, 0),
                             ("rollout_max_retries", rollout_max_retries, 0)):  # fmt: skip
         if value < low:
-            raise ValueError(f"--{arg} must be >= {low}, got {value}")
+            raise JobArgumentError(f"--{arg} must be >= {low}, got {value}")
     for arg, port in (("coordinator_port", coordinator_port), ("rdzv_port", rdzv_port)):
         if not 1 <= port <= 65535:
-            raise ValueError(f"--{arg} must be a TCP port (1..65535), got {port}")
+            raise JobArgumentError(f"--{arg} must be a TCP port (1..65535), got {port}")
     bad = [o for o in overrides if not (o.startswith("--") and "=" in o)]
     if bad:
-        raise ValueError(f"overrides are --key=value, got {bad}")
+        raise JobArgumentError(f"overrides are --key=value, got {bad}")
     wiring = [
         "--run.launcher=torchx",
         f"--trainer.num_processes={nnodes * nproc}",
@@ -137,7 +164,7 @@ def rl(
     job_overrides = list(overrides) + wiring  # the component's wiring wins over a user's
     cfg = _resolve(config, job_overrides)
     if nnodes > 1 and not cfg.model.init_from:
-        raise ValueError(
+        raise JobArgumentError(
             f"-j {j}: trainer ranks on {nnodes} nodes need model.init_from (a start checkpoint "
             "every node reads, e.g. on a volume given with --mounts): without it rank 0 trains "
             "the SFT start in its own pod, where the other nodes cannot read it"
@@ -147,7 +174,9 @@ def rl(
         "LOGLEVEL": "WARNING",
         **(env or {}),
         COORDINATOR_PORT_ENV: str(coordinator_port),
-        COORDINATOR_AUTHKEY_ENV: secrets.token_hex(16),  # this job's; in its pod specs
+        # this job's; a local scheduler passes it in the processes' environment, on Kubernetes
+        # kubernetes_resources moves it into the job's Secret (never a pod spec's value)
+        COORDINATOR_AUTHKEY_ENV: secrets.token_hex(16),
     }
     if nnodes == 1:  # one agent: any free port (as dist.ddp)
         endpoint = "localhost:0"
@@ -217,7 +246,9 @@ def rl(
 def _parse_j(j: str) -> tuple[int, int]:
     nnodes, sep, nproc = j.partition("x")
     if not (sep and nnodes.isdigit() and nproc.isdigit() and int(nnodes) > 0 and int(nproc) > 0):
-        raise ValueError(f"-j must be {{nnodes}}x{{nproc_per_node}} with both >= 1, got {j!r}")
+        raise JobArgumentError(
+            f"-j must be {{nnodes}}x{{nproc_per_node}} with both >= 1, got {j!r}"
+        )
     return int(nnodes), int(nproc)
 
 
@@ -227,12 +258,50 @@ def _join(argv: list[str]) -> str:
     return " ".join(a if a.startswith("$${") else shlex.quote(a) for a in argv)
 
 
+def kubernetes_resources(app: specs.AppDef, queue: str, service_account: str | None = None
+                         ) -> list[dict[str, Any]]:  # fmt: skip
+    """What `kubectl apply` takes for `app`, in order: the job's Secret (the coordinator's
+    authkey), a NetworkPolicy that admits to the job's pods only the job's own pods, and the
+    Volcano Job (kubernetes_resource) whose pods read the authkey from that Secret."""
+    job = kubernetes_resource(app, queue, service_account)
+    app_id = job["metadata"]["name"]
+    (authkey,) = {role.env[COORDINATOR_AUTHKEY_ENV] for role in app.roles}
+    labels = {JOB_LABEL: app_id, "app.kubernetes.io/managed-by": "slipstream"}
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": authkey_secret_name(app_id), "labels": labels},
+        "type": "Opaque",
+        "stringData": {AUTHKEY_SECRET_KEY: authkey},
+    }
+    # The coordinator unpickles what an authkey holder sends and the trainers' c10d store and
+    # NCCL bootstrap listen on every port they like: only this job's pods may connect to them.
+    policy = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": f"{app_id}-pods", "labels": labels},
+        "spec": {
+            "podSelector": {"matchLabels": {JOB_LABEL: app_id}},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [{"podSelector": {"matchLabels": {JOB_LABEL: app_id}}}]}],
+        },
+    }
+    return [secret, policy, job]
+
+
+def authkey_secret_name(app_id: str) -> str:
+    return f"{app_id}-coordinator"
+
+
 def kubernetes_resource(app: specs.AppDef, queue: str, service_account: str | None = None
                         ) -> dict[str, Any]:  # fmt: skip
     """The Volcano Job `torchx run -s kubernetes -cfg queue=...,service_account=...` submits for
     `app` (TorchX's runner and kubernetes scheduler, dry run), plus what TorchX 0.7 does not
     express: each role's POD_KEY settings (node selector by node group, tolerations, grace
-    period) and the per-replica restart policy of the rollout tasks; -> JSON-able dicts."""
+    period), the per-replica restart policy of the rollout tasks, the coordinator's authkey
+    from the job's Secret (`secretKeyRef`; TorchX writes env values into the pod spec), the
+    coordinator bound to the trainer pod's own IP, and a restrictive security context
+    (non-root, no privilege escalation, capabilities dropped); -> JSON-able dicts."""
     from kubernetes.client import ApiClient
     from torchx.runner import get_runner
     from torchx.schedulers.kubernetes_scheduler import LABEL_ROLE_NAME
@@ -241,6 +310,7 @@ def kubernetes_resource(app: specs.AppDef, queue: str, service_account: str | No
     with get_runner() as runner:
         request = runner.dryrun(app, "kubernetes", cfg=cfg).request
     resource = ApiClient().sanitize_for_serialization(request.resource)
+    secret = authkey_secret_name(resource["metadata"]["name"])
     roles = {role.name: role for role in app.roles}
     for task in resource["spec"]["tasks"]:
         template = task["template"]
@@ -251,12 +321,53 @@ def kubernetes_resource(app: specs.AppDef, queue: str, service_account: str | No
         spec = template["spec"]
         spec["nodeSelector"] = {**spec.get("nodeSelector", {}), **extra.pop("nodeSelector", {})}
         spec.update(extra)
+        _restrict(spec, role.name, secret)
     return resource
+
+
+def _restrict(spec: dict[str, Any], role: str, secret: str) -> None:
+    """One pod of the job: the authkey from the Secret, the coordinator on the pod's IP, least
+    privilege."""
+    (container,) = spec["containers"]
+    if (container.get("securityContext") or {}).get("privileged"):
+        raise JobArgumentError(
+            f"role {role}: a device mount (--mounts type=device) makes TorchX's pod privileged; "
+            "this job's pods run unprivileged (EFA comes as a resource, not a device mount)"
+        )
+    env = [
+        e
+        for e in container["env"]
+        if e["name"] not in (COORDINATOR_AUTHKEY_ENV, COORDINATOR_HOST_ENV)
+    ]
+    env.append({"name": COORDINATOR_AUTHKEY_ENV, "valueFrom": {
+        "secretKeyRef": {"name": secret, "key": AUTHKEY_SECRET_KEY}}})  # fmt: skip
+    if role == "trainer":  # rank 0 serves the coordinator where the rollout pods reach it only
+        env.append({"name": COORDINATOR_HOST_ENV, "valueFrom": {
+            "fieldRef": {"fieldPath": "status.podIP"}}})  # fmt: skip
+    env.append({"name": "HOME", "value": "/tmp"})  # the image's HOME is root's
+    container["env"] = env
+    container["securityContext"] = {
+        "allowPrivilegeEscalation": False,
+        "privileged": False,
+        "capabilities": {
+            "drop": ["ALL"],
+            **({"add": list(TRAINER_CAPABILITIES)} if role == "trainer" else {}),
+        },
+    }
+    spec["automountServiceAccountToken"] = False  # no Kubernetes API calls (IRSA has its own)
+    spec["securityContext"] = {
+        "runAsNonRoot": True,
+        "runAsUser": POD_UID,
+        "runAsGroup": POD_UID,
+        "fsGroup": POD_UID,  # the mounted volumes (output dir, init checkpoint) are writable
+        **({"seccompProfile": {"type": "RuntimeDefault"}} if role == "trainer" else {}),
+    }
 
 
 def main(argv: list[str]) -> int:
     """`python -m slipstream.launch.torchx --queue Q [--service_account SA] -- <rl's args>`:
-    the job's Volcano Job (kubernetes_resource) as YAML on stdout, for `kubectl apply -f -`."""
+    the job's Secret, NetworkPolicy and Volcano Job (kubernetes_resources) as YAML documents on
+    stdout, for `kubectl apply -f -`; a bad argument: one line on stderr, exit 2."""
     import yaml
     from torchx.specs.builders import materialize_appdef
 
@@ -266,9 +377,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("component_args", nargs=argparse.REMAINDER, help="rl's arguments")
     args = p.parse_args(argv)
     rest = args.component_args[1:] if args.component_args[:1] == ["--"] else args.component_args
-    app = materialize_appdef(rl, rest)
-    yaml.safe_dump(kubernetes_resource(app, args.queue, args.service_account), sys.stdout,
-                   sort_keys=False)  # fmt: skip
+    try:
+        app = materialize_appdef(rl, rest)
+        resources = kubernetes_resources(app, args.queue, args.service_account)
+    except ValueError as e:  # JobArgumentError; TorchX's own argument errors
+        print(f"{p.prog}: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    yaml.safe_dump_all(resources, sys.stdout, sort_keys=False)
     return 0
 
 
