@@ -1,0 +1,89 @@
+"""Attention with learned sinks and sliding windows (GPT-OSS), on the SDPA kernels.
+
+A **sink** is a learned logit per query head, an extra softmax column whose probability is
+dropped: out = sum_j softmax([s_1..s_S, sink])_j v_j over the S real keys only. Here it is one
+more key with k = 0 and v = 0 (its score q.0 = 0) and an additive mask column holding the sink
+logit: SDPA then normalises over the real keys and the sink together and the sink's value adds
+nothing, exactly the definition, on any SDPA kernel that takes a float mask (gradients reach the
+sink through the mask; checked against transformers' eager `cat([scores, sinks])` form in
+tests/unit/test_gpt_oss.py). The engine's `SlotKVCache` keeps that zero key in its storage, in
+front of position 0, so decode reads it with the other keys and copies nothing.
+
+A **sliding window** W lets a query at position i see keys at positions j with i - W < j <= i
+(W keys, itself included: transformers' `sliding_window_overlay`).
+
+Shape legend as model/attention.py: B batch, H query heads, K kv heads, T queries, S keys, D head
+width; S1 = S + 1 (the sink key first).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slipstream.model.attention import sdpa
+
+
+def allowed_TS(q_pos_T: torch.Tensor, k_pos_S: torch.Tensor, window: int | None) -> torch.Tensor:
+    """bool (T, S) (or broadcast of the inputs' leading dims): key j visible from query i, causal
+    and, with `window`, within the last `window` positions."""
+    q = q_pos_T[..., :, None]
+    k = k_pos_S[..., None, :]
+    ok = k <= q
+    if window is not None:
+        ok = ok & (k > q - window)
+    return ok
+
+
+def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool "may attend" mask as SDPA's additive float mask (0 / -inf)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, float("-inf")
+    )
+
+
+def with_sink_column(mask_BHTS: torch.Tensor, sinks_H: torch.Tensor) -> torch.Tensor:
+    """The additive mask (broadcastable to (B, H, T, S)) with the sink logits as a first column:
+    (B, H, T, S1), heads in q's order."""
+    B, _, T, S = mask_BHTS.shape
+    H = sinks_H.shape[0]
+    sink_BHT1 = sinks_H.to(mask_BHTS.dtype).view(1, H, 1, 1).expand(B, H, T, 1)
+    return torch.cat((sink_BHT1, mask_BHTS.expand(B, H, T, S)), dim=-1)
+
+
+def zero_key_first(x_BKSD: torch.Tensor) -> torch.Tensor:
+    """k or v with the sink's zero key in front: (B, K, S1, D)."""
+    B, K, _, D = x_BKSD.shape
+    return torch.cat((x_BKSD.new_zeros(B, K, 1, D), x_BKSD), dim=2)
+
+
+def sink_sdpa(
+    q_BHTD: torch.Tensor,
+    k_BKSD: torch.Tensor,
+    v_BKSD: torch.Tensor,
+    mask_BHTS: torch.Tensor,
+    sinks_H: torch.Tensor | None,
+) -> torch.Tensor:
+    """Attention under an additive float mask (broadcastable to (B, H, T, S)), with sinks when
+    given (the zero key and the sink column are added here)."""
+    if sinks_H is None:
+        return sdpa(q_BHTD, k_BKSD, v_BKSD, mask_TS=mask_BHTS)
+    mask = with_sink_column(mask_BHTS, sinks_H)
+    return sdpa(q_BHTD, zero_key_first(k_BKSD), zero_key_first(v_BKSD), mask_TS=mask)
+
+
+def variant_attend(
+    q_BHTD: torch.Tensor,
+    k_BKTD: torch.Tensor,
+    v_BKTD: torch.Tensor,
+    window: int | None,
+    sinks_H: torch.Tensor | None,
+) -> torch.Tensor:
+    """Causal self-attention over the given tokens only (the no-cache path, as
+    `causal_attend`), within `window` and with `sinks_H` when given; plain causal SDPA when
+    neither is."""
+    T = q_BHTD.shape[2]
+    if window is None and sinks_H is None:
+        return sdpa(q_BHTD, k_BKTD, v_BKTD, is_causal=T > 1)
+    pos_T = torch.arange(T, device=q_BHTD.device)
+    mask_11TS = additive(allowed_TS(pos_T, pos_T, window), q_BHTD.dtype)[None, None]
+    return sink_sdpa(q_BHTD, k_BKTD, v_BKTD, mask_11TS, sinks_H)
