@@ -49,7 +49,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from slipstream.engine.base import Completion, Engine, GenerateRequest, SamplingParams
 from slipstream.envs.base import (
@@ -96,6 +96,9 @@ class Episode:
     """Of those, tokens whose KV the engine had computed in the episode's previous turn."""
     routed_experts: Any = None
     """(P + C - 1, L, k) routing stitched across turns (torch tensor), or None."""
+    episode_index: int = -1
+    """The episode's index in its group when it yields several samples (an agent that rewrote
+    its history: envs/agent_trajectory.py); -1: the episode is one sample."""
 
 
 @dataclass
@@ -109,6 +112,17 @@ class GroupOutcome:
     """Engine requests the group made (its first turn is one request for all G)."""
     generate_s: float = 0.0
     """Summed latency of those requests (submit -> completion)."""
+
+
+@runtime_checkable
+class AgentDriven(Protocol):
+    """An environment whose episode is driven by a program of its own (an agent process calling
+    the engine through an endpoint), not turn by turn by this loop: `run` blocks until the
+    episode ended and returns its samples (one, or several when the agent rewrote its history),
+    rewarded; InfraError when it failed (re-run, never a reward). `stopped()` says the group was
+    aborted: the run must end soon (its calls are aborted)."""
+
+    def run(self, task: Task, stopped: Callable[[], bool]) -> list[Episode]: ...
 
 
 def derived_seed(seed: int, episode: int, turn: int, attempt: int) -> int:
@@ -130,6 +144,7 @@ class _Ep:
         self.last_obs_len = 0
         self._routing_rows = 0
         self._routing: list[Any] = []
+        self.extra: list[Episode] = []  # an agent episode's further samples
 
     def close_env(self) -> None:
         env, self.env = self.env, None
@@ -174,6 +189,7 @@ class _Ep:
     def restart(self) -> None:
         self.data, self.request_id, self.end = None, "", None
         self.last_obs_len, self._routing_rows, self._routing = 0, 0, []
+        self.extra = []
 
 
 class EpisodeRunner:
@@ -304,6 +320,10 @@ class GroupRollout:
         ready = [ep for ep in self.eps if self._reset(ep)]
         if not ready:
             return
+        if isinstance(ready[0].env, AgentDriven):
+            for ep in ready:
+                self._drive(ep)
+            return
         prompts = [ep.data.prompt_ids for ep in ready if ep.data is not None]
         if len(ready) == self.n and all(p == prompts[0] for p in prompts):
             self._submit(ready, prompts[0], self.n, turn=0)
@@ -334,7 +354,41 @@ class GroupRollout:
     def _restart(self, ep: _Ep) -> None:
         """Re-run an episode from its reset (after an infrastructure failure)."""
         if self._reset(ep):
-            self._submit([ep], ep.sequence(), 1, turn=0)
+            if isinstance(ep.env, AgentDriven):
+                self._drive(ep)
+            else:
+                self._submit([ep], ep.sequence(), 1, turn=0)
+
+    def _drive(self, ep: _Ep) -> None:
+        """An agent-driven episode: its run blocks for the agent's lifetime, so it gets a thread
+        of its own (the step and reset threads stay free)."""
+        threading.Thread(target=self._guard, args=([ep], self._agent_run, ep), daemon=True,
+                         name=f"agent-{self.task.task_id}-{ep.index}").start()  # fmt: skip
+
+    def _agent_run(self, ep: _Ep) -> None:
+        env, d = ep.env, ep.data
+        assert isinstance(env, AgentDriven) and d is not None
+        try:
+            episodes = env.run(self.task, lambda: self._aborted)
+        except InfraError as e:
+            if self._infra(ep, e, "agent"):
+                self.schedule([ep], self._restart, ep, on=self.runner.reset_executor)
+            return
+        if self._aborted:
+            self._end(ep, "aborted")
+            return
+        if not episodes:  # the run saw the group aborted
+            self._end(ep, "aborted")
+            return
+        for e in episodes:
+            e.infra_retries = ep.failures
+            e.env_s += d.env_s
+            if len(episodes) > 1:
+                e.episode_index = ep.index
+        with self._lock:
+            self.requests += sum(e.num_turns for e in episodes)
+        ep.data, ep.extra = episodes[0], episodes[1:]
+        self._end(ep, "done")
 
     def _submit(self, eps: list[_Ep], prompt: list[int], n: int, *, turn: int) -> None:
         first = eps[0]
@@ -469,7 +523,9 @@ class GroupRollout:
     def _end(self, ep: _Ep, status: Status) -> None:
         if ep.data is not None and ep.env is not None:
             ep.data.usage = ep.env.usage
-            ep.data.routed_experts = ep.stitched_routing()
+            routing = ep.stitched_routing()
+            if routing is not None:
+                ep.data.routed_experts = routing
         ep.close_env()
         with self._lock:
             if ep.end is not None:
@@ -491,7 +547,9 @@ class GroupRollout:
             status = "aborted"
         else:
             status = "done"
-        episodes = [ep.data for ep in self.eps if ep.data is not None] if status == "done" else []
+        episodes = []
+        if status == "done":
+            episodes = [e for ep in self.eps if ep.data is not None for e in [ep.data, *ep.extra]]
         self.on_done(GroupOutcome(status, episodes, self.infra_failures, self._error,
                                   self.requests, self.generate_s))  # fmt: skip
 
