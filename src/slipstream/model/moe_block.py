@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from slipstream.config.model import MOE_IMPLS
+from slipstream.model.expert_activation import Activation, SwiGLU
 from slipstream.model.layers import MLP, linear
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ class _GroupedExperts(torch.autograd.Function):
     SwiGLU product is recomputed in backward)."""
 
     @staticmethod
-    def forward(ctx, x_ND, w_Nk, gate_up_w_E, down_w_E, ids_Nk, dtype):  # type: ignore[override]
+    def forward(ctx, x_ND, w_Nk, gate_up_w_E, down_w_E, ids_Nk, dtype, act, gate_up_b_E, down_b_E):  # type: ignore[override]
         N, k = ids_Nk.shape
         sorted_ids_A, order_A = torch.sort(ids_Nk.reshape(-1), stable=True)
         tok_A = order_A // k
@@ -128,34 +129,41 @@ class _GroupedExperts(torch.autograd.Function):
         x_AD = x_ND.to(dtype).index_select(0, tok_A)
         gate_up_c, down_c = gate_up_w_E.to(dtype), down_w_E.to(dtype)
         h_A2I = torch._grouped_mm(x_AD, gate_up_c.transpose(1, 2), offs=offs_E)
-        gate_AI, up_AI = h_A2I.chunk(2, dim=-1)
-        y_AD = torch._grouped_mm(F.silu(gate_AI) * up_AI, down_c.transpose(1, 2), offs=offs_E)
+        if gate_up_b_E is not None:  # per-assignment bias rows of its expert
+            h_A2I = h_A2I + gate_up_b_E.to(dtype).index_select(0, sorted_ids_A)
+        y_AD = torch._grouped_mm(act(h_A2I), down_c.transpose(1, 2), offs=offs_E)
+        if down_b_E is not None:
+            y_AD = y_AD + down_b_E.to(dtype).index_select(0, sorted_ids_A)
         # unsort: row order_A[a] of the (N*k) assignments is sorted row a
         y_NkD = y_AD.new_empty(y_AD.shape).index_copy_(0, order_A, y_AD).view(N, k, y_AD.shape[-1])
-        ctx.save_for_backward(x_AD, h_A2I, y_NkD, w_Nk, order_A, tok_A, offs_E, gate_up_c, down_c)
+        ctx.save_for_backward(x_AD, h_A2I, y_NkD, w_Nk, order_A, tok_A, offs_E, gate_up_c, down_c,
+                              sorted_ids_A)  # fmt: skip
         ctx.dtypes = (x_ND.dtype, gate_up_w_E.dtype, down_w_E.dtype)
+        ctx.act = act
+        ctx.bias_dtypes = (
+            None if gate_up_b_E is None else gate_up_b_E.dtype,
+            None if down_b_E is None else down_b_E.dtype,
+        )
         return combine_topk(w_Nk, y_NkD)
 
     @staticmethod
     def backward(ctx, g_ND):  # type: ignore[override]
-        x_AD, h_A2I, y_NkD, w_Nk, order_A, tok_A, offs_E, gate_up_c, down_c = ctx.saved_tensors
+        (x_AD, h_A2I, y_NkD, w_Nk, order_A, tok_A, offs_E, gate_up_c, down_c,
+         sorted_ids_A) = ctx.saved_tensors  # fmt: skip
         x_dtype, gate_up_dtype, down_dtype = ctx.dtypes
         N, k, D = y_NkD.shape
+        E = gate_up_c.shape[0]
         g_N1D = g_ND.to(y_NkD.dtype).unsqueeze(1)
         g_w = (y_NkD * g_N1D).sum(-1).to(w_Nk.dtype) if ctx.needs_input_grad[1] else None
         # gradient of each assignment's expert output, in sorted order
         g_y_AD = (
             (g_N1D * w_Nk.to(y_NkD.dtype).unsqueeze(-1)).view(N * k, D).index_select(0, order_A)
         )
-        gate_AI, up_AI = h_A2I.chunk(2, dim=-1)
-        silu_AI = F.silu(gate_AI)
+        g_act_AI = torch._grouped_mm(g_y_AD, down_c, offs=offs_E)
+        g_h_A2I, act_AI = ctx.act.backward(g_act_AI, h_A2I)
         g_down = None
         if ctx.needs_input_grad[3]:  # per expert: g_y^T @ act, (E, D, I)
-            g_down = torch._grouped_mm(g_y_AD.t(), silu_AI * up_AI, offs=offs_E).to(down_dtype)
-        g_act_AI = torch._grouped_mm(g_y_AD, down_c, offs=offs_E)
-        g_h_A2I = torch.cat(
-            (torch.ops.aten.silu_backward(g_act_AI * up_AI, gate_AI), g_act_AI * silu_AI), dim=-1
-        )
+            g_down = torch._grouped_mm(g_y_AD.t(), act_AI, offs=offs_E).to(down_dtype)
         g_gate_up = None
         if ctx.needs_input_grad[2]:  # per expert: g_h^T @ x, (E, 2I, D)
             g_gate_up = torch._grouped_mm(g_h_A2I.t(), x_AD, offs=offs_E).to(gate_up_dtype)
@@ -163,7 +171,14 @@ class _GroupedExperts(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             g_x_AD = torch._grouped_mm(g_h_A2I, gate_up_c, offs=offs_E)
             g_x = g_x_AD.new_zeros(N, D).index_add_(0, tok_A, g_x_AD).to(x_dtype)
-        return g_x, g_w, g_gate_up, g_down, None, None
+        gate_up_b_dtype, down_b_dtype = ctx.bias_dtypes
+        g_gate_up_b = g_down_b = None
+        if ctx.needs_input_grad[7]:
+            g_gate_up_b = g_h_A2I.new_zeros(E, g_h_A2I.shape[1]).index_add_(
+                0, sorted_ids_A, g_h_A2I).to(gate_up_b_dtype)  # fmt: skip
+        if ctx.needs_input_grad[8]:
+            g_down_b = g_y_AD.new_zeros(E, D).index_add_(0, sorted_ids_A, g_y_AD).to(down_b_dtype)
+        return g_x, g_w, g_gate_up, g_down, None, None, None, g_gate_up_b, g_down_b
 
 
 def _segment_loop_swiglu(
@@ -172,6 +187,9 @@ def _segment_loop_swiglu(
     gate_up_w_E: torch.Tensor,
     down_w_E: torch.Tensor,
     dtype: torch.dtype,
+    act: Activation,
+    gate_up_b_E: torch.Tensor | None,
+    down_b_E: torch.Tensor | None,
 ) -> torch.Tensor:
     """`_grouped_swiglu` as one matmul per non-empty expert segment (the fallback): reads the
     segment sizes on the host."""
@@ -183,11 +201,17 @@ def _segment_loop_swiglu(
     # split (backward: one cat), not per-segment slicing (backward: a full-size zero
     # gradient per expert)
     outs = []
+    gate_up_b = down_b = None
+    if gate_up_b_E is not None and down_b_E is not None:
+        gate_up_b, down_b = gate_up_b_E.to(dtype).unbind(0), down_b_E.to(dtype).unbind(0)
     for e, seg in enumerate(x_AD.to(dtype).split(counts)):
         if seg.shape[0] == 0:
             continue
-        gate, up = F.linear(seg, gate_up_w[e]).chunk(2, dim=-1)
-        outs.append(F.linear(F.silu(gate) * up, down_w[e]))
+        if gate_up_b is not None and down_b is not None:
+            outs.append(F.linear(act(F.linear(seg, gate_up_w[e], gate_up_b[e])), down_w[e],
+                                 down_b[e]))  # fmt: skip
+        else:
+            outs.append(F.linear(act(F.linear(seg, gate_up_w[e])), down_w[e]))
     return torch.cat(outs) if outs else x_AD.new_zeros(x_AD.shape, dtype=dtype)
 
 
@@ -200,16 +224,38 @@ def combine_topk(w_Nk: torch.Tensor, y_NkD: torch.Tensor) -> torch.Tensor:
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts stored stacked, in transformers-5 layout: gate_up_proj (E, 2I, D) with the
-    gate rows first, down_proj (E, D, I). Weights are applied as x @ W^T (nn.Linear convention)."""
+    """E gated experts stored stacked, in transformers-5 layout: gate_up_proj (E, 2I, D) with the
+    gate rows first, down_proj (E, D, I). Weights are applied as x @ W^T (nn.Linear convention).
+    `activation` (model/expert_activation.py; SwiGLU by default); `bias`: gate_up_proj_bias
+    (E, 2I), gate first, and down_proj_bias (E, D) (GPT-OSS), added after each projection in
+    every path."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: Activation | None = None,
+        bias: bool = False,
+    ) -> None:
         super().__init__()
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.activation: Activation = activation or SwiGLU()
         self.gate_up_proj = nn.Parameter(
             torch.empty(num_experts, 2 * intermediate_size, hidden_size)
         )
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.gate_up_proj_bias: nn.Parameter | None = None
+        self.down_proj_bias: nn.Parameter | None = None
+        if bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size))
+            self.down_proj_bias = nn.Parameter(torch.zeros(num_experts, hidden_size))
+
+    def biases(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(gate_up_proj_bias, down_proj_bias) as plain local tensors (see `weights`), or Nones."""
+        if self.gate_up_proj_bias is None or self.down_proj_bias is None:
+            return None, None
+        return _local(self.gate_up_proj_bias), _local(self.down_proj_bias)
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up_proj, down_proj) as the plain tensors this process computes with: a DTensor
@@ -237,17 +283,21 @@ class Experts(nn.Module):
         """sum_j w[n, j] * expert_{ids[n, j]}(x[n]) for every token n (ids index this module's
         experts)."""
         gate_up_w_E, down_w_E = self.weights()
+        gate_up_b_E, down_b_E = self.biases()
+        act = self.activation
         num_experts = gate_up_w_E.shape[0]
         if impl == STATIC_IMPL:
             reason = grouped_mm_unavailable(
                 x_ND.device, x_ND.dtype, (x_ND.shape[1], self.intermediate_size)
             )
             if reason is None:
-                return static_experts(x_ND, ids_Nk, w_Nk, *self._static_weights())
+                return static_experts(x_ND, ids_Nk, w_Nk, *self._static_weights(), act=act,
+                                      gate_up_b_E=gate_up_b_E, down_b_E=down_b_E)  # fmt: skip
             _fallback_once(f"static:{reason}", f"moe_impl='static' -> 'grouped': {reason}")
             impl = "grouped"
         if impl == "loop":
-            return self._loop(x_ND, ids_Nk, w_Nk, gate_up_w_E, down_w_E)
+            return self._loop(x_ND, ids_Nk, w_Nk, gate_up_w_E, down_w_E, act, gate_up_b_E,
+                              down_b_E)  # fmt: skip
         if impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl={impl!r}; expected one of {MOE_IMPLS} (or {STATIC_IMPL!r})")
         N, k = ids_Nk.shape
@@ -257,7 +307,8 @@ class Experts(nn.Module):
             and N * k >= BATCHED_MIN_PER_EXPERT * num_experts
             and gate_up_w_E[0].numel() <= BATCHED_MAX_EXPERT_NUMEL
         ):
-            return self._batched(x_ND, ids_Nk, w_Nk, gate_up_w_E, down_w_E)
+            return self._batched(x_ND, ids_Nk, w_Nk, gate_up_w_E, down_w_E, act, gate_up_b_E,
+                                 down_b_E)  # fmt: skip
         # compute dtype: autocast's when on (the experts are matmuls, which autocast would cast)
         dtype = x_ND.dtype
         if torch.is_autocast_enabled(x_ND.device.type):
@@ -269,11 +320,13 @@ class Experts(nn.Module):
                 "to a per-expert loop)"
             )
         if reason is None:
-            return _GroupedExperts.apply(x_ND, w_Nk, gate_up_w_E, down_w_E, ids_Nk, dtype)
+            return _GroupedExperts.apply(x_ND, w_Nk, gate_up_w_E, down_w_E, ids_Nk, dtype, act,
+                                         gate_up_b_E, down_b_E)  # fmt: skip
         _fallback_once(reason, f"moe_impl='grouped': per-expert loop: {reason}")
         sorted_ids_A, order_A = torch.sort(ids_Nk.reshape(-1), stable=True)
         x_AD = x_ND.index_select(0, order_A // k)
-        y_AD = _segment_loop_swiglu(x_AD, sorted_ids_A, gate_up_w_E, down_w_E, dtype)
+        y_AD = _segment_loop_swiglu(x_AD, sorted_ids_A, gate_up_w_E, down_w_E, dtype, act,
+                                    gate_up_b_E, down_b_E)  # fmt: skip
         # unsort: row order_A[a] of the (N*k) assignments is sorted row a
         y_NkD = y_AD.new_empty(y_AD.shape).index_copy(0, order_A, y_AD).view(N, k, y_AD.shape[-1])
         return combine_topk(w_Nk, y_NkD).to(x_ND.dtype)
@@ -285,6 +338,9 @@ class Experts(nn.Module):
         w_Nk: torch.Tensor,
         gate_up_w_E: torch.Tensor,
         down_w_E: torch.Tensor,
+        act: Activation,
+        gate_up_b_E: torch.Tensor | None,
+        down_b_E: torch.Tensor | None,
     ) -> torch.Tensor:
         """All experts in two batched matmuls over a zero-padded (E, C, D) buffer, C = the largest
         expert's assignment count: a fixed ~20 ops whatever E (grouped: ~5 per expert), at the cost
@@ -303,8 +359,12 @@ class Experts(nn.Module):
         capacity = int(counts_E.max())
         x_ECD = x_ND.new_zeros(num_experts, capacity, D)
         x_ECD[sorted_ids_A, slot_A] = x_ND.index_select(0, order_A // k)
-        gate, up = torch.bmm(x_ECD, gate_up_w_E.transpose(1, 2)).chunk(2, dim=-1)
-        y_ECD = torch.bmm(F.silu(gate) * up, down_w_E.transpose(1, 2))
+        h_EC2I = torch.bmm(x_ECD, gate_up_w_E.transpose(1, 2))
+        if gate_up_b_E is not None:
+            h_EC2I = h_EC2I + gate_up_b_E[:, None]
+        y_ECD = torch.bmm(act(h_EC2I), down_w_E.transpose(1, 2))
+        if down_b_E is not None:
+            y_ECD = y_ECD + down_b_E[:, None]
         y_AD = torch.empty(order_A.numel(), D, dtype=y_ECD.dtype, device=y_ECD.device)
         y_AD[order_A] = y_ECD[sorted_ids_A, slot_A]
         return combine_topk(w_Nk, y_AD.view(N, k, D))
@@ -316,14 +376,20 @@ class Experts(nn.Module):
         w_Nk: torch.Tensor,
         gate_up_w_E: torch.Tensor,
         down_w_E: torch.Tensor,
+        act: Activation,
+        gate_up_b_E: torch.Tensor | None,
+        down_b_E: torch.Tensor | None,
     ) -> torch.Tensor:
         out_ND = torch.zeros_like(x_ND)
         for e in range(gate_up_w_E.shape[0]):
             tok_idx, slot = torch.where(ids_Nk == e)
             if tok_idx.numel() == 0:
                 continue
-            gate, up = F.linear(x_ND[tok_idx], gate_up_w_E[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, down_w_E[e]) * w_Nk[tok_idx, slot, None]
+            h = F.linear(
+                x_ND[tok_idx], gate_up_w_E[e], None if gate_up_b_E is None else gate_up_b_E[e]
+            )
+            y = F.linear(act(h), down_w_E[e], None if down_b_E is None else down_b_E[e])
+            y = y * w_Nk[tok_idx, slot, None]
             out_ND.index_add_(0, tok_idx, y.to(out_ND.dtype))
         return out_ND
 
@@ -335,6 +401,9 @@ def static_experts(
     gate_up_w_EDI: torch.Tensor,
     down_w_EID: torch.Tensor,
     experts_E: torch.Tensor,
+    act: Activation | None = None,
+    gate_up_b_E: torch.Tensor | None = None,
+    down_b_E: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The experts for inference with static shapes and no host sync: assignments sorted by
     expert, one `torch._grouped_mm` per projection over device-side offsets (searchsorted over
@@ -348,8 +417,17 @@ def static_experts(
     x_AD = x_ND.index_select(0, order_A // k)
     # offs_E[e] = end of expert e's segment; bincount would read its maximum on the host on CUDA
     offs_E = torch.searchsorted(sorted_ids_A, experts_E, right=True, out_int32=True)
-    gate, up = torch._grouped_mm(x_AD, gate_up_w_EDI, offs=offs_E).chunk(2, dim=-1)
-    y_AD = torch._grouped_mm(F.silu(gate) * up, down_w_EID, offs=offs_E)
+    h_A2I = torch._grouped_mm(x_AD, gate_up_w_EDI, offs=offs_E)
+    if gate_up_b_E is not None:
+        h_A2I = h_A2I + gate_up_b_E.index_select(0, sorted_ids_A)
+    if act is None:
+        gate, up = h_A2I.chunk(2, dim=-1)
+        act_AI = F.silu(gate) * up
+    else:
+        act_AI = act(h_A2I)
+    y_AD = torch._grouped_mm(act_AI, down_w_EID, offs=offs_E)
+    if down_b_E is not None:
+        y_AD = y_AD + down_b_E.index_select(0, sorted_ids_A)
     y_NkD = y_AD.index_copy(0, order_A, y_AD).view(N, k, -1)  # unsort (a permutation: all rows)
     w_Nk = w_Nk if w_Nk.dtype == y_NkD.dtype else w_Nk.to(y_NkD.dtype)
     return (y_NkD * w_Nk[:, :, None]).sum(dim=1)  # combine_topk without a no-op cast

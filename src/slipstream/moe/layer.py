@@ -31,6 +31,7 @@ import copy
 import torch
 from torch import nn
 
+from slipstream.model.expert_activation import Activation
 from slipstream.model.moe_block import Experts, SparseMoeBlock
 from slipstream.moe.base import Dispatcher
 
@@ -39,14 +40,20 @@ class ExpertParallelExperts(Experts):
     """This EP rank's experts; forward(x_ND, ids_NK, w_NK) takes global expert ids."""
 
     def __init__(
-        self, num_experts: int, hidden_size: int, intermediate_size: int, dispatcher: Dispatcher
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        dispatcher: Dispatcher,
+        activation: Activation | None = None,
+        bias: bool = False,
     ) -> None:
         topo = dispatcher.group.topo
         if num_experts != topo.num_experts:
             raise ValueError(
                 f"experts module has {num_experts} experts, topology {topo.num_experts}"
             )
-        super().__init__(topo.experts_per_rank, hidden_size, intermediate_size)
+        super().__init__(topo.experts_per_rank, hidden_size, intermediate_size, activation, bias)
         self.num_global_experts = num_experts
         self.dispatcher = dispatcher
 
@@ -55,11 +62,10 @@ class ExpertParallelExperts(Experts):
         """A copy of the experts `dispatcher.group.rank` owns, out of a full module."""
         lo, hi = dispatcher.group.topo.expert_range(dispatcher.group.rank)
         d = experts.down_proj.shape[1]
-        local = cls(experts.num_experts, d, experts.intermediate_size, dispatcher)
+        local = cls(experts.num_experts, d, experts.intermediate_size, dispatcher,
+                    experts.activation, experts.gate_up_proj_bias is not None)  # fmt: skip
         local = local.to(experts.gate_up_proj.device, experts.gate_up_proj.dtype)
-        with torch.no_grad():
-            local.gate_up_proj.copy_(experts.gate_up_proj[lo:hi])
-            local.down_proj.copy_(experts.down_proj[lo:hi])
+        _copy_expert_rows(local, experts, lo, hi)
         return local
 
     def forward(
@@ -77,8 +83,8 @@ class ExpertParallelExperts(Experts):
         connected to recv_x's graph and to the weights also with zero rows (see the module
         docstring)."""
         if recv_x_MD.shape[0] == 0:
-            gate_up, down = self.weights()
-            return recv_x_MD.clone() + 0.0 * (gate_up.sum() + down.sum())
+            touched = sum(t.sum() for t in (*self.weights(), *self.biases()) if t is not None)
+            return recv_x_MD.clone() + 0.0 * touched
         ones_M1 = recv_x_MD.new_ones((recv_x_MD.shape[0], 1))
         return super().forward(recv_x_MD, recv_local_M[:, None], ones_M1, impl=impl)
 
@@ -122,12 +128,20 @@ def shard_experts(experts: Experts, group) -> Experts:  # noqa: ANN001 - EPGroup
             f"experts module has {experts.num_experts} experts, topology {group.topo.num_experts}"
         )
     lo, hi = group.topo.expert_range(group.rank)
-    local = Experts(hi - lo, experts.down_proj.shape[1], experts.intermediate_size)
+    local = Experts(hi - lo, experts.down_proj.shape[1], experts.intermediate_size,
+                    experts.activation, experts.gate_up_proj_bias is not None)  # fmt: skip
     local = local.to(experts.gate_up_proj.device, experts.gate_up_proj.dtype)
-    with torch.no_grad():
-        local.gate_up_proj.copy_(experts.gate_up_proj[lo:hi])
-        local.down_proj.copy_(experts.down_proj[lo:hi])
+    _copy_expert_rows(local, experts, lo, hi)
     return local
+
+
+def _copy_expert_rows(local: Experts, full: Experts, lo: int, hi: int) -> None:
+    """Experts [lo, hi) of `full` (weights and biases) into `local`."""
+    with torch.no_grad():
+        for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+            src = getattr(full, name)
+            if src is not None:
+                getattr(local, name).copy_(src[lo:hi])
 
 
 def run_local_experts(

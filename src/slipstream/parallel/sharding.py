@@ -83,10 +83,13 @@ def _expert_parallel(model: MoEForCausalLM, group: EPGroup, meshes: Meshes, disp
         disp = make_dispatcher(dispatcher, group)
         with torch.device("meta"):
             experts = ExpertParallelExperts(
-                full.num_experts, full.down_proj.shape[1], full.intermediate_size, disp
-            ).to(dtype=full.gate_up_proj.dtype)
-        for name in ("gate_up_proj", "down_proj"):
+                full.num_experts, full.down_proj.shape[1], full.intermediate_size, disp,
+                full.activation, full.gate_up_proj_bias is not None,
+            ).to(dtype=full.gate_up_proj.dtype)  # fmt: skip
+        for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
             local = getattr(experts, name)
+            if local is None:
+                continue
             placed = DTensor.from_local(local, meshes.ep, [Shard(0)], run_check=False)
             setattr(experts, name, nn.Parameter(placed))
         block.experts = experts

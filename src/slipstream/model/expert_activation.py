@@ -1,0 +1,72 @@
+"""The experts' gated activations, each with a hand-written backward for the grouped expert path.
+
+An activation reads an expert's fused gate/up projection h (..., 2I) with the gate first (the
+internal layout, model/moe_block.py `Experts`) and returns (..., I):
+- `SwiGLU` (Qwen3-MoE, Mixtral, OLMoE, GLM): silu(gate) * up.
+- `ClampedSwiGLU` (GPT-OSS, `swiglu_alpha` / `swiglu_limit`): (clamp(up, -limit, limit) + 1) *
+  g * sigmoid(alpha * g), g = clamp(gate, max=limit), as transformers' `GptOssExperts._apply_gate`
+  (which reads gate and up interleaved; the family's weight map de-interleaves on load).
+`backward(g_act, h)` returns (dL/dh (..., 2I), the activation itself, for the down projection's
+weight gradient), equal to autograd through `__call__` (clamp passes the gradient where the
+input lies within its bounds, inclusive, as torch.clamp).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from slipstream.config.model import ModelConfig
+
+
+class SwiGLU:
+    name = "swiglu"
+
+    def __call__(self, h_A2I: torch.Tensor) -> torch.Tensor:
+        gate, up = h_A2I.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def backward(
+        self, g_AI: torch.Tensor, h_A2I: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up = h_A2I.chunk(2, dim=-1)
+        silu = F.silu(gate)
+        g_h = torch.cat((torch.ops.aten.silu_backward(g_AI * up, gate), g_AI * silu), dim=-1)
+        return g_h, silu * up
+
+
+class ClampedSwiGLU:
+    name = "clamped_swiglu"
+
+    def __init__(self, alpha: float, limit: float) -> None:
+        self.alpha, self.limit = alpha, limit
+
+    def __call__(self, h_A2I: torch.Tensor) -> torch.Tensor:
+        gate, up = h_A2I.chunk(2, dim=-1)
+        g = gate.clamp(max=self.limit)
+        return (up.clamp(-self.limit, self.limit) + 1) * (g * torch.sigmoid(g * self.alpha))
+
+    def backward(
+        self, g_AI: torch.Tensor, h_A2I: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up = h_A2I.chunk(2, dim=-1)
+        lim = self.limit
+        g = gate.clamp(max=lim)
+        sig = torch.sigmoid(g * self.alpha)
+        glu = g * sig
+        up1 = up.clamp(-lim, lim) + 1
+        # d glu / d g = sig + alpha * g * sig * (1 - sig)
+        d_glu = sig + self.alpha * glu * (1 - sig)
+        g_gate = (g_AI * up1 * d_glu).masked_fill_(gate > lim, 0)
+        g_up = (g_AI * glu).masked_fill_((up < -lim) | (up > lim), 0)
+        return torch.cat((g_gate, g_up), dim=-1), up1 * glu
+
+
+Activation = SwiGLU | ClampedSwiGLU
+
+
+def expert_activation(cfg: ModelConfig) -> Activation:
+    """The activation `cfg.expert_activation` names."""
+    if cfg.expert_activation == "clamped_swiglu":
+        return ClampedSwiGLU(cfg.swiglu_alpha, cfg.swiglu_limit)
+    return SwiGLU()
