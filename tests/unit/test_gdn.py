@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from slipstream.model.gated_attention import GatedAttention
 from slipstream.model.gated_deltanet import (
     GatedDeltaNet,
     RMSNormGated,
@@ -183,3 +184,34 @@ def test_norms_equal_transformers():
         gated.weight.normal_()
         hf_gated.weight.copy_(gated.weight)
     torch.testing.assert_close(gated(x, gate), hf_gated(x, gate), atol=1e-6, rtol=0)
+
+
+def test_gated_attention_equals_transformers():
+    """q_proj twice as wide (per head: q then the output gate), zero-centred q/k norms, RoPE on
+    the first quarter of each head (partial_rotary_factor 0.25), GQA; logits and gradients."""
+    cfg = transformers.Qwen3NextConfig(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        partial_rotary_factor=0.25, rms_norm_eps=1e-6, num_hidden_layers=1, vocab_size=64,
+        layer_types=["full_attention"], num_experts=2, num_experts_per_tok=1,
+    )  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    hf = hfnext.Qwen3NextAttention(cfg, 0)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.3)
+    ours = GatedAttention(32, 4, 2, 16, 1e-6, 0)
+    ours.load_state_dict(hf.state_dict())
+    x = torch.randn(2, 20, 32, generator=torch.Generator().manual_seed(1))
+    cos_sin = hfnext.Qwen3NextRotaryEmbedding(cfg)(x, torch.arange(20)[None].expand(2, -1))
+    assert cos_sin[0].shape[-1] == 4
+    mask = torch.full((20, 20), -torch.inf).triu(1)[None, None]
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, (ref, _) = ours(x1, cos_sin), hf(x2, cos_sin, mask)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    torch.testing.assert_close(x1.grad, x2.grad, atol=1e-5, rtol=1e-5)
+    hf_params = dict(hf.named_parameters())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, hf_params[name].grad, atol=1e-4, rtol=1e-5, msg=name)
