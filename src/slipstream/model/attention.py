@@ -11,6 +11,11 @@ returns the attention output `out_BHTD` (softmax scale 1/sqrt(D), same dtype as 
 called in order 0..num_layers-1 once per forward. The model never reads cache state except
 `length`, where the default position ids start when the caller passes none
 (`MoEForCausalLM.default_position_ids`).
+
+Attention variants (model/attention_variants.py) pass two keywords, which a cache must honour:
+`window` (a sliding-window layer: a query at position i sees keys at positions (i - window, i])
+and `sinks_H` (per query head learned sink logits, (H,): an extra softmax column whose
+probability is dropped). Plain layers pass neither (None).
 """
 
 from __future__ import annotations
@@ -37,7 +42,14 @@ class KVCache(Protocol):
         ...
 
     def attend(
-        self, layer_idx: int, q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD: torch.Tensor
+        self,
+        layer_idx: int,
+        q_BHTD: torch.Tensor,
+        k_BKTD: torch.Tensor,
+        v_BKTD: torch.Tensor,
+        *,
+        window: int | None = None,
+        sinks_H: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
