@@ -532,6 +532,13 @@ def test_oversized_batches_get_413(site, expected):
     assert_error(resp, 413, "samples")
     resp = httpx.post(url + "/v1/completions", json={"prompt": [PROMPT] * 20, "n": 4}, timeout=30)
     assert_error(resp, 413, "samples")
+    for path, field in (("/generate", "text"), ("/v1/completions", "prompt")):
+        assert_error(httpx.post(url + path, json={field: ["ab"] * 65}, timeout=30), 413, "samples")
+        # one string prompt is one sample, whatever its length (the limit here is 64)
+        one = {field: "0123456789" * 10, "max_tokens" if field == "prompt" else "sampling_params":
+               2 if field == "prompt" else {"max_new_tokens": 2}}  # fmt: skip
+        resp = httpx.post(url + path, json=one, timeout=30)
+        assert resp.status_code == 200, resp.text
     assert_serving(url, expected)
 
 

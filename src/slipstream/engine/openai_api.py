@@ -177,7 +177,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
     async def completions(obj: CompletionRequest, request: Request) -> Any:
         checked(obj)
         p = obj.prompt
-        state.check_prompt_count(len(p) if p and isinstance(p[0], (str, list)) else 1)
+        state.check_prompt_count(p)
         if isinstance(p, str):
             texts: list[str | None] = [p]
         elif p and isinstance(p[0], str):

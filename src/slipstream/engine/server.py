@@ -223,7 +223,7 @@ def create_app(
         if (obj.text is None) == (obj.input_ids is None):
             raise ValueError("give exactly one of text or input_ids")
         raw = obj.text if obj.text is not None else obj.input_ids
-        state.check_prompt_count(len(raw) if raw and isinstance(raw[0], (str, list)) else 1)
+        state.check_prompt_count(raw)
         if obj.text is not None:
             batched = isinstance(obj.text, list)
             prompts = [state.encode(t) for t in (obj.text if batched else [obj.text])]

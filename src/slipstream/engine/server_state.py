@@ -112,9 +112,12 @@ class ServerState:
             if bad:
                 raise ValueError(f"stop_token_ids: {bad[:5]} outside the vocabulary [0, {vocab})")
 
-    def check_prompt_count(self, num_prompts: int) -> None:
+    def check_prompt_count(self, raw: Any) -> None:
         """413 before anything is tokenized or built: each prompt is at least one sample, so
-        more prompts than the sample limit can be refused by the raw list's length alone."""
+        more prompts than the sample limit can be refused by the raw list's length alone.
+        `raw`: a request's prompt field (one string, one token list, or a list of either)."""
+        batched = isinstance(raw, list) and bool(raw) and isinstance(raw[0], (str, list))
+        num_prompts = len(raw) if batched else 1  # a string is one prompt, never its characters
         if num_prompts > self.options.max_batch_samples:
             raise HTTPException(413, f"request asks for at least {num_prompts} samples (one per "
                                      f"prompt); the limit is {self.options.max_batch_samples}")  # fmt: skip
