@@ -9,13 +9,13 @@ import torch
 
 from slipstream.config import load_config
 from slipstream.envs import ServiceUnavailable
+from slipstream.rewards.rewardset import RewardSet
 from slipstream.rl.verifier import InProcessVerifier
 from slipstream.rm.model import MoERewardModel, save_reward_model
 from slipstream.rm.source import (
     BatchingScorer,
     HTTPScorer,
     InProcessScorer,
-    RewardModelVerifier,
     make_reward_source,
     sigmoid,
 )
@@ -65,15 +65,24 @@ def test_combined_sum_and_gate(rm_dir, tmp_path):
     right, wrong = taskset.demonstration(task), "x"
     raw = InProcessScorer(rm_dir).score([task.prompt + right])[0]
     v = make_reward_source(cfg, InProcessVerifier(taskset))
-    assert isinstance(v, RewardModelVerifier)
+    assert isinstance(v, RewardSet)  # the shorthand is a case of [[reward.functions]]
+    assert [(f.name, f.weight) for f in cfg.reward.functions] == [("verifier", 0.25),
+                                                                  ("reward_model", 0.75)]
     verdict = taskset.verify(task, right).reward
-    reward, reason = v.verify(task, right)
+    score = v.verify(task, right)
+    reward, reason = score
     assert reward == pytest.approx(0.25 * verdict + 0.75 * sigmoid(raw), abs=1e-6)
-    assert reason.startswith(f"verifier={verdict:g} rm=")
-    cfg.reward.combine = "gate"
-    gated = make_reward_source(cfg, InProcessVerifier(taskset))
-    assert gated.verify(task, wrong) == (0.0, "verifier=0 (gate closed)")
-    assert make_reward_source(load_config(None, TINY), v) is v  # source = verifier: unchanged
+    assert reason.startswith(f"verifier={verdict:g} (correct) reward_model=")
+    assert score.components == pytest.approx({"verifier": verdict, "reward_model": sigmoid(raw)})
+    v.close()
+    gate = load_config(None, [*TINY, f"run.output_dir={tmp_path}", f"reward.model={rm_dir}",
+                              "reward.source=combined", "reward.combine=gate"])  # fmt: skip
+    gated = make_reward_source(gate, InProcessVerifier(taskset))
+    assert gated.verify(task, wrong) == (0.0, "verifier=0 (not an integer: 'x') "
+                                              "reward_model=0 (gate verifier closed)")  # fmt: skip
+    assert gated.verify(task, right)[0] == pytest.approx(sigmoid(raw), abs=1e-6)
+    plain = InProcessVerifier(taskset)
+    assert make_reward_source(load_config(None, TINY), plain) is plain  # the verifier alone
 
 
 def test_unreachable_reward_model_is_never_a_score():

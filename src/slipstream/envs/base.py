@@ -43,6 +43,19 @@ class InfraError(RuntimeError):
     """An infrastructure failure during an episode: not a reward (see the module docstring)."""
 
 
+class RewardDropped(InfraError):
+    """A reward function gave no usable reward for this episode or group after its bounded
+    retries (it raised, timed out, crashed its process, returned the wrong length, a non-number
+    or a non-finite value; slipstream/rewards). Re-running the episode does not help: the group is
+    dropped at once (status `dropped`, counted), never rewarded. `fatal` (non-empty): the
+    function failed on `reward.max_consecutive_failures` calls in a row; the job stops with
+    this one-line message."""
+
+    def __init__(self, message: str, fatal: str = "") -> None:
+        super().__init__(message)
+        self.fatal = fatal
+
+
 class ServiceUnavailable(InfraError):
     """A shared service the reward needs (a reward-model server) did not answer. Not the task's
     fault, and re-running the episode at once would hit the same outage: the group is given up
@@ -59,6 +72,8 @@ class StepResult:
     done: bool
     reason: str = ""
     """Short explanation of the reward or of why the episode goes on."""
+    components: dict[str, float | None] = field(default_factory=dict)
+    """The reward's components by name (`[[reward.functions]]`; None = not applicable)."""
 
 
 @dataclass
@@ -120,6 +135,35 @@ class Environment(Protocol):
 
 
 EnvFactory = Callable[[], Environment]
+
+
+class Score(tuple):
+    """A scorer's answer: (reward, reason) — it is that pair, equal to it and unpacked as it —
+    plus the reward's `components` by name (the `[[reward.functions]]` scores; None = not
+    applicable)."""
+
+    components: dict[str, float | None]
+
+    def __new__(cls, reward: float, reason: str,
+                components: dict[str, float | None] | None = None) -> Score:  # fmt: skip
+        self = super().__new__(cls, (reward, reason))
+        self.components = dict(components or {})
+        return self
+
+    @property
+    def reward(self) -> float:
+        return self[0]
+
+    @property
+    def reason(self) -> str:
+        return self[1]
+
+
+def score_components(score: tuple[float, str]) -> dict[str, float | None]:
+    """The components of a scorer's answer ({} for a plain (reward, reason) tuple)."""
+    return score.components if isinstance(score, Score) else {}
+
+
 Scorer = Callable[[Task, str], tuple[float, str]]
 """(task, answer text) -> (reward, reason); raises InfraError on infrastructure failure (the
 worker's Verifier.verify)."""

@@ -27,7 +27,11 @@ How a group runs:
    times; one more and the group is given up (`status = "dropped"`, the other episodes are
    aborted). A failed attempt's tokens are discarded: nothing of it can be trained on. A
    `ServiceUnavailable` (a reward-model server that did not answer) gives the group up at once
-   as `aborted`: the worker nacks it and the task is redelivered, never rewarded.
+   as `aborted`: the worker nacks it and the task is redelivered, never rewarded. A
+   `RewardDropped` (a reward function gave no reward after its retries) drops the group at once
+   (`dropped`, counted), never rewarded, and never re-run.
+6. Once all G episodes are done, the runner's `group_scorer` (group reward functions) adds its
+   scores to their rewards; RewardDropped there drops the group too.
 5. Every environment is closed exactly once, however its episode ends (done, aborted, failed,
    dropped), before `on_done` runs.
 
@@ -58,12 +62,17 @@ from slipstream.envs.base import (
     EnvUsage,
     EpisodeLimits,
     InfraError,
+    RewardDropped,
+    Score,
     ServiceUnavailable,
 )
 from slipstream.tasks import Task
 
 log = logging.getLogger(__name__)
 Status = Literal["done", "aborted", "failed", "dropped"]
+GroupScorer = Callable[[Task, list[str]], "list[Score] | None"]
+"""(task, the group's completion texts) -> a Score per completion, added to its episode's reward,
+or None (no group reward functions); RewardDropped when one gave no reward."""
 
 
 @dataclass
@@ -96,6 +105,8 @@ class Episode:
     """Of those, tokens whose KV the engine had computed in the episode's previous turn."""
     routed_experts: Any = None
     """(P + C - 1, L, k) routing stitched across turns (torch tensor), or None."""
+    reward_components: dict[str, float | None] = field(default_factory=dict)
+    """The reward's components by name (`[[reward.functions]]`, group functions included)."""
     episode_index: int = -1
     """The episode's index in its group when it yields several samples (an agent that rewrote
     its history: envs/agent_trajectory.py); -1: the episode is one sample."""
@@ -112,6 +123,9 @@ class GroupOutcome:
     """Engine requests the group made (its first turn is one request for all G)."""
     generate_s: float = 0.0
     """Summed latency of those requests (submit -> completion)."""
+    fatal: str = ""
+    """A reward function failed `reward.max_consecutive_failures` calls in a row: the job must
+    stop with this one-line message (the worker tells the coordinator)."""
 
 
 @runtime_checkable
@@ -207,13 +221,16 @@ class EpisodeRunner:
         record_routing: bool = False,
         context_tokens: int = 0,
         reset_threads: int = 8,
+        group_scorer: GroupScorer | None = None,
     ) -> None:
         """`executor` runs the environments' steps; resets (which may wait for a sandbox) run
         on the runner's own `reset_threads` threads, so episodes waiting for a sandbox never
         hold the threads that the episodes holding one need to finish and give it back.
         `context_tokens`: the engine's context (prompt + completion) when known (the native
         engine's slot length); 0 = unknown (then `limits.max_episode_tokens` must bound the
-        episode or the engine's own limit will end it). Call `close()` when done."""
+        episode or the engine's own limit will end it). `group_scorer(task, texts)`: rewards
+        added to a group's episodes once all of them finished (the worker's group reward
+        functions; None from it = none). Call `close()` when done."""
         from concurrent.futures import ThreadPoolExecutor
 
         self.reset_executor = ThreadPoolExecutor(reset_threads, thread_name_prefix="episode-reset")
@@ -225,6 +242,7 @@ class EpisodeRunner:
         self.temperature = temperature
         self.record_routing = record_routing
         self.context_tokens = context_tokens
+        self.group_scorer = group_scorer
         self._log_lock = threading.Lock()
         self.num_infra_logged = 0
 
@@ -276,6 +294,7 @@ class GroupRollout:
         self._aborted = False
         self._dropped = False
         self._error = ""
+        self._fatal = ""
         self.infra_failures = 0
         self.requests = 0
         self.generate_s = 0.0
@@ -483,6 +502,7 @@ class GroupRollout:
             d.env_s += time.monotonic() - t0
         d.reward += res.reward
         d.reason = res.reason
+        d.reward_components.update(res.components)
         if res.done or last:
             self._end(ep, "done")
             return
@@ -503,12 +523,17 @@ class GroupRollout:
         ep.close_env()
         ep.request_id = ""
         # a shared service that did not answer: give the group up as aborted (its task is
-        # requeued), without re-running into the same outage
+        # requeued), without re-running into the same outage; a reward function that gave no
+        # reward after its retries: drop the group at once (a re-run would not help)
         requeue = isinstance(error, ServiceUnavailable)
+        reward_dropped = isinstance(error, RewardDropped)
         with self._lock:
             self.infra_failures += 1
             ep.failures += 1
-            give_up = requeue or ep.failures > self.runner.limits.max_infra_retries
+            if reward_dropped and error.fatal:
+                self._fatal = self._fatal or error.fatal
+            give_up = (requeue or reward_dropped
+                       or ep.failures > self.runner.limits.max_infra_retries)  # fmt: skip
             if requeue and not self._error:
                 self._error = f"{what}: {error} (task requeued)"
             elif give_up and not requeue and not self._dropped:
@@ -537,6 +562,8 @@ class GroupRollout:
             self._finish()
 
     def _finish(self) -> None:
+        if not self._dropped and not self._aborted and all(ep.end == "done" for ep in self.eps):
+            self._score_group()  # may drop or fail the group
         ends = {ep.end for ep in self.eps}
         status: Status
         if self._dropped:
@@ -551,7 +578,38 @@ class GroupRollout:
         if status == "done":
             episodes = [e for ep in self.eps if ep.data is not None for e in [ep.data, *ep.extra]]
         self.on_done(GroupOutcome(status, episodes, self.infra_failures, self._error,
-                                  self.requests, self.generate_s))  # fmt: skip
+                                  self.requests, self.generate_s, self._fatal))  # fmt: skip
+
+    def _score_group(self) -> None:
+        """The group reward functions, once every episode finished: each episode's reward grows
+        by its score. A function that gave none drops the group (RewardDropped, counted); a
+        bug fails it."""
+        scorer = self.runner.group_scorer
+        if scorer is None:
+            return
+        data = [ep.data for ep in self.eps if ep.data is not None]
+        try:
+            scores = scorer(self.task, [d.text for d in data])
+        except RewardDropped as e:
+            self.runner.log_infra(f"task {self.task.task_id} group reward", e)
+            with self._lock:
+                self.infra_failures += 1
+                self._dropped = True
+                self._error = self._error or str(e)
+                self._fatal = self._fatal or e.fatal
+            return
+        except Exception as e:  # noqa: BLE001 - a bug must end the group loudly, never reward it
+            log.exception("group reward of task %s failed", self.task.task_id)
+            with self._lock:
+                self._error = self._error or f"group reward: {type(e).__name__}: {e}"
+            for ep in self.eps:
+                ep.end = "failed"
+            return
+        if scores is None:
+            return
+        for d, s in zip(data, scores, strict=True):
+            d.reward += s.reward
+            d.reward_components.update(s.components)
 
 
 def run_episodes(

@@ -47,6 +47,7 @@ from slipstream.envs.base import (
     Scorer,
     StepResult,
     encode_observation,
+    score_components,
 )
 from slipstream.envs.single_turn import taskset_scorer
 from slipstream.tasks import Task, TaskSet
@@ -154,8 +155,9 @@ class PythonToolEnv:
         text = self.taskset.tokenizer.decode(action_ids)
         program = tool_call(text)
         if program is None or last:
-            reward, reason = self.scorer(self._task, text)
-            return StepResult([], float(reward), True, reason)
+            score = self.scorer(self._task, text)
+            reward, reason = score
+            return StepResult([], float(reward), True, reason, score_components(score))
         name = f"cell{self._cells}.py"
         self._cells += 1
         t0 = time.monotonic()

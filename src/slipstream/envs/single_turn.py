@@ -16,7 +16,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from slipstream.envs.base import Demonstration, EnvUsage, EpisodeLimits, Scorer, StepResult
+from slipstream.envs.base import (
+    Demonstration,
+    EnvUsage,
+    EpisodeLimits,
+    Scorer,
+    StepResult,
+    score_components,
+)
 from slipstream.tasks import Task, TaskSet
 
 if TYPE_CHECKING:
@@ -53,8 +60,9 @@ class SingleTurnEnv:
     def step(self, action_ids: Sequence[int], *, last: bool) -> StepResult:
         if self._task is None:
             raise RuntimeError("SingleTurnEnv.step before reset")
-        reward, reason = self.scorer(self._task, self.taskset.tokenizer.decode(action_ids))
-        return StepResult([], float(reward), True, reason)
+        score = self.scorer(self._task, self.taskset.tokenizer.decode(action_ids))
+        reward, reason = score
+        return StepResult([], float(reward), True, reason, score_components(score))
 
     def demonstration(self, task: Task) -> Demonstration:
         return Demonstration(

@@ -126,7 +126,7 @@ def write_job_report(cfg: SlipstreamConfig, result: Any, controller: Any, launch
         **launcher.summary(), "worker exit codes": codes,
         "buffer": controller.coord.buffer.metrics(),
     }  # fmt: skip
-    if cfg.reward.source != "verifier":  # RLHF: what the policy was trained against
+    if not cfg.reward.verifier_only():  # what the policy was trained against
         from slipstream.rm.source import reward_summary
 
         summary.update(reward_summary(cfg))

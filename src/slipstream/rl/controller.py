@@ -31,6 +31,7 @@ from slipstream.config import SlipstreamConfig
 from slipstream.evaluate import heldout_pass_at_1
 from slipstream.model import MoEForCausalLM, hf_config_from_model_config, hf_from_internal
 from slipstream.observe.metrics import MetricsWriter
+from slipstream.rewards.metrics import worker_error_totals
 from slipstream.rl.buffer import ExperienceBuffer
 from slipstream.rl.coordinator import Coordinator
 from slipstream.rl.queue import TaskQueue
@@ -235,6 +236,7 @@ class Controller:
                 "redelivered": status.redelivered_tasks,
                 "rejected_acks": status.rejected_acks, "mode": tc.mode,
             }  # fmt: skip
+            rec.update(worker_error_totals(self.coord.worker_stats))  # reward functions' errors
             if self.publisher.served_s:  # weight_sync = distributed: publish -> served, per engine
                 rec["weight_served_s_max"] = max(self.publisher.served_s.values())
             metrics.log(**rec)

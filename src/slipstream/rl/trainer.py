@@ -45,6 +45,7 @@ from slipstream.config.rl import TrainerConfig
 from slipstream.model.converters import apply_converters, model_converters
 from slipstream.model.lm_loss import chunked_logprobs
 from slipstream.parallel.ranks import Ranks
+from slipstream.rewards.metrics import component_metrics
 from slipstream.rl.advantages import gae, grpo_advantages
 from slipstream.rl.losses import (
     aggregate,
@@ -528,6 +529,7 @@ class Trainer:
             num_samples=float(len(batch.samples)),
             routing_bytes_per_sample=float(np.mean([len(s.routed_experts) for s in batch.samples])),
             tool_calls_per_sample=float(np.mean([s.tool_calls for s in batch.samples])),
+            **component_metrics(batch.samples),
         )
         return totals
 

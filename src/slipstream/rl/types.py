@@ -115,6 +115,9 @@ class Sample:
     j was routed by the weights of version versions[max(0, j - P + 1)]. Empty: not recorded."""
     routing_shape: tuple[int, int] = (0, 0)
     """(MoE layers, k) of `routed_experts`; (0, 0) when not recorded."""
+    reward_components: dict[str, float | None] = field(default_factory=dict)
+    """The reward's components by name (`[[reward.functions]]`; None = not applicable); `reward`
+    is their weighted sum. Empty when the reward is the task's verifier alone."""
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)

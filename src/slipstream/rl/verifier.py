@@ -17,7 +17,9 @@ dropped (rl/worker.py).
 - `verifier.sandboxes`: the SandboxHost the worker's environments take their sandboxes from
   (the same pool; None when nothing of the task needs one). The verifier owns it: `close()`
   stops it.
-- `make_verifier(cfg, taskset)` picks one by `sandbox.verify_in_sandbox` and `task.env`.
+- `make_verifier(cfg, taskset)` picks one by `sandbox.verify_in_sandbox` and `task.env`; the
+  worker's reward is then `rm/source.py: make_reward_source` over it: this verifier alone, or a
+  `RewardSet` (slipstream/rewards: `[[reward.functions]]`) with it as the "verifier" kind.
 - `LatencyInjector` wraps any verifier with an artificial delay drawn from a heavy-tailed
   distribution, for the pipeline benchmark (the delay is recorded, not hidden).
 """
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from slipstream.envs import InfraError, env_needs_sandbox
+from slipstream.envs.base import Score
 from slipstream.envs.sandboxes import SandboxHost
 from slipstream.sandbox.pool import percentile
 from slipstream.tasks import SandboxedTaskSet, Task, TaskSet
@@ -53,8 +56,19 @@ class Verifier(Protocol):
     """The sandbox host of the worker's episodes (owned by the verifier), or None."""
 
     def verify(self, task: Task, completion: str) -> tuple[float, str]:
-        """Reward in [0, 1] and a short reason for any completion text; InfraError (never a
-        reward) when the infrastructure failed."""
+        """Reward and a short reason for any completion text (a `Score` carrying the reward's
+        components for a `RewardSet`); InfraError (never a reward) when the infrastructure
+        failed, RewardDropped when a reward function gave none."""
+        ...
+
+    def score_group(self, task: Task, completions: list[str]) -> list[Score] | None:
+        """Rewards added to a finished group's episodes (`group = true` reward functions), one
+        per completion; None when nothing scores groups."""
+        ...
+
+    def reward_stats(self) -> dict[str, float]:
+        """Counters of the reward functions (`reward_<name>_<counter>`; {} for a verifier
+        alone): the worker reports them."""
         ...
 
     def close(self) -> None:
@@ -75,6 +89,12 @@ class InProcessVerifier:
     def verify(self, task: Task, completion: str) -> tuple[float, str]:
         verdict = self.taskset.verify(task, completion)
         return float(verdict.reward), verdict.reason
+
+    def score_group(self, task: Task, completions: list[str]) -> list[Score] | None:
+        return None
+
+    def reward_stats(self) -> dict[str, float]:
+        return {}
 
     def close(self) -> None:
         if self.sandboxes is not None:
@@ -205,6 +225,12 @@ class SandboxVerifier:
             self._latency_s.append(time.perf_counter() - t0)
         return float(verdict.reward), verdict.reason
 
+    def score_group(self, task: Task, completions: list[str]) -> list[Score] | None:
+        return None
+
+    def reward_stats(self) -> dict[str, float]:
+        return {}
+
     # ---- observation ---------------------------------------------------------------------------
 
     def stats(self) -> PoolStats | None:
@@ -270,6 +296,12 @@ class LatencyInjector:
     def verify(self, task: Task, completion: str) -> tuple[float, str]:
         time.sleep(self.draw_s())
         return self.inner.verify(task, completion)
+
+    def score_group(self, task: Task, completions: list[str]) -> list[Score] | None:
+        return self.inner.score_group(task, completions)
+
+    def reward_stats(self) -> dict[str, float]:
+        return self.inner.reward_stats()
 
     def close(self) -> None:
         self.inner.close()

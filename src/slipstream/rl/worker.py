@@ -26,7 +26,12 @@ Contract:
   group is acked before `run()` returns 0.
 - Infrastructure failures are never rewards: an episode whose environment or verifier raised
   `InfraError` is re-run from its start (at most `max_infra_retries` times); after that its task
-  is dropped (`Coordinator.drop`, counted) and nothing of it is trained. A group that failed in
+  is dropped (`Coordinator.drop`, counted) and nothing of it is trained. A reward function that
+  gave no reward after its retries (`RewardDropped`) drops the group at once; one that failed
+  `reward.max_consecutive_failures` calls in a row stops the job (`Coordinator.fail` with the
+  one-line message naming it). Group reward functions run when a group's episodes all finished
+  (the runner's `group_scorer` = `verifier.score_group`); per-sample ones as each completion
+  finishes, on the verify threads, while other groups generate. A group that failed in
   the engine or was aborted is nacked (its task is redelivered).
 
 The coordinator may be the object itself or a transport proxy; only its methods are used:
@@ -85,6 +90,7 @@ def episode_sample(ep: Episode) -> Sample:
         behaviour_logprobs=ep.logprobs, versions=ep.versions, reward=float(ep.reward),
         finish_reason=ep.finish_reason, text=ep.text,
         loss_mask=ep.loss_mask if 0 in ep.loss_mask else [], num_turns=ep.num_turns,
+        reward_components=dict(ep.reward_components),
         tool_calls=ep.usage.tool_calls, env_s=ep.env_s, tool_s=ep.usage.tool_s,
         sandbox_acquire_s=ep.usage.sandbox_acquire_s, infra_retries=ep.infra_retries,
         **_routing_fields(ep),
@@ -170,7 +176,7 @@ class RolloutWorker:
         self.runner = EpisodeRunner(
             engine, make_env, taskset.tokenizer, episode_limits(cfg, self.max_new_tokens),
             self._pool, temperature=cfg.temperature, record_routing=cfg.record_routing,
-            context_tokens=_context_tokens(engine),
+            context_tokens=_context_tokens(engine), group_scorer=verifier.score_group,
         )  # fmt: skip
         # `tokens` = sampled tokens; `verify_s` = time in environment steps (the verifier, tool
         # runs); `generate_s` = summed engine request latency (slipstream plan calibrate reads
@@ -254,6 +260,7 @@ class RolloutWorker:
         version its engine serves (`weight_version`), and its sandbox pool's numbers
         (`sandbox_pool_<field>`, when it has one): the job's /metrics exports them per worker."""
         out = dict(self.stats)
+        out.update(self.verifier.reward_stats())
         out["weight_version"] = float(self.engine.version)
         pool = self.sandboxes.stats() if self.sandboxes is not None else None
         if pool is not None:
@@ -324,6 +331,10 @@ class RolloutWorker:
         elif out.status == "dropped":
             log.error("worker %s: task %d dropped after %d infrastructure failures: %s",
                       self.worker_id, w.ref.task_id, out.infra_failures, out.error)  # fmt: skip
+            if out.fatal:  # a reward function that keeps failing: stop the job, naming it
+                log.error("worker %s: %s; stopping the job", self.worker_id, out.fatal)
+                self.coord.fail(out.fatal)
+                self.request_stop()
             self.coord.drop(w.lease_id, [w.ref.task_id], out.infra_failures)
             self.stats["tasks_dropped"] += 1
             self._finish(w)

@@ -1,7 +1,10 @@
-"""The `reward_model` reward source: rollout workers score every completion with a reward model,
-alone or with the task's verifier (`[reward]`, docs/rlhf.md).
+"""The `reward_model` kind of `[[reward.functions]]`: rollout workers score every completion with
+a reward model, alone or with the task's verifier and the other reward functions (docs/rlhf.md,
+docs/rewards.md). This module assembles the worker's reward (it can import rm; slipstream/rewards
+cannot):
 
     verifier = make_reward_source(cfg, make_verifier(...))   # the worker's Verifier
+    score_pairs(cfg, [(task, completion), ...])              # `slipstream task check`
 
 - `Scorer` (the seam): `score(texts) -> raw rewards`, raising `ServiceUnavailable` (an
   InfraError) when the reward model cannot answer (unreachable, error status, timeout).
@@ -11,11 +14,12 @@ alone or with the task's verifier (`[reward]`, docs/rlhf.md).
 - `BatchingScorer`: completions of all the worker's groups, verified concurrently on its thread
   pool, are coalesced into one call of at most `reward.max_batch` texts (a call waits at most
   `reward.batch_window_s` for company); every waiter gets its own result or the call's error.
-- `RewardModelVerifier`: the worker's `Verifier`. reward = sigmoid(score) for source
-  "reward_model"; for "combined", `verifier_weight x verdict + rm_weight x sigmoid(score)`
-  ("sum") or sigmoid(score) only when the verdict passes ("gate": a failed verdict skips the
-  model). The scored text is task.prompt + completion. The task's verdict is always computed and
-  kept in the reason ("verifier=1 rm=0.83 score=1.59"), so runs can track the true reward.
+- `reward_model_scorer`: the kind's scorer: sigmoid(score) of task.prompt + completion.
+  `make_reward_source` puts it into a `RewardSet` (slipstream/rewards) with the task's verifier:
+  reward.source = "reward_model" is [verifier x 0, reward_model x 1]; "combined" with "sum" is
+  [verifier x verifier_weight, reward_model x rm_weight]; "gate" is [verifier x 0, reward_model
+  x 1 gated by the verifier] (a failed verdict skips the model). The task's verdict is always
+  computed and kept in the reason ("verifier=1 (correct) reward_model=0.83 (score=1.59)").
 
 The never-a-reward rule: a scoring failure raises ServiceUnavailable; the episode runner gives the
 group up and the worker nacks its task (requeued, redelivered later), so no group is ever
@@ -28,18 +32,17 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 
 from slipstream.envs.base import ServiceUnavailable
-from slipstream.envs.sandboxes import SandboxHost
 from slipstream.tasks import Task
 
 if TYPE_CHECKING:
     from slipstream.config import SlipstreamConfig
-    from slipstream.config.rm import RewardConfig
     from slipstream.rl.verifier import Verifier
 
 log = logging.getLogger(__name__)
@@ -211,34 +214,16 @@ class BatchingScorer:
         self.inner.close()
 
 
-class RewardModelVerifier:
-    """The worker's Verifier for reward.source = "reward_model" | "combined" (module docstring).
-    Owns the inner verifier (its sandboxes) and the scorer."""
+def reward_model_scorer(scorer: BatchingScorer) -> Callable[[Task, str], tuple[float, str]]:
+    """The "reward_model" kind of `[[reward.functions]]`: sigmoid(score of task.prompt +
+    completion), with the raw score in the reason. ServiceUnavailable when the model cannot
+    answer (the group is requeued, never rewarded)."""
 
-    def __init__(self, inner: Verifier, scorer: BatchingScorer, cfg: RewardConfig) -> None:
-        self.inner = inner
-        self.scorer = scorer
-        self.cfg = cfg
-        self.sandboxes: SandboxHost | None = inner.sandboxes
+    def score(task: Task, completion: str) -> tuple[float, str]:
+        raw = scorer.score_one(task.prompt + completion)
+        return sigmoid(raw), f"score={raw:.4f}"
 
-    def verify(self, task: Task, completion: str) -> tuple[float, str]:
-        verdict, _ = self.inner.verify(task, completion)
-        c = self.cfg
-        if c.source == "combined" and c.combine == "gate" and verdict < 0.5:
-            return 0.0, f"verifier={verdict:g} (gate closed)"
-        raw = self.scorer.score_one(task.prompt + completion)
-        rm = sigmoid(raw)
-        if c.source == "reward_model" or c.combine == "gate":
-            reward = rm
-        else:
-            reward = c.verifier_weight * verdict + c.rm_weight * rm
-        return reward, f"verifier={verdict:g} rm={rm:.4f} score={raw:.4f}"
-
-    def close(self) -> None:
-        try:
-            self.scorer.close()
-        finally:
-            self.inner.close()
+    return score
 
 
 def reward_model_dir(cfg: SlipstreamConfig) -> Path:
@@ -257,6 +242,13 @@ def reward_summary(cfg: SlipstreamConfig) -> dict[str, Any]:
     rc = cfg.reward
     out: dict[str, Any] = {"reward source": rc.source if rc.source != "combined"
                            else f"combined ({rc.combine})"}  # fmt: skip
+    out["reward functions"] = ", ".join(
+        f"{f.name} ({f.kind}{', gated by ' + f.gate if f.gate else ''}) x {f.weight:g}"
+        for f in rc.functions
+    )
+    if not rc.uses_reward_model():
+        out["batch reward is"] = "the weighted sum of the reward functions (docs/rewards.md)"
+        return out
     out["reward model"] = rc.url or str(reward_model_dir(cfg))
     summary = reward_model_dir(cfg) / "rm_summary.json"
     if not rc.url and summary.is_file():
@@ -268,22 +260,57 @@ def reward_summary(cfg: SlipstreamConfig) -> dict[str, Any]:
 
 
 def make_reward_source(cfg: SlipstreamConfig, verifier: Verifier) -> Verifier:
-    """The worker's Verifier per [reward]: `verifier` itself for source = "verifier", else a
-    RewardModelVerifier over it, scoring through reward.url or in-process (reward.model)."""
-    rc = cfg.reward
-    if rc.source == "verifier":
-        return verifier
-    scorer: Scorer
-    if rc.url:
-        import os
+    """The worker's Verifier per `[reward]`: `verifier` itself when the reward is the task's
+    verifier alone (the default), else a `RewardSet` over `reward.functions` with the verifier
+    and (when a function is one) the reward model, scored through reward.url or in-process
+    (reward.model). The RewardSet owns `verifier` (closes it)."""
+    from slipstream.rewards.rewardset import RewardSet
 
-        scorer = HTTPScorer(rc.url, rc.timeout_s, os.environ.get("SLIPSTREAM_API_KEY"))
-    else:
-        directory = reward_model_dir(cfg)
-        if not (directory / "config.json").is_file():
-            raise FileNotFoundError(f"reward.source = {rc.source!r}: no reward model at "
-                                    f"{directory} (train one with `slipstream rm train`, or set "
-                                    "reward.model / reward.url)")  # fmt: skip
-        scorer = InProcessScorer(directory)
-    batching = BatchingScorer(scorer, rc.max_batch, rc.batch_window_s, rc.timeout_s)
-    return RewardModelVerifier(verifier, batching, rc)
+    rc = cfg.reward
+    if rc.verifier_only():
+        return verifier
+    local: dict[str, Callable[[Task, str], tuple[float, str]]] = {"verifier": verifier.verify}
+    closers: list[Callable[[], None]] = []
+    if rc.uses_reward_model():
+        scorer: Scorer
+        if rc.url:
+            import os
+
+            scorer = HTTPScorer(rc.url, rc.timeout_s, os.environ.get("SLIPSTREAM_API_KEY"))
+        else:
+            directory = reward_model_dir(cfg)
+            if not (directory / "config.json").is_file():
+                raise FileNotFoundError(f"reward.functions has a 'reward_model': no reward model "
+                                        f"at {directory} (train one with `slipstream rm train`, "
+                                        "or set reward.model / reward.url)")  # fmt: skip
+            scorer = InProcessScorer(directory)
+        batching = BatchingScorer(scorer, rc.max_batch, rc.batch_window_s, rc.timeout_s)
+        local["reward_model"] = reward_model_scorer(batching)
+        closers.append(batching.close)
+    closers.append(verifier.close)
+    return RewardSet(rc, local, sandboxes=verifier.sandboxes, closers=closers)
+
+
+def score_pairs(cfg: SlipstreamConfig,
+                pairs: list[tuple[Task, str]]) -> list[dict[str, float | None | str]]:  # fmt: skip
+    """`slipstream task check`: each `reward.functions` entry's result for every (task,
+    completion) pair, by function name: a score, None (not applicable) or "error: <what>" (one
+    call, no retries; a group function scores each completion as a group of 1; a gate is not
+    applied). The verifier, reward model and reward processes are made here and closed."""
+    from slipstream.rewards.rewardset import RewardSet
+    from slipstream.rl.verifier import make_verifier
+    from slipstream.tasks import get_taskset
+
+    verifier = make_verifier(cfg.sandbox, get_taskset(cfg.task))
+    try:
+        source = make_reward_source(cfg, verifier)
+    except BaseException:
+        verifier.close()
+        raise
+    reward_set = (source if isinstance(source, RewardSet)  # the verifier alone otherwise
+                  else RewardSet(cfg.reward, {"verifier": verifier.verify},
+                                 closers=[verifier.close]))  # fmt: skip
+    try:
+        return [reward_set.check(task, text) for task, text in pairs]
+    finally:
+        reward_set.close()

@@ -215,7 +215,7 @@ def ensure_reward_model(
     the SFT checkpoint, `train_reward_model`) unless a complete one is there. -> its directory,
     or None when the job needs no local reward model."""
     rc = cfg.reward
-    if rc.source == "verifier" or rc.url or rc.model:
+    if not rc.uses_reward_model() or rc.url or rc.model:
         return None
     ckpt = rm_dir(cfg) / "checkpoint"
     if not reward_model_complete(ckpt):
