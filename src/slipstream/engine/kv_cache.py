@@ -21,6 +21,18 @@ This is slipstream's one KV cache: the engine's (rollouts, evaluation, serving).
 given per call, so rewriting a position (rolling back to a shorter prefix) is just writing it
 again. Not covered: paging, prefix sharing across requests other than a group's copy.
 
+Attention variants (the `window` and `sinks_H` keywords of `attend`, model/attention_variants.py):
+- Sliding-window layers keep every position of the slot, like full layers, and mask the keys
+  that left the window (a query at position p sees (p - window, p]): the masks are built once
+  per step per window size, no per-layer work. Memory is that of a full layer (a ring buffer of
+  `window` positions would save (S - window) / S of a sliding layer's KV, half of GPT-OSS's KV at
+  S >> 128; not done: the prefix cache and slot moves address positions directly).
+- Sinks (`sink_key=True`, `for_model` sets it when the model has them): the storage holds one
+  more position in front of position 0 of each slot, always zero, the sink's key and value
+  (`k_LNKSD` is the view from position 0 on, so every other user addresses positions as
+  before). Decode reads it with the other keys (no copy) and puts the layer's sink logits in its
+  mask column: one cat per layer and step.
+
 Legend: L layers, N slots, K kv heads, H query heads, S slot length, D head dim, B rows,
 T tokens in this forward, P tokens of one prompt.
 """
@@ -33,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from slipstream.model.attention import sdpa
+from slipstream.model.attention_variants import additive, allowed_TS, sink_sdpa
 
 
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -66,16 +79,24 @@ class SlotKVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        sink_key: bool = False,
     ) -> None:
-        shape = (num_layers, num_slots, num_kv_heads, slot_len, head_dim)
-        self.k_LNKSD = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_LNKSD = torch.zeros(shape, dtype=dtype, device=device)
+        """`sink_key`: keep the zero sink key in front of each slot (see the module docstring);
+        a layer that passes `sinks_H` needs it."""
+        self._off = 1 if sink_key else 0
+        shape = (num_layers, num_slots, num_kv_heads, self._off + slot_len, head_dim)
+        # `raw` holds the sink position first (when kept); k_LNKSD / v_LNKSD are positions 0.. on
+        self._k_raw = torch.zeros(shape, dtype=dtype, device=device)
+        self._v_raw = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_LNKSD = self._k_raw[:, :, :, self._off :]
+        self.v_LNKSD = self._v_raw[:, :, :, self._off :]
         self.num_slots = num_slots
         self.slot_len = slot_len
         self._mode = ""
         self._rows_B: torch.Tensor | None = None
         self._pos_B: torch.Tensor | None = None
         self._mask_B11S: torch.Tensor | None = None
+        self._masks: dict[int | None, torch.Tensor] = {}
         self._span = 0
         self._parts: list[Part] = []
         self._slots_N = torch.arange(num_slots, device=device)
@@ -93,11 +114,12 @@ class SlotKVCache:
         """A cache sized for `model` (an MoEForCausalLM), on its device and in its dtype."""
         cfg, param = model.config, next(model.parameters())
         return cls(cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, slot_len,
-                   cfg.head_dim, dtype=param.dtype, device=param.device)  # fmt: skip
+                   cfg.head_dim, dtype=param.dtype, device=param.device,
+                   sink_key=cfg.attention_sinks)  # fmt: skip
 
     @property
     def nbytes(self) -> int:
-        return self.k_LNKSD.nbytes + self.v_LNKSD.nbytes
+        return self._k_raw.nbytes + self._v_raw.nbytes
 
     def begin_decode(self, pos_B: torch.Tensor, max_pos: int) -> None:
         """Rows [0, B) each write one token at pos_B[b] and read keys [0, max_pos]. `max_pos` is
@@ -115,16 +137,35 @@ class SlotKVCache:
         # attention's [B, K, 1, D] tensors are stored with one index_put each, no reshaping.
         self._put_BK1 = (self._rows_B[:, None, None], self._heads_K[None, :, None],
                          pos_B[:, None, None])  # fmt: skip
-        # The keys of rows [0, B) up to the span, per layer: one unbind per step instead of a
-        # select per layer (or two slices per layer and tensor).
-        self._keys_L = self.k_LNKSD[:, :num_rows, :, : self._span].unbind(0)
-        self._values_L = self.v_LNKSD[:, :num_rows, :, : self._span].unbind(0)
+        # The keys of rows [0, B) up to the span (after the sink key, when kept), per layer:
+        # one unbind per step instead of a select per layer (or two slices per layer and tensor).
+        self._keys_L = self._k_raw[:, :num_rows, :, : self._off + self._span].unbind(0)
+        self._values_L = self._v_raw[:, :num_rows, :, : self._off + self._span].unbind(0)
         # An additive float mask, built once per step: SDPA would otherwise convert a bool mask in
         # every layer (and its float-mask path measured faster on CPU).
         hidden_B11S = (self._span_S[: self._span] > pos_B[:, None])[:, None, None, :]
-        self._mask_B11S = torch.zeros_like(hidden_B11S, dtype=self.k_LNKSD.dtype).masked_fill_(
+        self._mask_B11S = self._additive(hidden_B11S)
+        self._masks = {None: self._mask_B11S}
+
+    def _additive(self, hidden_B11S: torch.Tensor) -> torch.Tensor:
+        """0 / -inf float mask of the hidden keys; with the sink key kept, a first column for it
+        (-inf: a layer without sinks never sees it; `_with_sinks` fills in a layer's logits)."""
+        if self._off:
+            hidden_B11S = F.pad(hidden_B11S, (1, 0), value=True)
+        return torch.zeros_like(hidden_B11S, dtype=self.k_LNKSD.dtype).masked_fill_(
             hidden_B11S, float("-inf")
         )
+
+    def _decode_mask(self, window: int | None) -> torch.Tensor:
+        """The step's mask for a layer of this window (built at its first layer of the step)."""
+        mask = self._masks.get(window)
+        if mask is None:
+            assert window is not None and self._pos_B is not None
+            span_S = self._span_S[: self._span]
+            pos_B1 = self._pos_B[:, None]
+            hidden_B11S = ((span_S > pos_B1) | (span_S <= pos_B1 - window))[:, None, None, :]
+            mask = self._masks[window] = self._additive(hidden_B11S)
+        return mask
 
     def begin_mixed(self, pos_B: torch.Tensor, max_pos: int, parts: list[Part]) -> None:
         """`parts`: the new tokens of each slot (see `Part`); decode tokens occupy offsets
@@ -142,7 +183,8 @@ class SlotKVCache:
         self._mode = "mixed"
         self._parts = parts
 
-    def _decode_attend(self, layer_idx, k_NKSD, v_NKSD, q_BHTD, k_BKTD, v_BKTD) -> torch.Tensor:  # noqa: ANN001
+    def _decode_attend(self, layer_idx, k_NKSD, v_NKSD, q_BHTD, k_BKTD, v_BKTD, window=None,  # noqa: ANN001
+                       sinks_H=None) -> torch.Tensor:  # fmt: skip
         k_NKSD.index_put_(self._put_BK1, _as(k_BKTD, k_NKSD.dtype))
         v_NKSD.index_put_(self._put_BK1, _as(v_BKTD, v_NKSD.dtype))
         keys_BKSD, values_BKSD = self._keys_L[layer_idx], self._values_L[layer_idx]
@@ -150,13 +192,18 @@ class SlotKVCache:
         # head counts, which its fused kernels with a mask take (CUDA: memory-efficient/cuDNN;
         # masked enable_gqa falls back to the math kernel), and one mask serves all of them.
         B, H, _, D = q_BHTD.shape
-        q_BKGD = q_BHTD.reshape(B, keys_BKSD.shape[1], -1, D)
-        out_BKGD = F.scaled_dot_product_attention(
-            q_BKGD, keys_BKSD, values_BKSD, attn_mask=self._mask_B11S
-        )
+        K = keys_BKSD.shape[1]
+        q_BKGD = q_BHTD.reshape(B, K, -1, D)
+        mask = self._mask_B11S if window is None else self._decode_mask(window)
+        if sinks_H is not None:  # the layer's sink logits in the sink key's column
+            G, S1 = H // K, mask.shape[-1]
+            sink_BKG1 = _as(sinks_H, mask.dtype).view(1, K, G, 1).expand(B, K, G, 1)
+            mask = torch.cat((sink_BKG1, mask[..., 1:].expand(B, K, G, S1 - 1)), dim=-1)
+        out_BKGD = F.scaled_dot_product_attention(q_BKGD, keys_BKSD, values_BKSD, attn_mask=mask)
         return out_BKGD.view(B, H, 1, D)
 
-    def _mixed_attend(self, layer_idx, k_NKSD, v_NKSD, q_1HTD, k_1KTD, v_1KTD) -> torch.Tensor:  # noqa: ANN001
+    def _mixed_attend(self, layer_idx, k_NKSD, v_NKSD, q_1HTD, k_1KTD, v_1KTD, window=None,  # noqa: ANN001
+                      sinks_H=None) -> torch.Tensor:  # fmt: skip
         num_rows = self._rows_B.shape[0]
         outs = []
         if num_rows:
@@ -165,7 +212,14 @@ class SlotKVCache:
                 return x[0, :, :num_rows].transpose(0, 1).unsqueeze(2)
 
             out_BH1D = self._decode_attend(
-                layer_idx, k_NKSD, v_NKSD, rows(q_1HTD), rows(k_1KTD), rows(v_1KTD)
+                layer_idx,
+                k_NKSD,
+                v_NKSD,
+                rows(q_1HTD),
+                rows(k_1KTD),
+                rows(v_1KTD),
+                window,
+                sinks_H,
             )
             outs.append(out_BH1D[:, :, 0].transpose(0, 1).unsqueeze(0))
         for slot, offset, length, start in self._parts:
@@ -173,6 +227,16 @@ class SlotKVCache:
             k_NKSD[slot, :, start:end] = k_1KTD[0, :, offset : offset + length].to(k_NKSD.dtype)
             v_NKSD[slot, :, start:end] = v_1KTD[0, :, offset : offset + length].to(v_NKSD.dtype)
             q_1HPD = q_1HTD[:, :, offset : offset + length]
+            if window is not None or sinks_H is not None:
+                # the variants' masks: query i at position start + i, keys [0, end) of the slot
+                q_pos_P = torch.arange(start, end, device=q_1HTD.device)
+                k_pos_S = torch.arange(end, device=q_1HTD.device)
+                mask_11PS = additive(allowed_TS(q_pos_P, k_pos_S, window), q_1HPD.dtype)
+                keys_1KSD = k_NKSD[slot : slot + 1, :, :end].to(q_1HPD.dtype)
+                values_1KSD = v_NKSD[slot : slot + 1, :, :end].to(q_1HPD.dtype)
+                outs.append(sink_sdpa(q_1HPD, keys_1KSD, values_1KSD, mask_11PS[None, None],
+                                      sinks_H))  # fmt: skip
+                continue
             if start == 0:  # a new prompt: causal over its own tokens
                 k_1KPD = k_1KTD[:, :, offset : offset + length]
                 v_1KPD = v_1KTD[:, :, offset : offset + length]
@@ -187,15 +251,26 @@ class SlotKVCache:
         return torch.cat(outs, dim=2)
 
     def attend(
-        self, layer_idx: int, q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD: torch.Tensor
+        self,
+        layer_idx: int,
+        q_BHTD: torch.Tensor,
+        k_BKTD: torch.Tensor,
+        v_BKTD: torch.Tensor,
+        *,
+        window: int | None = None,
+        sinks_H: torch.Tensor | None = None,
     ) -> torch.Tensor:
         k_NKSD, v_NKSD = self._k_L[layer_idx], self._v_L[layer_idx]
+        if sinks_H is not None and not self._off:
+            raise ValueError("a layer with attention sinks needs SlotKVCache(sink_key=True)")
         if self._mode == "mixed":
-            return self._mixed_attend(layer_idx, k_NKSD, v_NKSD, q_BHTD, k_BKTD, v_BKTD)
+            return self._mixed_attend(layer_idx, k_NKSD, v_NKSD, q_BHTD, k_BKTD, v_BKTD, window,
+                                      sinks_H)  # fmt: skip
         if self._mode == "decode":
             if q_BHTD.shape[2] != 1:
                 raise ValueError(f"decode takes one token per row, got {q_BHTD.shape[2]}")
-            return self._decode_attend(layer_idx, k_NKSD, v_NKSD, q_BHTD, k_BKTD, v_BKTD)
+            return self._decode_attend(layer_idx, k_NKSD, v_NKSD, q_BHTD, k_BKTD, v_BKTD, window,
+                                       sinks_H)  # fmt: skip
         raise RuntimeError("SlotKVCache.attend called before begin_decode/begin_mixed")
 
     def copy_prefix(self, src_slot: int, dst_slots: torch.Tensor, length: int) -> None:

@@ -122,7 +122,7 @@ class NativeEngine:
         dtype = next(model.parameters()).dtype
         cache = SlotKVCache(
             cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, slot_len, cfg.head_dim,
-            dtype=dtype, device=self.device,
+            dtype=dtype, device=self.device, sink_key=cfg.attention_sinks,
         )  # fmt: skip
         self.batch = RunningBatch(cache, cfg.vocab_size, self.device)
         tokens = self.config.prefix_cache_tokens
