@@ -159,7 +159,7 @@ def prepare_weights(
     if bad_type:
         raise ValueError(f"update_weights: entries that are not tensors: {bad_type[:5]}")
     try:
-        internal = hf_to_internal(state, model.config.num_experts)
+        internal = hf_to_internal(state, model.config)
     except (KeyError, RuntimeError) as e:  # incomplete or mis-shaped per-expert tensors
         raise ValueError(f"update_weights: cannot stack the experts: {e}") from None
     params = dict(model.state_dict())

@@ -1,21 +1,21 @@
 """Hugging Face checkpoint I/O: config.json <-> ModelConfig, state-dict layout conversion, and
-(sharded) safetensors save/load.
+(sharded) safetensors save/load, for every registered model family (model/families/): the
+family's spec maps the config and the weight names (renames, per-expert <-> stacked experts,
+passthrough tensors); this module is family-agnostic.
 
-On-disk expert layout written: per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight`, which is
-what transformers 5 itself writes for Qwen3-MoE (it fuses on load) and what the classic Hub
-checkpoints and transformers 4.x use. Loading accepts that layout and the fused transformers-5
-in-memory layout (`mlp.experts.gate_up_proj` (E, 2I, D), `mlp.experts.down_proj` (E, D, I)).
-Dense Qwen3 checkpoints (model_type "qwen3") load as a model whose layers are all dense.
+Loading accepts the family's on-disk layout (what transformers 5 writes: per-expert tensors for
+qwen3_moe / olmoe / glm4_moe, `block_sparse_moe.experts.{e}.w1/w3/w2` for Mixtral) and the
+transformers-5 in-memory layout (`mlp.experts.gate_up_proj` (E, 2I, D), `mlp.experts.down_proj`
+(E, D, I)); saving writes the on-disk layout. Dense Qwen3 checkpoints (model_type "qwen3") load
+as a model whose layers are all dense.
 
-Not covered: remote paths (fsspec), pytorch_model.bin, rope scaling, sliding-window attention,
-attention biases (all rejected loudly); a non-zero shared expert or router z-loss coefficient is
-written to config.json as extra keys that transformers' Qwen3-MoE ignores.
+Not covered: remote paths (fsspec), pytorch_model.bin; a feature a family's model does not
+implement is rejected loudly by its `config_from_hf`.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -24,86 +24,43 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from slipstream.config.model import ModelConfig
+from slipstream.model.families import family_for, family_of
 from slipstream.model.transformer import MoEForCausalLM
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_ARCH_FIELDS = (
-    "vocab_size hidden_size num_hidden_layers num_attention_heads num_key_value_heads head_dim "
-    "intermediate_size moe_intermediate_size num_experts num_experts_per_tok norm_topk_prob "
-    "decoder_sparse_step mlp_only_layers shared_expert_intermediate_size max_position_embeddings "
-    "rope_theta rms_norm_eps router_aux_loss_coef router_z_loss_coef tie_word_embeddings "
-    "initializer_range"
-).split()
-
-
-def _reject(hf: dict[str, Any], key: str, ok: Any, why: str) -> None:
-    value = hf.get(key)
-    if value is not None and value != ok:
-        raise ValueError(f"config.json {key}={value!r} is not supported: {why}")
 
 
 def model_config_from_hf(hf: dict[str, Any] | str | Path, **overrides: Any) -> ModelConfig:
-    """ModelConfig from an HF config (dict, config.json path, or checkpoint directory).
-    Accepts model_type "qwen3_moe" and "qwen3" (dense: every layer in mlp_only_layers).
-    Keyword overrides (e.g. vocab_size=1024) are applied last."""
+    """ModelConfig from an HF config (dict, config.json path, or checkpoint directory) of any
+    registered family (model/families/: qwen3_moe, qwen3, mixtral, olmoe, glm4_moe, ...); a
+    feature the model does not implement is an error naming the key. Keyword overrides (e.g.
+    vocab_size=1024) are applied last."""
     if not isinstance(hf, dict):
         path = Path(hf)
         path = path / "config.json" if path.is_dir() else path
         if not path.is_file():
             raise FileNotFoundError(f"no HF config at {path}")
         hf = json.loads(path.read_text())
-    model_type = hf.get("model_type")
-    if model_type not in ("qwen3_moe", "qwen3"):
-        raise ValueError(f"config.json model_type={model_type!r}; supported: 'qwen3_moe', 'qwen3'")
-    _reject(hf, "hidden_act", "silu", "only SwiGLU with silu is implemented")
-    _reject(hf, "attention_bias", False, "q/k/v/o projections have no bias here")
-    _reject(hf, "use_sliding_window", False, "sliding-window attention is not implemented")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ValueError(f"config.json rope {rope!r}: only default RoPE is implemented")
-    fields: dict[str, Any] = {k: hf[k] for k in _ARCH_FIELDS if k in hf and hf[k] is not None}
-    if "num_experts" not in fields and hf.get("num_local_experts") is not None:
-        fields["num_experts"] = hf["num_local_experts"]
-    if "rope_theta" in rope:
-        fields["rope_theta"] = rope["rope_theta"]
-    fields.setdefault("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
-    if model_type == "qwen3":
-        fields.update(
-            num_experts=1,
-            num_experts_per_tok=1,
-            moe_intermediate_size=hf["intermediate_size"],
-            mlp_only_layers=list(range(hf["num_hidden_layers"])),
-        )
-    return ModelConfig(**{**fields, **overrides})
+    family = family_for(hf.get("model_type"))
+    fields = family.config_from_hf(hf)
+    return ModelConfig(**{"model_type": family.model_type, **fields, **overrides})
 
 
 def hf_config_from_model_config(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
-    """config.json content readable by transformers 4.x and 5.x `Qwen3MoeConfig`."""
-    out: dict[str, Any] = {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "dtype": str(dtype).removeprefix("torch."),
-        "torch_dtype": str(dtype).removeprefix("torch."),
-        "num_local_experts": cfg.num_experts,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-    }
-    out.update({k: getattr(cfg, k) for k in _ARCH_FIELDS})
-    if cfg.shared_expert_intermediate_size == 0:
-        del out["shared_expert_intermediate_size"]
+    """config.json content transformers reads for the model's family (`cfg.model_type`)."""
+    out = family_of(cfg).config_to_hf(cfg)
+    out["dtype"] = out["torch_dtype"] = str(dtype).removeprefix("torch.")
     return out
 
 
 def state_dict_to_hf(model: MoEForCausalLM, fused_experts: bool = False) -> dict[str, torch.Tensor]:
-    """The model's weights under HF names. fused_experts=False: per-expert tensors (disk layout,
-    views into the stacked parameters, no copy); True: the stacked transformers-5 layout (identical
-    to `model.state_dict()`). lm_head.weight is omitted when tied to the embedding."""
+    """The model's weights under HF names. fused_experts=False: the family's on-disk layout
+    (per-expert tensors are views into the stacked parameters, no copy); True: the
+    transformers-5 in-memory layout (identical to `model.state_dict()`). lm_head.weight is
+    omitted when tied to the embedding. Buffers the family keeps (the router's
+    `e_score_correction_bias`) are included; passthrough tensors (MTP layers) are not (see
+    `save_pretrained`)."""
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     return hf_from_internal(sd, model.config, fused_experts)
 
@@ -112,25 +69,7 @@ def hf_from_internal(
     sd: dict[str, torch.Tensor], cfg: ModelConfig, fused_experts: bool = False
 ) -> dict[str, torch.Tensor]:
     """An internal (stacked-experts) state dict under HF names; see `state_dict_to_hf`."""
-    sd = dict(sd)
-    if cfg.tie_word_embeddings:
-        sd.pop("lm_head.weight", None)
-    if fused_experts:
-        return sd
-    out: dict[str, torch.Tensor] = {}
-    for name, t in sd.items():
-        if name.endswith(".mlp.experts.gate_up_proj"):
-            prefix, inter = name.removesuffix(".gate_up_proj"), t.shape[1] // 2
-            for e in range(t.shape[0]):
-                out[f"{prefix}.{e}.gate_proj.weight"] = t[e, :inter]
-                out[f"{prefix}.{e}.up_proj.weight"] = t[e, inter:]
-        elif name.endswith(".mlp.experts.down_proj"):
-            prefix = name.removesuffix(".down_proj")
-            for e in range(t.shape[0]):
-                out[f"{prefix}.{e}.down_proj.weight"] = t[e]
-        else:
-            out[name] = t
-    return out
+    return family_of(cfg).weights.to_hf(sd, cfg, fused_experts)
 
 
 def hf_weights(model: MoEForCausalLM) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -140,35 +79,21 @@ def hf_weights(model: MoEForCausalLM) -> tuple[dict[str, torch.Tensor], dict[str
     return state_dict_to_hf(model), hf_config_from_model_config(model.config, dtype)
 
 
-def hf_to_internal(sd: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
-    """Stack per-expert HF tensors into the fused layout; other names pass through."""
-    out: dict[str, torch.Tensor] = {}
-    groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
-    for name, t in sd.items():
-        m = _PER_EXPERT.match(name)
-        if m is None:
-            out[name] = t
-            continue
-        groups.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = t
-    for prefix, projs in groups.items():
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            have = sorted(projs.get(proj, {}))
-            if have != list(range(num_experts)):
-                raise ValueError(
-                    f"{prefix}.*.{proj}: found experts {have}, expected 0..{num_experts - 1}"
-                )
-        stack = {p: torch.stack([projs[p][e] for e in range(num_experts)]) for p in projs}
-        out[f"{prefix}.gate_up_proj"] = torch.cat([stack["gate_proj"], stack["up_proj"]], dim=1)
-        out[f"{prefix}.down_proj"] = stack["down_proj"]
-    return out
+def hf_to_internal(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF-named tensors (the family's on-disk or in-memory layout) under the model's internal
+    names (per-expert tensors stacked); the family's passthrough tensors (MTP layers) are
+    dropped (`load_hf_state_dict` keeps them)."""
+    return family_of(cfg).weights.from_hf(sd, cfg)[0]
 
 
 @torch.no_grad()
 def load_hf_state_dict(model: MoEForCausalLM, sd: dict[str, torch.Tensor]) -> None:
-    """Load HF-named weights (per-expert or fused layout) into `model` in place (copy_, so tensor
-    identity, device and dtype of the model's parameters are kept: suitable for hot-swapping the
-    weights of a live inference model). Strict: missing or unexpected names raise, naming them."""
-    internal = hf_to_internal(sd, model.config.num_experts)
+    """Load HF-named weights (the family's on-disk or in-memory layout) into `model` in place
+    (copy_, so tensor identity, device and dtype of the model's parameters are kept: suitable
+    for hot-swapping the weights of a live inference model). Strict: missing or unexpected names
+    raise, naming them. The family's passthrough tensors (e.g. MTP layers) are kept in
+    `model.hf_passthrough` and written back by `save_pretrained`."""
+    internal, passthrough = family_of(model.config).weights.from_hf(sd, model.config)
     if model.config.tie_word_embeddings:
         internal.pop("lm_head.weight", None)
         internal.setdefault("lm_head.weight", internal.get("model.embed_tokens.weight"))
@@ -189,6 +114,8 @@ def load_hf_state_dict(model: MoEForCausalLM, sd: dict[str, torch.Tensor]) -> No
         for name, t in internal.items():
             params[name].copy_(t)
     model.tie_weights()
+    if passthrough:
+        model.hf_passthrough = {k: v.detach().to("cpu") for k, v in passthrough.items()}
 
 
 def _shard(sd: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
@@ -218,7 +145,9 @@ def save_pretrained(
     directory.mkdir(parents=True, exist_ok=True)
     sd = state_dict_to_hf(model)
     dtype = dtype or next(model.parameters()).dtype
-    sd = {k: v.to(device="cpu", dtype=dtype).contiguous().clone() for k, v in sd.items()}
+    sd = {k: v.to(device="cpu", dtype=dtype if v.is_floating_point() else v.dtype)
+          .contiguous().clone() for k, v in sd.items()}  # fmt: skip
+    sd.update({k: v.contiguous().clone() for k, v in model.hf_passthrough.items()})
     (directory / "config.json").write_text(
         json.dumps(hf_config_from_model_config(model.config, dtype), indent=2) + "\n"
     )
@@ -293,7 +222,12 @@ class RowReader:
             f.__exit__(None, None, None)
         self._files.clear()
 
-    def _slice(self, name: str, lo: int, hi: int) -> torch.Tensor:
+    def has(self, name: str) -> bool:
+        """`RowSource`: the checkpoint holds an on-disk tensor `name`."""
+        return name in self.weight_map
+
+    def slice(self, name: str, lo: int | None, hi: int | None) -> torch.Tensor:
+        """`RowSource`: rows [lo, hi) of on-disk tensor `name` (None: all rows)."""
         if name not in self.weight_map:
             raise KeyError(f"{self.directory}: no tensor {name}")
         fname = self.weight_map[name]
@@ -304,25 +238,11 @@ class RowReader:
         return t.to(self.dtype) if self.dtype is not None and t.is_floating_point() else t
 
     def rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
-        """Rows [lo, hi) of internal parameter `name` (for expert weights: experts lo..hi-1)."""
+        """Rows [lo, hi) of internal parameter `name` (for expert weights: experts lo..hi-1),
+        read through the family's weight map."""
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             name = "model.embed_tokens.weight"
-        if name.endswith(".mlp.experts.gate_up_proj") or name.endswith(".mlp.experts.down_proj"):
-            prefix, proj = name.rsplit(".", 1)
-            if name in self.weight_map:  # the fused transformers-5 layout
-                return self._slice(name, lo, hi)
-            parts = []
-            for e in range(lo, hi):
-                if proj == "gate_up_proj":
-                    gate = self._slice(f"{prefix}.{e}.gate_proj.weight", 0, None)  # type: ignore[arg-type]
-                    up = self._slice(f"{prefix}.{e}.up_proj.weight", 0, None)  # type: ignore[arg-type]
-                    parts.append(torch.cat([gate, up], dim=0))
-                else:
-                    parts.append(self._slice(f"{prefix}.{e}.down_proj.weight", 0, None))  # type: ignore[arg-type]
-            if not parts:
-                raise ValueError(f"{name}: empty expert range [{lo}, {hi})")
-            return torch.stack(parts)
-        return self._slice(name, lo, hi)
+        return family_of(self.config).weights.rows(self, name, lo, hi, self.config)
 
 
 def load_pretrained(

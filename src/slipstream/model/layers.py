@@ -14,18 +14,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slipstream.config.model import YarnRope
+from slipstream.model import rope
 from slipstream.model.attention import KVCache, causal_attend
+from slipstream.model.attention_variants import variant_attend
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32 and cast back before the weight (as HF)."""
+    """x / rms(x) * weight, computed in float32 and cast back before the weight (as HF), or with
+    `weight_in_float32` the weight multiplied in float32 before the cast (GPT-OSS's norm; the
+    same in float32)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, weight_in_float32: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.weight_in_float32 = weight_in_float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_in_float32 and x.dtype != torch.float32:
+            return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
         if x.dtype == torch.float32 == self.weight.dtype and not torch.is_grad_enabled():
             # Inference in float32: one op with the weight folded in (bitwise equal to the line
             # below; decode is per-op overhead bound). Training keeps the HF form's backward.
@@ -93,10 +101,18 @@ class CosSin(tuple):
 
 
 def rope_cos_sin(
-    position_ids_BT: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+    position_ids_BT: torch.Tensor,
+    head_dim: int,
+    theta: float,
+    dtype: torch.dtype,
+    yarn: YarnRope | None = None,
 ) -> CosSin:
     """cos/sin tables (B, T, Dh) for the given absolute positions. Computed per call from the
-    positions (no max-length table), in float32, then cast to `dtype`."""
+    positions (no max-length table), in float32, then cast to `dtype`. `yarn`: YaRN-scaled
+    frequencies and cos/sin multiplier (model/rope.py)."""
+    if yarn is not None:
+        inv_freq, scaling = rope.inv_freq(head_dim, theta, yarn, position_ids_BT.device)
+        return CosSin(rope.cos_sin(position_ids_BT, inv_freq, scaling, dtype))
     device = position_ids_BT.device
     inv_freq = 1.0 / (
         theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
@@ -240,20 +256,63 @@ class Attention(nn.Module):
         head_dim: int,
         eps: float,
         layer_idx: int,
+        *,
+        qkv_bias: bool = False,
+        out_bias: bool = False,
+        qk_norm: str = "per_head",
+        clip_qkv: float | None = None,
+        rotary_dim: int | None = None,
+        sinks: bool = False,
+        sliding_window: int | None = None,
     ) -> None:
+        """The variants (config/model.py): `qkv_bias`/`out_bias` (Linear biases), `qk_norm`
+        ("per_head": weights (Dh,); "full": over the whole q / k projection, weights (H*Dh,),
+        (K*Dh,), as OLMoE; "none"), `clip_qkv` (clamp q, k, v after the norm, as OLMoE),
+        `rotary_dim` (RoPE on the first that many dims of each head; None: all), `sinks` (a
+        learned sink logit per query head, `self.sinks` (H,)), `sliding_window` (keys a query
+        sees, itself included; model/attention_variants.py). The default
+        (Qwen3) runs the op-lean paths below; any variant runs `_forward_variant`."""
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_attention_heads={num_heads} not divisible by num_key_value_heads={num_kv_heads}"
             )
+        if qk_norm not in ("per_head", "full", "none"):
+            raise ValueError(f"qk_norm={qk_norm!r}; expected per_head, full or none")
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise ValueError(
+                f"rotary dims {rotary_dim} must be even and within head_dim={head_dim}"
+            )
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.layer_idx = layer_idx
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
-        self.q_norm = RMSNorm(head_dim, eps)
-        self.k_norm = RMSNorm(head_dim, eps)
+        self.qk_norm_kind, self.clip_qkv, self.rotary_dim = qk_norm, clip_qkv, rotary_dim
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=out_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if qk_norm == "per_head":
+            self.q_norm = RMSNorm(head_dim, eps)
+            self.k_norm = RMSNorm(head_dim, eps)
+        elif qk_norm == "full":
+            self.q_norm = RMSNorm(num_heads * head_dim, eps)
+            self.k_norm = RMSNorm(num_kv_heads * head_dim, eps)
+        self.sinks: nn.Parameter | None = None
+        if sinks:
+            self.sinks = nn.Parameter(torch.zeros(num_heads))
+        self.sliding_window = sliding_window
+        self.variant = not (
+            qk_norm == "per_head"
+            and not qkv_bias
+            and not out_bias
+            and clip_qkv is None
+            and rotary_dim == head_dim
+            and not sinks
+            and sliding_window is None
+        )
+        """True when some variant is on: the forward then runs `_forward_variant`."""
         self._fused: tuple[tuple[tuple[int, int], ...], torch.Tensor, torch.Tensor] | None = None
         self.fused_inference = True
         """Use the fused q/k/v weights cached by (version, pointer) in no-grad forwards. Off for
@@ -290,7 +349,7 @@ class Attention(nn.Module):
         does not run Python."""
         if self._fused is not None:
             with torch.inference_mode():
-                self._fused_weights()
+                self._variant_weights() if self.variant else self._fused_weights()
 
     def _fused_qkv(
         self, x_BTD: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
@@ -318,6 +377,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """(B, T, D) -> (B, T, D); with `packing` (training without a cache) x is (M, D), so is
         the output (see `Packing`), and cos_sin are `packed_rope_tables`."""
+        if self.variant:
+            return self._forward_variant(x_BTD, cos_sin, cache, packing)
         if packing is not None:
             return self._forward_packed(x_BTD, cos_sin, packing)
         B, T, _ = x_BTD.shape
@@ -325,7 +386,7 @@ class Attention(nn.Module):
             torch.is_grad_enabled()
             or self.training
             or not self.fused_inference
-            or self.q_norm.eps != self.k_norm.eps
+            or self.q_norm.eps != self.k_norm.eps  # type: ignore[union-attr]
         ):
             q = self.q_norm(self.q_proj(x_BTD).view(B, T, self.num_heads, self.head_dim))
             k = self.k_norm(self.k_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim))
@@ -378,6 +439,78 @@ class Attention(nn.Module):
         out_BHTD = causal_attend(q_BHTD, k_BKTD, v_BKTD)
         return linear(packing.pack(out_BHTD.transpose(1, 2).reshape(B * T, H * Dh)),
                       self.o_proj.weight)  # fmt: skip
+
+    def _variant_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(q/k/v weight ((H + 2K) * Dh, D), their bias or None) for no-grad forwards, cached
+        by the parameters' (version, pointer) as `_fused_weights`."""
+        params = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
+        biases = [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]
+        has_bias = biases[0] is not None
+        if has_bias:
+            params += biases  # type: ignore[arg-type]
+        key = tuple((p._version, p.data_ptr()) for p in params)
+        if self._fused is None or self._fused[0] != key:
+            with torch.no_grad():
+                w_qkv = torch.cat(params[:3])
+                b_qkv = torch.cat(params[3:]) if has_bias else w_qkv.new_zeros(0)
+                if self._fused is not None and _same_layout(self._fused[1], w_qkv):
+                    w_qkv = self._fused[1].copy_(w_qkv)  # in place: see `_fused_weights`
+                    b_qkv = self._fused[2].copy_(b_qkv)
+            self._fused = (key, w_qkv, b_qkv)
+        return self._fused[1], (self._fused[2] if has_bias else None)
+
+    def _project_variant(self, x_ND: torch.Tensor) -> torch.Tensor:
+        """x (..., D) -> q, k, v projections concatenated (..., (H + 2K) * Dh)."""
+        if not torch.is_grad_enabled() and not self.training and self.fused_inference:
+            w_qkv, b_qkv = self._variant_weights()
+            return F.linear(x_ND, w_qkv, b_qkv)
+        if self.q_proj.bias is None:
+            return linear(x_ND, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
+        w = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
+        b = torch.cat((self.q_proj.bias, self.k_proj.bias, self.v_proj.bias))  # type: ignore[arg-type]
+        return F.linear(x_ND, w, b)
+
+    def _forward_variant(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache | None,
+        packing: Packing | None,
+    ) -> torch.Tensor:
+        """The forward for every variant (biases, q/k norm full or none, clip_qkv, partial
+        rotary): x (B, T, D), or (M, D) with `packing`; same contract as `forward`."""
+        H, K, Dh, rd = self.num_heads, self.num_kv_heads, self.head_dim, self.rotary_dim
+        lead = x.shape[:-1]
+        qkv = self._project_variant(x)
+        if self.qk_norm_kind == "full":
+            q, k, v = qkv.split((H * Dh, K * Dh, K * Dh), dim=-1)
+            q, k = self.q_norm(q), self.k_norm(k)  # type: ignore[misc]
+            qkv = torch.cat((q, k, v), dim=-1)
+        qkv = qkv.view(*lead, H + 2 * K, Dh)
+        if self.qk_norm_kind == "per_head":
+            qk, v = qkv.split((H + K, K), dim=-2)
+            w_norm = torch.cat((self.q_norm.weight.expand(H, Dh), self.k_norm.weight.expand(K, Dh)))  # type: ignore[union-attr]
+            qkv = torch.cat((rms_norm(qk, w_norm, self.q_norm.eps), v), dim=-2)  # type: ignore[union-attr]
+        if self.clip_qkv is not None:
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
+        qk, v = qkv.split((H + K, K), dim=-2)
+        rot, keep = (qk, None) if rd == Dh else qk.split((rd, Dh - rd), dim=-1)
+        rot = _rope_packed(rot, *cos_sin) if packing is not None else _rope_BTND(rot, cos_sin)
+        qk = rot if keep is None else torch.cat((rot, keep), dim=-1)
+        qkv = torch.cat((qk, v.to(qk.dtype)), dim=-2)
+        if packing is not None:  # one scatter to the (B, T) layout, attention, one gather
+            B, T = packing.batch_size, packing.num_tokens
+            qkv = packing.unpack(qkv).view(B, T, H + 2 * K, Dh)
+        B, T = qkv.shape[:2]
+        q_BHTD, k_BKTD, v_BKTD = (t.transpose(1, 2) for t in qkv.split((H, K, K), dim=2))
+        if cache is None:
+            out_BHTD = variant_attend(q_BHTD, k_BKTD, v_BKTD, self.sliding_window, self.sinks)
+        else:
+            out_BHTD = cache.attend(self.layer_idx, q_BHTD, k_BKTD, v_BKTD,
+                                    window=self.sliding_window, sinks_H=self.sinks)  # fmt: skip
+        if packing is not None:
+            return self.o_proj(packing.pack(out_BHTD.transpose(1, 2).reshape(B * T, H * Dh)))
+        return self.o_proj(out_BHTD.transpose(1, 2).reshape(B, T, H * Dh))
 
 
 class MLP(nn.Module):

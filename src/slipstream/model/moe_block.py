@@ -36,9 +36,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from slipstream.config.model import MOE_IMPLS
-from slipstream.model.expert_activation import Activation, SwiGLU
-from slipstream.model.layers import MLP, linear
+from slipstream.config.model import MOE_IMPLS, ModelConfig
+from slipstream.model.expert_activation import Activation, SwiGLU, expert_activation
+from slipstream.model.layers import MLP
+from slipstream.model.router import (
+    Router,
+    RoutingScheme,
+    SigmoidGroupTopK,
+    SoftmaxTopK,
+    routing_scheme,
+)
 
 log = logging.getLogger(__name__)
 
@@ -434,9 +441,11 @@ def static_experts(
 
 
 class SparseMoeBlock(nn.Module):
-    """Router `gate` (Linear D->E, no bias) + `experts`; optional `shared_expert` (SwiGLU) scaled by
-    sigmoid(`shared_expert_gate`(x)) as in Qwen2-MoE. Routing: softmax in float32 over all E
-    logits, top-k, optional renormalisation of the k probabilities (`norm_topk_prob`)."""
+    """Router `gate` (model/router.py `Router`: Linear D->E, optional bias and correction bias)
+    + `experts`; optional shared expert: `shared_expert` scaled by sigmoid(`shared_expert_gate`(x))
+    as in Qwen2-MoE, or (`shared_expert_gated=False`) `shared_experts` added as it is (GLM-4.5 /
+    DeepSeek). Routing: the `scheme` (model/router.py; default: softmax in float32 over all E
+    logits, top-k, optional renormalisation, `norm_topk_prob`)."""
 
     def __init__(
         self,
@@ -447,6 +456,13 @@ class SparseMoeBlock(nn.Module):
         norm_topk_prob: bool,
         shared_expert_intermediate_size: int = 0,
         impl: str = "grouped",
+        *,
+        scheme: RoutingScheme | None = None,
+        router_bias: bool = False,
+        correction_bias: bool = False,
+        shared_expert_gated: bool = True,
+        activation: Activation | None = None,
+        expert_bias: bool = False,
     ) -> None:
         """`impl`: the expert path (one of `MOE_IMPLS`); a model's blocks start on "grouped" and
         model/converters.py's `ExpertPath` sets the configured one."""
@@ -456,50 +472,67 @@ class SparseMoeBlock(nn.Module):
         if impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl={impl!r}; expected one of {MOE_IMPLS}")
         self.top_k, self.norm_topk_prob, self.impl = top_k, norm_topk_prob, impl
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.experts = Experts(num_experts, hidden_size, intermediate_size)
+        self.scheme: RoutingScheme = scheme or SoftmaxTopK(top_k, norm_topk_prob)
+        self.gate = Router(
+            hidden_size,
+            num_experts,
+            bias=router_bias,
+            correction_bias=correction_bias,
+            fp32=isinstance(self.scheme, SigmoidGroupTopK),
+        )
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, activation, expert_bias)
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
+        self.shared_experts: MLP | None = None
         self.routing_sink: Callable[[torch.Tensor], None] | None = None
         """Set by an inference engine to record routing: called with the top-k expert ids (N, k)
         of every forward (read-only; the forward's numerics do not change)."""
-        if shared_expert_intermediate_size > 0:
+        if shared_expert_intermediate_size > 0 and shared_expert_gated:
             self.shared_expert = MLP(hidden_size, shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        elif shared_expert_intermediate_size > 0:
+            self.shared_experts = MLP(hidden_size, shared_expert_intermediate_size)
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> SparseMoeBlock:
+        """The block a model of `cfg` builds for its MoE layers (on the default expert path)."""
+        return cls(
+            cfg.hidden_size,
+            cfg.num_experts,
+            cfg.num_experts_per_tok,
+            cfg.moe_intermediate_size,
+            cfg.norm_topk_prob,
+            cfg.shared_expert_intermediate_size,
+            scheme=routing_scheme(cfg),
+            router_bias=cfg.router_bias,
+            correction_bias=cfg.router_correction_bias,
+            shared_expert_gated=cfg.shared_expert_gated,
+            activation=expert_activation(cfg),
+            expert_bias=cfg.expert_bias,
+        )
 
     def route(
         self, x_ND: torch.Tensor, replay_ids_Nk: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> (router logits (N, E) in x's dtype, top-k weights (N, k) in x's dtype, ids (N, k)).
+        """-> (router logits (N, E) (float32 for an fp32 router, else x's dtype), top-k weights
+        (N, k) in the logits' dtype, ids (N, k)).
 
         `replay_ids_Nk` (routing replay, R3): use these experts instead of the router's top-k;
-        their weights are the live router's probabilities at those ids (renormalised like the
-        top-k's), so the router still gets its gradient. With the ids the router itself would
-        pick, the result equals the plain routing."""
-        logits_NE = linear(x_ND, self.gate.weight)
-        if replay_ids_Nk is not None and replay_ids_Nk.shape != (x_ND.shape[0], self.top_k):
-            raise ValueError(
-                f"replayed routing has shape {tuple(replay_ids_Nk.shape)}, the block routes "
-                f"{x_ND.shape[0]} tokens to top-{self.top_k}"
-            )
-        if self.norm_topk_prob:
-            # softmax over all E, top-k, renormalised == softmax over the k selected logits (the
-            # same function, ~10 fewer ops forward and backward; top-k of the logits is top-k of
-            # the probabilities)
-            logits32_NE = logits_NE.float()
-            if replay_ids_Nk is None:
-                sel_Nk, ids_Nk = torch.topk(logits32_NE, self.top_k, dim=-1)
-            else:
-                ids_Nk = replay_ids_Nk.to(device=logits_NE.device, dtype=torch.long)
-                sel_Nk = logits32_NE.gather(-1, ids_Nk)
-            w_Nk = F.softmax(sel_Nk, dim=-1)
-            return logits_NE, w_Nk.to(logits_NE.dtype), ids_Nk
-        probs_NE = F.softmax(logits_NE, dim=-1, dtype=torch.float32)
-        if replay_ids_Nk is None:
-            w_Nk, ids_Nk = torch.topk(probs_NE, self.top_k, dim=-1)
-        else:
-            ids_Nk = replay_ids_Nk.to(device=probs_NE.device, dtype=torch.long)
-            w_Nk = probs_NE.gather(-1, ids_Nk)
+        their weights are the scheme's weights from the live router's logits at those ids
+        (model/router.py), so the router still gets its gradient and the correction bias (used
+        for selection only) plays no part. With the ids the router itself would pick, the result
+        equals the plain routing."""
+        logits_NE = self.gate(x_ND)
+        if replay_ids_Nk is not None:
+            if replay_ids_Nk.shape != (x_ND.shape[0], self.top_k):
+                raise ValueError(
+                    f"replayed routing has shape {tuple(replay_ids_Nk.shape)}, the block routes "
+                    f"{x_ND.shape[0]} tokens to top-{self.top_k}"
+                )
+            replay_ids_Nk = replay_ids_Nk.to(device=logits_NE.device, dtype=torch.long)
+        w_Nk, ids_Nk = self.scheme.route(
+            logits_NE, self.gate.e_score_correction_bias, replay_ids_Nk
+        )
         return logits_NE, w_Nk.to(logits_NE.dtype), ids_Nk
 
     def forward(
@@ -520,10 +553,14 @@ class SparseMoeBlock(nn.Module):
         if self.routing_sink is not None:
             self.routing_sink(ids_Nk)
         out_ND = self.experts(x_ND, ids_Nk, w_Nk, impl=self.impl)
+        if out_ND.dtype != x_ND.dtype:
+            out_ND = out_ND.to(x_ND.dtype)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out_ND = out_ND + torch.sigmoid(self.shared_expert_gate(x_ND)) * self.shared_expert(
                 x_ND
             )
+        elif self.shared_experts is not None:
+            out_ND = out_ND + self.shared_experts(x_ND)
         return out_ND, logits_NE
 
 

@@ -57,6 +57,11 @@ def is_moe_layer(cfg: ModelConfig, layer_idx: int) -> bool:
     )
 
 
+def rotary_dim(cfg: ModelConfig) -> int:
+    """Dims of each head RoPE rotates: head_dim * partial_rotary_factor (as transformers: int())."""
+    return int(cfg.head_dim * cfg.partial_rotary_factor)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -67,21 +72,23 @@ class DecoderLayer(nn.Module):
             cfg.head_dim,
             cfg.rms_norm_eps,
             layer_idx,
+            qkv_bias=cfg.attention_bias,
+            out_bias=cfg.attention_out_bias,
+            qk_norm=cfg.qk_norm,
+            clip_qkv=cfg.clip_qkv,
+            rotary_dim=rotary_dim(cfg),
+            sinks=cfg.attention_sinks,
+            sliding_window=cfg.layer_window(layer_idx),
         )
         self.mlp: SparseMoeBlock | MLP
         if is_moe_layer(cfg, layer_idx):
-            self.mlp = SparseMoeBlock(
-                cfg.hidden_size,
-                cfg.num_experts,
-                cfg.num_experts_per_tok,
-                cfg.moe_intermediate_size,
-                cfg.norm_topk_prob,
-                cfg.shared_expert_intermediate_size,
-            )  # on the default expert path; model/converters.py's ExpertPath applies moe_impl
+            # on the default expert path; model/converters.py's ExpertPath applies moe_impl
+            self.mlp = SparseMoeBlock.from_config(cfg)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        f32 = cfg.norm_weight_in_float32
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, f32)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, f32)
 
     def forward(
         self,
@@ -107,7 +114,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_in_float32)
 
 
 class MoEForCausalLM(nn.Module):
@@ -137,6 +144,9 @@ class MoEForCausalLM(nn.Module):
         """Data-parallel training sets this to a sum over ranks, so the router losses are those
         of the whole batch (`load_balancing_loss`); None: this process's tokens only."""
         self.moe_layer_ids = [i for i in range(cfg.num_hidden_layers) if is_moe_layer(cfg, i)]
+        self.hf_passthrough: dict[str, torch.Tensor] = {}
+        """Checkpoint tensors the family keeps without building them (e.g. GLM's MTP layers):
+        set by `load_hf_state_dict`, written back by `save_pretrained` (model/families/)."""
         if self.lm_head.weight.device.type != "meta":
             self.init_weights()
         self.tie_weights()
@@ -152,11 +162,15 @@ class MoEForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, nn.Linear | nn.Embedding):
                 m.weight.normal_(0.0, std)
+                if isinstance(m, nn.Linear) and m.bias is not None:
+                    m.bias.zero_()
             elif isinstance(m, Experts):
                 m.gate_up_proj.normal_(0.0, std)
                 m.down_proj.normal_(0.0, std)
             elif isinstance(m, RMSNorm):
                 m.weight.fill_(1.0)
+            if isinstance(m, Attention) and m.sinks is not None:
+                m.sinks.normal_(0.0, std)  # as transformers' GPT-OSS init
 
     def default_position_ids(
         self, batch_size: int, num_tokens: int, cache: KVCache | None, device: torch.device
@@ -228,8 +242,8 @@ class MoEForCausalLM(nn.Module):
         else:
             input_ids, position_ids = input_ids_BT, position_ids_BT
         x_BTD = self.model.embed_tokens(input_ids)  # (M, D) when packed
-        cos_sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta,
-                               x_BTD.dtype)  # fmt: skip
+        cos_sin = rope_cos_sin(position_ids, rotary_dim(self.config), self.config.rope_theta,
+                               x_BTD.dtype, self.config.rope_scaling)  # fmt: skip
         if packing is not None:
             cos_sin = packed_rope_tables(*cos_sin)
         router_logits: list[torch.Tensor] = []

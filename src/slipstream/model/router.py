@@ -1,0 +1,190 @@
+"""MoE routers: the `Router` module (HF name `mlp.gate`) and the routing schemes that turn its
+logits into top-k expert ids and weights.
+
+Shape legend: N tokens, D hidden_size, E experts, k experts per token.
+
+Contract of a `RoutingScheme` (one per `ModelConfig.router_scheme`), shared by live routing and
+routing replay (R3):
+- `select(logits_NE, correction_E) -> ids_Nk`: the experts a token goes to (no gradient). Only
+  live routing calls it; `correction_E` is the router's `e_score_correction_bias` or None.
+- `weights(logits_NE, ids_Nk) -> w_Nk` (float32, differentiable in the logits): the combine
+  weights of those experts, computed from the live logits alone (never from the correction
+  bias). Replay calls it with the recorded ids, so the router keeps its gradient and a
+  correction bias changed after recording leaves the replayed weights unchanged.
+- `route(logits_NE, correction_E, replay_ids_Nk) -> (w_Nk, ids_Nk)`: `weights(select(...))`, or
+  `weights(replayed ids)`; a scheme may fuse the two (softmax_topk does), giving the same values.
+Adding a scheme: a class with these three methods, registered in `SCHEMES` under the name
+config/model.py's `RouterScheme` lists.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slipstream.config.model import ModelConfig
+from slipstream.model.layers import linear
+
+
+class RoutingScheme(Protocol):
+    def select(self, logits_NE: torch.Tensor, correction_E: torch.Tensor | None) -> torch.Tensor:
+        """Top-k expert ids (N, k), int64."""
+        ...
+
+    def weights(self, logits_NE: torch.Tensor, ids_Nk: torch.Tensor) -> torch.Tensor:
+        """Combine weights (N, k), float32, of experts `ids_Nk`, from the live logits."""
+        ...
+
+    def route(
+        self,
+        logits_NE: torch.Tensor,
+        correction_E: torch.Tensor | None,
+        replay_ids_Nk: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights (N, k) float32, ids (N, k) int64); replayed ids when given."""
+        ...
+
+
+class SoftmaxTopK:
+    """Qwen3-MoE / Mixtral / OLMoE: softmax over all E in float32, top-k, renormalised over the k
+    if `renormalize` (`norm_topk_prob`; Mixtral always)."""
+
+    def __init__(self, top_k: int, renormalize: bool) -> None:
+        self.top_k, self.renormalize = top_k, renormalize
+
+    def select(self, logits_NE: torch.Tensor, correction_E: torch.Tensor | None) -> torch.Tensor:
+        return torch.topk(logits_NE.float(), self.top_k, dim=-1).indices
+
+    def weights(self, logits_NE: torch.Tensor, ids_Nk: torch.Tensor) -> torch.Tensor:
+        return self.route(logits_NE, None, ids_Nk)[0]
+
+    def route(self, logits_NE, correction_E, replay_ids_Nk):  # type: ignore[no-untyped-def]
+        logits32_NE = logits_NE.float()
+        if self.renormalize:
+            # softmax over all E, top-k, renormalised == softmax over the k selected logits (the
+            # same function, ~10 fewer ops forward and backward; top-k of the logits is top-k of
+            # the probabilities)
+            if replay_ids_Nk is None:
+                sel_Nk, ids_Nk = torch.topk(logits32_NE, self.top_k, dim=-1)
+            else:
+                ids_Nk = replay_ids_Nk
+                sel_Nk = logits32_NE.gather(-1, ids_Nk)
+            return F.softmax(sel_Nk, dim=-1), ids_Nk
+        probs_NE = F.softmax(logits32_NE, dim=-1)
+        if replay_ids_Nk is None:
+            w_Nk, ids_Nk = torch.topk(probs_NE, self.top_k, dim=-1)
+            return w_Nk, ids_Nk
+        return probs_NE.gather(-1, replay_ids_Nk), replay_ids_Nk
+
+
+class SigmoidGroupTopK:
+    """DeepSeek-V3 / GLM-4.5 (transformers' `Glm4MoeTopkRouter`): scores = sigmoid(logits)
+    (float32); experts chosen on scores + correction bias within the best `topk_group` of
+    `n_group` groups (a group scores the sum of its best two); weights = the unbiased scores at
+    the chosen ids, divided by their sum + 1e-20 if `renormalize`, times `scaling`."""
+
+    def __init__(
+        self, top_k: int, n_group: int, topk_group: int, renormalize: bool, scaling: float
+    ) -> None:
+        self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
+        self.renormalize, self.scaling = renormalize, scaling
+
+    def select(self, logits_NE: torch.Tensor, correction_E: torch.Tensor | None) -> torch.Tensor:
+        with torch.no_grad():
+            scores_NE = logits_NE.float().sigmoid()
+            if correction_E is not None:
+                scores_NE = scores_NE + correction_E
+            if self.n_group > 1:
+                N, E = scores_NE.shape
+                grouped_NGe = scores_NE.view(N, self.n_group, E // self.n_group)
+                group_NG = grouped_NGe.topk(2, dim=-1).values.sum(-1)
+                best_Ng = group_NG.topk(self.topk_group, dim=-1, sorted=False).indices
+                keep_NG = torch.zeros_like(group_NG, dtype=torch.bool).scatter_(1, best_Ng, True)
+                scores_NE = grouped_NGe.masked_fill(~keep_NG[:, :, None], float("-inf")).view(N, E)
+            return torch.topk(scores_NE, self.top_k, dim=-1, sorted=False).indices
+
+    def weights(self, logits_NE: torch.Tensor, ids_Nk: torch.Tensor) -> torch.Tensor:
+        w_Nk = logits_NE.float().sigmoid().gather(1, ids_Nk)
+        if self.renormalize:
+            w_Nk = w_Nk / (w_Nk.sum(dim=-1, keepdim=True) + 1e-20)
+        return w_Nk * self.scaling
+
+    def route(self, logits_NE, correction_E, replay_ids_Nk):  # type: ignore[no-untyped-def]
+        ids_Nk = self.select(logits_NE, correction_E) if replay_ids_Nk is None else replay_ids_Nk
+        return self.weights(logits_NE, ids_Nk), ids_Nk
+
+
+class TopKSoftmax:
+    """GPT-OSS: top-k of the logits (the router's bias included), softmax over the k."""
+
+    def __init__(self, top_k: int) -> None:
+        self.top_k = top_k
+
+    def select(self, logits_NE: torch.Tensor, correction_E: torch.Tensor | None) -> torch.Tensor:
+        return torch.topk(logits_NE.float(), self.top_k, dim=-1).indices
+
+    def weights(self, logits_NE: torch.Tensor, ids_Nk: torch.Tensor) -> torch.Tensor:
+        return F.softmax(logits_NE.float().gather(-1, ids_Nk), dim=-1)
+
+    def route(self, logits_NE, correction_E, replay_ids_Nk):  # type: ignore[no-untyped-def]
+        if replay_ids_Nk is None:
+            sel_Nk, ids_Nk = torch.topk(logits_NE.float(), self.top_k, dim=-1)
+            return F.softmax(sel_Nk, dim=-1), ids_Nk
+        return self.weights(logits_NE, replay_ids_Nk), replay_ids_Nk
+
+
+def routing_scheme(cfg: ModelConfig) -> RoutingScheme:
+    """The scheme `cfg.router_scheme` names, with its parameters from `cfg`."""
+    k = cfg.num_experts_per_tok
+    if cfg.router_scheme == "softmax_topk":
+        return SoftmaxTopK(k, cfg.norm_topk_prob)
+    if cfg.router_scheme == "topk_softmax":
+        return TopKSoftmax(k)
+    if cfg.router_scheme == "sigmoid_group_topk":
+        if cfg.num_experts % cfg.n_group:
+            raise ValueError(f"n_group={cfg.n_group} does not divide num_experts={cfg.num_experts}")
+        if cfg.topk_group > cfg.n_group:
+            raise ValueError(f"topk_group={cfg.topk_group} > n_group={cfg.n_group}")
+        if cfg.n_group > 1 and cfg.num_experts // cfg.n_group < 2:
+            raise ValueError("sigmoid_group_topk scores a group by its best two experts: "
+                             f"num_experts / n_group = {cfg.num_experts // cfg.n_group} < 2")  # fmt: skip
+        return SigmoidGroupTopK(
+            k, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor
+        )
+    raise ValueError(f"router_scheme={cfg.router_scheme!r} has no implementation")
+
+
+class Router(nn.Linear):
+    """`mlp.gate`: logits = x @ weight^T (+ bias when `router_bias`), and, with
+    `correction_bias`, the `e_score_correction_bias` (E,) float32 persistent buffer (in the state
+    dict, so checkpoints and weight pushes carry it; a buffer, so no optimizer updates it).
+    `fp32`: logits computed in float32 (sigmoid routers, as transformers keeps them)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        bias: bool = False,
+        correction_bias: bool = False,
+        fp32: bool = False,
+    ) -> None:
+        super().__init__(hidden_size, num_experts, bias=bias)
+        self.fp32 = fp32
+        self.e_score_correction_bias: torch.Tensor | None
+        if correction_bias:
+            self.register_buffer(
+                "e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32)
+            )
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
+        if self.fp32:
+            b = None if self.bias is None else self.bias.float()
+            return F.linear(x_ND.float(), self.weight.float(), b)
+        if self.bias is None:
+            return linear(x_ND, self.weight)
+        return F.linear(x_ND, self.weight, self.bias)
