@@ -27,7 +27,8 @@ MOE_IMPLS: tuple[str, ...] = get_args(MoEImpl)
 ExpertActivation = Literal["swiglu", "clamped_swiglu"]
 """`swiglu`: silu(gate) * up. `clamped_swiglu` (GPT-OSS): (clamp(up, -limit, limit) + 1) * g *
 sigmoid(alpha * g), g = clamp(gate, max=limit)."""
-LayerType = Literal["full_attention", "sliding_attention"]
+LayerType = Literal["full_attention", "sliding_attention", "linear_attention"]
+"""`linear_attention`: a Gated DeltaNet layer (Qwen3-Next / Qwen3.5, model/gated_deltanet.py)."""
 
 
 class YarnRope(Section):
@@ -45,6 +46,12 @@ class YarnRope(Section):
     """Round the correction range to whole dimensions (GPT-OSS: false)."""
     attention_factor: float | None = None
     """cos/sin multiplier; None: 0.1 * ln(factor) + 1 (mscale / mscale_all_dim are not read)."""
+    mscale: float | None = None
+    """DeepSeek's YaRN `mscale` (kept for the checkpoint; its family folds it into
+    `attention_factor` on load)."""
+    mscale_all_dim: float | None = None
+    """DeepSeek's YaRN `mscale_all_dim`: multi-head latent attention multiplies its softmax scale
+    by (0.1 * mscale_all_dim * ln(factor) + 1)^2 (model/mla.py `mla_softmax_scale`)."""
 
 
 class ModelConfig(Section):
@@ -109,9 +116,6 @@ class ModelConfig(Section):
     """Clamp q, k and v to [-clip_qkv, clip_qkv] after the q/k norm (OLMoE); None: no clamp."""
     partial_rotary_factor: float = Field(default=1.0, gt=0, le=1)
     """RoPE rotates the first head_dim * factor dims of each head (GLM-4.5: 0.5)."""
-    num_nextn_predict_layers: int = Field(default=0, ge=0)
-    """Multi-token-prediction layers the checkpoint carries after the decoder (GLM-4.5,
-    DeepSeek-V3): kept and written back with the checkpoint, not built or trained."""
     max_position_embeddings: int = Field(default=512, ge=8)
     """Longest sequence (prompt + completion) the model handles."""
     rope_theta: float = Field(default=10000.0, gt=0)
@@ -144,6 +148,35 @@ class ModelConfig(Section):
     """`clamped_swiglu`'s sigmoid slope."""
     swiglu_limit: float = Field(default=7.0, gt=0)
     """`clamped_swiglu`'s clamp."""
+    linear_num_key_heads: int = Field(default=0, ge=0)
+    """Gated DeltaNet (`linear_attention` layers): key heads (q and k share them)."""
+    linear_num_value_heads: int = Field(default=0, ge=0)
+    """Gated DeltaNet value heads (a multiple of the key heads)."""
+    linear_key_head_dim: int = Field(default=0, ge=0)
+    """Gated DeltaNet key/query head width."""
+    linear_value_head_dim: int = Field(default=0, ge=0)
+    """Gated DeltaNet value head width."""
+    linear_conv_kernel_dim: int = Field(default=4, ge=2)
+    """Gated DeltaNet's causal depthwise conv1d width."""
+    attention_output_gate: bool = False
+    """Full attention with a per-head output gate (Qwen3-Next / 3.5: q_proj twice as wide, the
+    output times sigmoid(gate); model/gated_attention.py)."""
+    norm_zero_centered: bool = False
+    """RMSNorm weights stored zero-centred, applied as (1 + w) (Qwen3-Next / 3.5)."""
+    kv_lora_rank: int = Field(default=0, ge=0)
+    """Multi-head latent attention (DeepSeek-V3, model/mla.py) when > 0: the compressed kv
+    latent's width; 0: grouped-query attention."""
+    q_lora_rank: int | None = Field(default=None, ge=1)
+    """MLA: the low-rank q (q_a_proj -> norm -> q_b_proj) width; None: a plain q_proj."""
+    qk_nope_head_dim: int = Field(default=0, ge=0)
+    """MLA: the per-head q/k dims without RoPE."""
+    qk_rope_head_dim: int = Field(default=0, ge=0)
+    """MLA: the per-head q/k dims with RoPE (the k part shared by all heads); equals head_dim,
+    the width of the model's RoPE tables."""
+    v_head_dim: int = Field(default=0, ge=0)
+    """MLA: the value head width (K is qk_nope + qk_rope wide)."""
+    rope_interleave: bool = False
+    """MLA: RoPE on (even, odd) pairs of the rope dims (DeepSeek's layout); false: rotate-half."""
     initializer_range: float = Field(default=0.02, gt=0)
     """Std of the normal init of linear/embedding/expert weights (random init only)."""
     moe_impl: MoEImpl = "grouped"
@@ -164,6 +197,29 @@ class ModelConfig(Section):
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError(
                 "layer_types names sliding_attention layers but sliding_window is unset"
+            )
+        linear = (self.linear_num_key_heads, self.linear_num_value_heads,
+                  self.linear_key_head_dim, self.linear_value_head_dim)  # fmt: skip
+        if "linear_attention" in self.layer_types and not all(linear):
+            raise ValueError(
+                "layer_types names linear_attention layers but linear_num_key_heads, "
+                "linear_num_value_heads, linear_key_head_dim, linear_value_head_dim are not all set"
+            )
+        if all(linear) and self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(
+                f"linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
+                f"linear_num_key_heads={self.linear_num_key_heads}"
+            )
+        if self.kv_lora_rank and (
+            self.qk_rope_head_dim != self.head_dim
+            or self.num_key_value_heads != self.num_attention_heads
+            or not (self.qk_nope_head_dim and self.v_head_dim)
+        ):
+            raise ValueError(
+                f"multi-head latent attention (kv_lora_rank={self.kv_lora_rank}) needs "
+                f"qk_rope_head_dim == head_dim (got {self.qk_rope_head_dim}, {self.head_dim}), "
+                f"num_key_value_heads == num_attention_heads (got {self.num_key_value_heads}, "
+                f"{self.num_attention_heads}) and qk_nope_head_dim, v_head_dim > 0"
             )
         return self
 
