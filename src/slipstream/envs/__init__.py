@@ -10,6 +10,8 @@ Environments (keyed by `task.env`):
 - `single_turn` (default): the task's prompt, one turn, the verifier's reward (every built-in task).
 - `python_tool`: the task's prompt; the policy may run `<py>...</py>` programs in the episode's
   sandbox (kept for the episode) before it answers; the verifier scores the answer.
+- `agent`: the user's agent program, run once per episode against its own OpenAI-compatible
+  endpoint (envs/agent.py; its factory is `AgentRuntime.factory`, which the worker builds).
 - `code_tests`: the `code` task with visible tests: each turn is a solution, run against the
   visible tests in the episode's sandbox; failures come back as the observation; the last (or
   first fully passing) solution is scored on the hidden tests.
@@ -48,6 +50,7 @@ ENVS: dict[str, str] = {
     "single_turn": "slipstream.envs.single_turn:SingleTurnEnv",
     "python_tool": "slipstream.envs.python_tool:PythonToolEnv",
     "code_tests": "slipstream.envs.code_tests:CodeTestsEnv",
+    "agent": "slipstream.envs.agent:AgentEnv",
 }
 
 

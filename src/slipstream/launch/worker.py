@@ -147,7 +147,8 @@ def build_worker(spec: WorkerSpec, worker_id: str, coord: Any = None) -> Any:
                                    seed=hash(worker_id) & 0xFFFF)  # fmt: skip
     try:
         worker = RolloutWorker(worker_id, coord, engine, taskset, verifier, rc, weights,
-                               max_new_tokens=cfg.engine.max_new_tokens, run_seed=cfg.run.seed)  # fmt: skip
+                               max_new_tokens=cfg.engine.max_new_tokens, run_seed=cfg.run.seed,
+                               agent=cfg.agent)  # fmt: skip
         if cfg.engine.weight_sync == "distributed":
             # the trainer pushes every version to this engine through SGLang's endpoints
             import secrets

@@ -444,7 +444,22 @@ class Trainer:
     def _advantages(
         self, groups: list[Group], t: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, dict]:
-        """GRPO: per-token advantage = the sample's group-relative advantage."""
+        """GRPO: per-token advantage = the sample's group-relative advantage. A group whose
+        episodes gave several samples (`Sample.episode`: an agent that rewrote its history) is
+        normalised over its episodes, and each episode's samples share its advantage."""
+        if any(s.episode >= 0 for g in groups for s in g.samples):
+            adv: list[float] = []
+            for g in groups:
+                keys = [s.episode if s.episode >= 0 else -1 - i for i, s in enumerate(g.samples)]
+                reward_of = {}
+                for k, s in zip(keys, g.samples, strict=True):
+                    reward_of.setdefault(k, s.reward)
+                r_1E = torch.tensor([list(reward_of.values())], dtype=torch.float32)
+                a_E = grpo_advantages(r_1E, std_norm=self.cfg.std_norm)[0].tolist()
+                adv_of = dict(zip(reward_of, a_E, strict=True))
+                adv.extend(adv_of[k] for k in keys)
+            adv_B = torch.tensor(adv, dtype=torch.float32, device=self.device)
+            return adv_B[:, None].expand_as(t["behaviour_BT"]), {}
         sizes = {len(g.samples) for g in groups}
         if len(sizes) != 1:
             raise ValueError(f"groups of unequal sizes {sorted(sizes)} in one batch")
@@ -554,7 +569,8 @@ class Trainer:
             B, T, L, k = t["routing_BTLk"].shape
             recorded_LNk = t["routing_BTLk"].permute(2, 0, 1, 3).reshape(L, B * T, k)
             mis.add_routing(out.router_logits, recorded_LNk, t["valid_BT"].reshape(-1),
-                            stale_BT.reshape(-1))  # fmt: skip
+                            stale_BT.reshape(-1),
+                            self.model.select_experts(out.router_logits))  # fmt: skip
         return mis.sums
 
     def _minibatch(self, t, extra, old_logp_BT, ref_logp_BT, num_real=None) -> dict[str, float]:

@@ -118,6 +118,10 @@ class Sample:
     reward_components: dict[str, float | None] = field(default_factory=dict)
     """The reward's components by name (`[[reward.functions]]`; None = not applicable); `reward`
     is their weighted sum. Empty when the reward is the task's verifier alone."""
+    episode: int = -1
+    """The episode this sample belongs to, when an episode gave several samples (an agent that
+    rewrote its history: envs/agent_trajectory.py); they share its reward and its GRPO
+    advantage, and the group's baseline counts the episode once. -1: a sample of its own."""
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)

@@ -47,6 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from slipstream.config.agent import AgentConfig
 from slipstream.config.rl import RolloutConfig
 from slipstream.engine.base import Engine, PublishedWeights
 from slipstream.envs import (
@@ -58,6 +59,7 @@ from slipstream.envs import (
     env_needs_sandbox,
     make_env_factory,
 )
+from slipstream.envs.agent import AgentRuntime
 from slipstream.envs.sandboxes import SandboxHost
 from slipstream.rl import routing
 from slipstream.rl.types import Group, Lease, Sample, TaskRef
@@ -93,7 +95,7 @@ def episode_sample(ep: Episode) -> Sample:
         reward_components=dict(ep.reward_components),
         tool_calls=ep.usage.tool_calls, env_s=ep.env_s, tool_s=ep.usage.tool_s,
         sandbox_acquire_s=ep.usage.sandbox_acquire_s, infra_retries=ep.infra_retries,
-        **_routing_fields(ep),
+        episode=ep.episode_index, **_routing_fields(ep),
     )  # fmt: skip
 
 
@@ -143,9 +145,11 @@ class RolloutWorker:
         *,
         max_new_tokens: int = 32,
         run_seed: int = 0,
+        agent: AgentConfig | None = None,
     ) -> None:
         """`weights`: the job's weight store; the engine loads the versions the coordinator
-        announces from it (`Engine.load_version`, however that engine loads weights)."""
+        announces from it (`Engine.load_version`, however that engine loads weights).
+        `agent`: the `[agent]` section, for task.env = "agent" (envs/agent.py)."""
         self.worker_id = worker_id
         self.coord = coordinator
         self.engine = engine
@@ -171,8 +175,17 @@ class RolloutWorker:
         # sandbox-verified single-turn task (code) borrows one per verification and queues
         if self.sandboxes is not None and env_needs_sandbox(taskset.cfg.env):
             _check_sandbox_capacity(self.sandboxes, cfg)
-        make_env = make_env_factory(taskset, scorer=verifier.verify, sandboxes=self.sandboxes,
-                                    limits=episode_limits(cfg, self.max_new_tokens))  # fmt: skip
+        limits = episode_limits(cfg, self.max_new_tokens)
+        self.agent: AgentRuntime | None = None
+        if taskset.cfg.env == "agent":  # the user's agent drives its episodes (envs/agent.py)
+            self.agent = AgentRuntime(engine, taskset, agent or AgentConfig(), limits,
+                                      scorer=verifier.verify, temperature=cfg.temperature,
+                                      record_routing=cfg.record_routing,
+                                      context_tokens=_context_tokens(engine))  # fmt: skip
+            make_env = self.agent.factory()
+        else:
+            make_env = make_env_factory(taskset, scorer=verifier.verify, sandboxes=self.sandboxes,
+                                        limits=limits)  # fmt: skip
         self.runner = EpisodeRunner(
             engine, make_env, taskset.tokenizer, episode_limits(cfg, self.max_new_tokens),
             self._pool, temperature=cfg.temperature, record_routing=cfg.record_routing,
@@ -262,6 +275,8 @@ class RolloutWorker:
         out = dict(self.stats)
         out.update(self.verifier.reward_stats())
         out["weight_version"] = float(self.engine.version)
+        if self.agent is not None:
+            out.update({f"agent_{k}": v for k, v in self.agent.stats.as_dict().items()})
         pool = self.sandboxes.stats() if self.sandboxes is not None else None
         if pool is not None:
             for key, value in vars(pool).items():
@@ -438,6 +453,8 @@ class RolloutWorker:
                 self._lock.wait(0.05)
         self._pool.shutdown(wait=True)  # acks of groups mid-verification go out before we return
         self.runner.close()
+        if self.agent is not None:
+            self.agent.close()
         try:
             self.coord.report(self.worker_id, self.report())
         except (ConnectionError, EOFError, OSError):
