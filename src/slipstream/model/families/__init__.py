@@ -309,4 +309,4 @@ def common_to_hf(cfg: ModelConfig, family: Family, **rope_extra: Any) -> dict[st
 
 
 # The families (each module registers itself on import).
-from slipstream.model.families import glm4_moe, mixtral, olmoe, qwen3_moe  # noqa: E402, F401
+from slipstream.model.families import glm4_moe, gpt_oss, mixtral, olmoe, qwen3_moe  # noqa: E402, F401
