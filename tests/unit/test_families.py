@@ -7,7 +7,9 @@ Per family: logits (fp32, 1e-5), one training step's loss and gradients, the sav
 trip in both directions, greedy decoding of the native engine vs transformers `generate` (mixed
 prompt lengths, prefix-cache hits), routing replay (R3) and the correction bias. The EP layout of
 each family's MoE block is checked against one process in tests/integration/test_moe_ep.py.
-A family is a row of FAMILIES (part B adds gpt_oss).
+A family is a row of FAMILIES. Names and layouts are compared in transformers' in-memory form
+(the family's `weights.to_hf(..., fused_experts=True)`: the identity except for gpt_oss, whose
+router is `mlp.router` and experts (E, D, 2I) interleaved there).
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from slipstream.model.moe_block import SparseMoeBlock
 transformers = pytest.importorskip("transformers")
 torch.set_num_threads(1)
 
-FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "glm4_moe"]
-"""The families checked here (all registered MoE families of part A)."""
+FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss"]
+"""The families checked here."""
 
 
 def _hf_model(model_type: str, seed: int = 0):
@@ -64,6 +66,11 @@ def pair(request, tmp_path_factory):
     return model_type, hf, directory, ours
 
 
+def _as_hf(model: MoEForCausalLM, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Internal tensors under transformers' in-memory names and layouts."""
+    return family_for(model.config.model_type).weights.to_hf(sd, model.config, True)
+
+
 def _ids(vocab: int, batch: int = 2, seq: int = 13) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(7))
 
@@ -77,7 +84,7 @@ def test_registry_lists_the_families():
 def test_logits_match_transformers(pair):
     model_type, hf, _, ours = pair
     assert ours.config.model_type == model_type
-    assert set(ours.state_dict()) == set(hf.state_dict())  # transformers-5 in-memory names
+    assert set(_as_hf(ours, ours.state_dict())) == set(hf.state_dict())  # in-memory names
     ids = _ids(ours.config.vocab_size)
     with torch.no_grad():
         ref = hf(ids).logits
@@ -107,10 +114,12 @@ def test_train_step_loss_and_grads_match(pair):
         loss.backward()
         torch.testing.assert_close(loss, ref.loss, atol=1e-5, rtol=1e-5)
         theirs = dict(hf.named_parameters())
-        for name, p in ours.named_parameters():
+        assert all(p.grad is not None for p in ours.parameters())
+        grads = _as_hf(ours, {n: p.grad for n, p in ours.named_parameters()})
+        for name, g in grads.items():
             g_ref = theirs[name].grad
-            assert p.grad is not None and g_ref is not None, name
-            torch.testing.assert_close(p.grad, g_ref, atol=1e-5, rtol=1e-4, msg=name)
+            assert g_ref is not None, name
+            torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=1e-4, msg=name)
     finally:
         hf.eval()
         ours.eval()
@@ -162,7 +171,10 @@ def test_routing_replay_and_correction_bias(pair):
     ids = _ids(model.config.vocab_size)
     recorded = _record_routing(model, ids)
     with torch.no_grad():
-        live = model(ids).logits_BTV
+        live_out = model(ids)
+        live = live_out.logits_BTV
+        # the mismatch metrics' live selection (scheme + correction bias) is what was recorded
+        assert torch.equal(model.select_experts(live_out.router_logits), recorded)
         replayed_before = model(ids, replay_routing_LNk=recorded).logits_BTV
     assert torch.equal(replayed_before, live)  # replay reproduces the recorded forward
     model.train()

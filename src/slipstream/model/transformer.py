@@ -302,6 +302,15 @@ class MoEForCausalLM(nn.Module):
             rows_M,
         )
 
+    @torch.no_grad()
+    def select_experts(self, router_logits: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """(L, N, k) the experts each MoE layer's routing scheme selects from its router logits
+        (`ModelOutput.router_logits`), the correction bias included: the live top-k that the
+        train-inference mismatch metrics compare with the recorded routing (rl/routing.py)."""
+        blocks = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+        return torch.stack([b.scheme.select(g, b.gate.e_score_correction_bias)
+                            for b, g in zip(blocks, router_logits, strict=True)])  # fmt: skip
+
     def num_parameters(self, active: bool = False) -> int:
         """All parameters, or (active=True) those one token uses: top-k of E routed experts."""
         total = sum(p.numel() for p in self.parameters())

@@ -101,12 +101,17 @@ class MismatchStats:
 
     @torch.no_grad()
     def add_routing(self, router_logits: Sequence[torch.Tensor], recorded_LNk: torch.Tensor,
-                    valid_N: torch.Tensor, staleness_N: torch.Tensor) -> None:  # fmt: skip
+                    valid_N: torch.Tensor, staleness_N: torch.Tensor,
+                    live_LNk: torch.Tensor | None = None) -> None:  # fmt: skip
         """`router_logits`: per MoE layer (N, E) of the trainer's forward; `valid_N`: real
-        (non-padding) positions."""
+        (non-padding) positions. `live_LNk`: the experts the model's routing scheme selects
+        (`MoEForCausalLM.select_experts`: a sigmoid router's correction bias and groups
+        included); None: the top-k of the logits (softmax routers)."""
         k = recorded_LNk.shape[-1]
-        logits_LNE = torch.stack([g.float() for g in router_logits])
-        live_LNk = torch.topk(logits_LNE, k, dim=-1).indices.sort(-1).values
+        if live_LNk is None:
+            logits_LNE = torch.stack([g.float() for g in router_logits])
+            live_LNk = torch.topk(logits_LNE, k, dim=-1).indices
+        live_LNk = live_LNk.sort(-1).values
         rec_LNk = recorded_LNk.to(live_LNk.device).sort(-1).values
         same_LN = (live_LNk == rec_LNk).all(-1)
         bucket_N = staleness_bucket_BT(staleness_N)
