@@ -50,6 +50,7 @@ SUBCOMMANDS = [
     "ckpt",
     "config_cmd",
     "plan",
+    "task",
 ]
 
 EPILOG = """\

@@ -189,7 +189,7 @@ class DataFile:
                     block_start, block_off = row, rec_start
                 row += 1
             if in_quotes:
-                raise DataError(f"{self.url}: row {row + 1}: unterminated quoted field")
+                raise DataError(f"{self.url}:{row + 1}: unterminated quoted field")
             if row > block_start:
                 out.append(Block(0, len(out), block_start, row - block_start, block_off))
             return out
@@ -248,13 +248,13 @@ class DataFile:
             return line.decode("utf-8")
         except UnicodeDecodeError as e:
             raise DataError(
-                f"{self.url}: row {row + 1}: not UTF-8 (byte {e.start} of the row)"
+                f"{self.url}:{row + 1}: not UTF-8 (byte {e.start} of the row)"
             ) from None
 
     def _check_object(self, value: Any, row: int) -> None:
         if not isinstance(value, dict):
             raise DataError(
-                f"{self.url}: row {row + 1}: a row must be a JSON object, got {type(value).__name__}"
+                f"{self.url}:{row + 1}: a row must be a JSON object, got {type(value).__name__}"
             )
 
     def _read_jsonl(self, block: Block) -> list[dict[str, Any]]:
@@ -268,7 +268,7 @@ class DataFile:
                 try:
                     value = json.loads(self._decode(line, row))
                 except json.JSONDecodeError as e:
-                    raise DataError(f"{self.url}: row {row + 1}: not valid JSON: {e.msg}") from None
+                    raise DataError(f"{self.url}:{row + 1}: not valid JSON: {e.msg}") from None
                 self._check_object(value, row)
                 rows.append(value)
                 if len(rows) == block.rows:
@@ -297,7 +297,7 @@ class DataFile:
             row = block.start + len(rows)
             if len(values) != len(header):
                 raise DataError(
-                    f"{self.url}: row {row + 1}: {len(values)} fields, the header has {len(header)}"
+                    f"{self.url}:{row + 1}: {len(values)} fields, the header has {len(header)}"
                 )
             rows.append(dict(zip(header, values, strict=True)))
         return rows
