@@ -171,10 +171,7 @@ def test_routing_replay_and_correction_bias(pair):
     ids = _ids(model.config.vocab_size)
     recorded = _record_routing(model, ids)
     with torch.no_grad():
-        live_out = model(ids)
-        live = live_out.logits_BTV
-        # the mismatch metrics' live selection (scheme + correction bias) is what was recorded
-        assert torch.equal(model.select_experts(live_out.router_logits), recorded)
+        live = model(ids).logits_BTV
         replayed_before = model(ids, replay_routing_LNk=recorded).logits_BTV
     assert torch.equal(replayed_before, live)  # replay reproduces the recorded forward
     model.train()
