@@ -270,14 +270,21 @@ class AgentEndpoint:
             raise SessionError(401, "missing or wrong API key for this episode")
         return s
 
-    def _params(self, obj: CompletionRequest | ChatCompletionRequest, room: int,
-                asked: int | None, prompt_len: int) -> SamplingParams:  # fmt: skip
+    @staticmethod
+    def _check(obj: CompletionRequest | ChatCompletionRequest) -> None:
+        """ValueError (400, counted) for what the endpoint does not take; before the call is
+        admitted, so a refused request spends none of the episode's budget."""
         if obj.n != 1:
             raise ValueError("n: an agent episode's calls take n = 1 (each call is one step of "
                              "its trajectory)")  # fmt: skip
-        bad = [b for b in obj.unsupported() if b != "logit_bias"]
+        if obj.stream_options is not None and not obj.stream:
+            raise ValueError("stream_options can only be set when stream is true")
+        bad = obj.unsupported()
         if bad:
             raise ValueError(f"{bad[0]} is not supported by the episode endpoint")
+
+    def _params(self, obj: CompletionRequest | ChatCompletionRequest, room: int,
+                asked: int | None, prompt_len: int) -> SamplingParams:  # fmt: skip
         cap = min(self.max_turn_tokens, room)
         if asked is not None:
             cap = min(cap, asked)
@@ -367,9 +374,7 @@ class AgentEndpoint:
         @app.post("/s/{sid}/v1/chat/completions")
         async def chat(sid: str, obj: AgentChatRequest, request: Request) -> Any:
             s = self._session(request, sid)
-            if obj.tools:
-                raise ValueError("tools: function calling is not implemented by the episode "
-                                 "endpoint yet; parse tool calls from the message text")  # fmt: skip
+            self._check(obj)
             messages = [m.model_dump(exclude_none=True) for m in obj.messages]
             for m, src in zip(messages, obj.messages, strict=True):
                 m["content"] = src.text()
@@ -409,6 +414,7 @@ class AgentEndpoint:
                 raise ValueError("prompt is empty")
             if obj.echo:
                 raise ValueError("echo is not supported by the episode endpoint")
+            self._check(obj)
             room = s.admit()
             params = self._params(obj, room, obj.max_tokens, len(ids))
             c, latency = await self._generate(s, ids, params, request)
