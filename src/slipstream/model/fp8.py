@@ -57,11 +57,29 @@ def dequantize_fp8_block(
     return (weight.float() * s).to(dtype)
 
 
+def infer_block(shape: tuple[int, ...], grid: tuple[int, ...]) -> tuple[int, int]:
+    """The block of a weight of `shape` with a scale grid `grid`: 128 along a dim where the
+    grid is ceil(n / 128) (the released checkpoints, ragged edges included), else n / grid
+    where that divides (other block sizes), else an error."""
+    block = []
+    for n, g in zip(shape[-2:], grid[-2:], strict=True):
+        if -(-n // 128) == g:
+            block.append(128)
+        elif g and n % g == 0:
+            block.append(n // g)
+        else:
+            raise ValueError(f"FP8 weight {tuple(shape)} does not fit a scale grid {tuple(grid)}")
+    return block[0], block[1]
+
+
 def dequantize_state_dict(
-    sd: dict[str, torch.Tensor], block: tuple[int, int], dtype: torch.dtype = torch.float32
+    sd: dict[str, torch.Tensor],
+    block: tuple[int, int] | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> dict[str, torch.Tensor]:
     """Every `X` with an `X_scale_inv` beside it dequantised (the scale keys consumed); other
-    tensors passed through. An FP8 tensor without its scale is refused by name."""
+    tensors passed through. `block`: None infers it per tensor from its scale grid
+    (`infer_block`). An FP8 tensor without its scale is refused by name."""
     out: dict[str, torch.Tensor] = {}
     for key, value in sd.items():
         if key.endswith(SCALE_SUFFIX):
@@ -70,7 +88,8 @@ def dequantize_state_dict(
             continue
         scale = sd.get(key + SCALE_SUFFIX)
         if scale is not None:
-            out[key] = dequantize_fp8_block(value, scale, block, dtype)
+            b = block or infer_block(tuple(value.shape), tuple(scale.shape))
+            out[key] = dequantize_fp8_block(value, scale, b, dtype)
         elif value.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             raise ValueError(f"checkpoint tensor {key} is FP8 but has no {key}{SCALE_SUFFIX}")
         else:

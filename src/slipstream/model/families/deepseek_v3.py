@@ -28,7 +28,13 @@ from slipstream.model.families import (
     require,
     rope_of,
 )
-from slipstream.model.fp8 import SCALE_SUFFIX, dequantize_fp8_block, dequantize_state_dict
+from slipstream.model.fp8 import (
+    SCALE_SUFFIX,
+    block_size_from_hf,
+    dequantize_fp8_block,
+    dequantize_state_dict,
+    infer_block,
+)
 from slipstream.model.mla import yarn_mscale
 
 _FIXED = dict(
@@ -73,6 +79,7 @@ def _yarn_from_hf(rope: dict[str, Any], max_positions: int) -> YarnRope | None:
 
 
 def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    block_size_from_hf(hf)  # FP8 blocks are dequantised on load; other methods refused here
     heads = hf["num_attention_heads"]
     if hf.get("num_key_value_heads", heads) != heads:
         raise ValueError(
@@ -161,12 +168,12 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 class DeepseekV3WeightMap(StandardWeightMap):
     """Per-expert disk layout (as GLM), MTP layers passed through, FP8 block weights
-    dequantised on load when the tensors carry `*.weight_scale_inv` (128x128 blocks unless the
-    scale grid says otherwise: the grid is checked against the weight's shape)."""
+    dequantised on load when the tensors carry `*.weight_scale_inv` (128x128 blocks, or the
+    block the scale grid implies: model/fp8.py `infer_block`)."""
 
     def from_hf(self, sd, cfg):  # type: ignore[no-untyped-def]
         if any(k.endswith(".weight_scale_inv") for k in sd):
-            sd = dequantize_state_dict(sd, (128, 128))
+            sd = dequantize_state_dict(sd)
         return super().from_hf(sd, cfg)
 
     def rows(self, source, name, lo, hi, cfg):  # type: ignore[no-untyped-def]
@@ -187,9 +194,8 @@ class _DequantisingSource:
         scale = name + SCALE_SUFFIX
         if not self.source.has(scale):
             return self.source.slice(name, lo, hi)
-        full = dequantize_fp8_block(
-            self.source.slice(name, None, None), self.source.slice(scale, None, None)
-        )
+        w, s = self.source.slice(name, None, None), self.source.slice(scale, None, None)
+        full = dequantize_fp8_block(w, s, infer_block(tuple(w.shape), tuple(s.shape)))
         return full[lo:hi]
 
 

@@ -1,0 +1,246 @@
+"""The hybrid and latent-attention families (qwen3_next, qwen3_5_moe_text, qwen3_5_moe,
+deepseek_v3): config.json and checkpoint maps against transformers' own save_pretrained output,
+both ways, and FP8 block dequantisation against transformers' FP8 loader."""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from slipstream.config.model import ModelConfig
+from slipstream.model.families import deepseek_v3, qwen3_5_moe, qwen3_next
+from slipstream.model.gated_deltanet import split_qwen3_next_projections
+
+transformers = pytest.importorskip("transformers")
+# the modeling modules load lazily: once here, at collection, not in the first test
+_ = (
+    transformers.Qwen3NextForCausalLM,
+    transformers.Qwen3_5MoeForCausalLM,
+    transformers.Qwen3_5MoeForConditionalGeneration,
+    transformers.DeepseekV3ForCausalLM,
+)
+
+
+def _hf_model(cls, cfg_cls, hf: dict, seed: int = 0):
+    cfg = cfg_cls(**{k: v for k, v in hf.items() if k not in ("model_type", "architectures")})
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    with torch.no_grad():  # norms, biases, A_log, dt_bias: random too
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
+    return model
+
+
+def _saved(model, tmp_path: Path, name: str) -> tuple[Path, dict[str, torch.Tensor], dict]:
+    d = tmp_path / name
+    model.save_pretrained(d)
+    return d, load_file(d / "model.safetensors"), json.loads((d / "config.json").read_text())
+
+
+def _cfg(family, hf_json: dict) -> ModelConfig:
+    return ModelConfig(model_type=family.model_type, **family.config_from_hf(hf_json))
+
+
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def _in_memory(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def test_qwen3_next_checkpoint_both_ways(tmp_path):
+    hf_json = qwen3_next.tiny_hf_config()
+    model = _hf_model(transformers.Qwen3NextForCausalLM, transformers.Qwen3NextConfig, hf_json)
+    _, disk, saved_json = _saved(model, tmp_path, "next")
+    cfg = _cfg(qwen3_next.QWEN3_NEXT, saved_json)
+    assert cfg.layer_types[3] == "full_attention" and cfg.linear_num_value_heads == 4
+    assert cfg.partial_rotary_factor == 0.25 and cfg.mlp_only_layers == [1]
+    mtp = {"mtp.fc.weight": torch.randn(4, 4)}
+    weights = qwen3_next.QWEN3_NEXT.weights
+    internal, passthrough = weights.from_hf({**disk, **mtp}, cfg)
+    assert set(passthrough) == set(mtp)
+    # internal names: transformers' in-memory names, GDN projections split (Qwen3.5's names)
+    expected = _in_memory(model)
+    for name in [k for k in expected if k.endswith("in_proj_qkvz.weight")]:
+        prefix = name.removesuffix("in_proj_qkvz.weight")
+        parts = split_qwen3_next_projections(
+            expected.pop(name), expected.pop(prefix + "in_proj_ba.weight"), 2, 4, 8, 6
+        )
+        expected.update({f"{prefix}{p}.weight": t for p, t in parts.items()})
+    _assert_same(internal, expected)
+    _assert_same(weights.to_hf(internal, cfg, False), disk)
+    _assert_same(weights.to_hf(internal, cfg, True), _in_memory(model))
+    # config.json back: transformers reads the same architecture
+    back = transformers.Qwen3NextConfig(**qwen3_next.config_to_hf(cfg))
+    for key in ("layer_types", "linear_num_key_heads", "linear_value_head_dim", "mlp_only_layers",
+                "shared_expert_intermediate_size", "head_dim", "num_key_value_heads"):  # fmt: skip
+        assert getattr(back, key) == getattr(model.config, key), key
+    assert back.rope_parameters["partial_rotary_factor"] == 0.25
+
+
+def test_qwen3_5_moe_text_and_released_layouts(tmp_path):
+    hf_json = qwen3_5_moe.tiny_hf_config()
+    text = _hf_model(transformers.Qwen3_5MoeForCausalLM, transformers.Qwen3_5MoeTextConfig, hf_json)
+    _, disk, saved_json = _saved(text, tmp_path, "text")
+    assert saved_json["model_type"] == "qwen3_5_moe_text"
+    cfg = _cfg(qwen3_5_moe.QWEN3_5_MOE_TEXT, saved_json)
+    weights = qwen3_5_moe.QWEN3_5_MOE_TEXT.weights
+    internal, _ = weights.from_hf(disk, cfg)
+    _assert_same(internal, _in_memory(text))  # split projections: the model's own names
+    _assert_same(weights.to_hf(internal, cfg, False), disk)
+    back = transformers.Qwen3_5MoeTextConfig(**qwen3_5_moe.config_to_hf(cfg))
+    assert back.layer_types == text.config.layer_types
+
+    # a released checkpoint: the language model under model.language_model, a vision tower
+    mm_json = qwen3_5_moe.tiny_multimodal_hf_config()
+    mm_cfg = transformers.Qwen3_5MoeConfig(
+        text_config=mm_json["text_config"], vision_config=mm_json["vision_config"]
+    )
+    torch.manual_seed(1)
+    mm = transformers.Qwen3_5MoeForConditionalGeneration(mm_cfg).eval()
+    _, mm_disk, mm_saved = _saved(mm, tmp_path, "mm")
+    assert any(k.startswith("model.visual.") for k in mm_disk)
+    assert mm_saved["model_type"] == "qwen3_5_moe"
+    cfg_mm = _cfg(qwen3_5_moe.QWEN3_5_MOE, mm_saved)
+    assert cfg_mm.model_dump(exclude={"model_type"}) == cfg.model_dump(exclude={"model_type"})
+    mm_internal, _ = qwen3_5_moe.QWEN3_5_MOE.weights.from_hf(mm_disk, cfg_mm)
+    lm = {"model." + k: v for k, v in _in_memory(mm.model.language_model).items()}
+    _assert_same(mm_internal, {**lm, "lm_head.weight": mm.lm_head.weight.detach()})
+    # saved back in the text layout, which transformers' Qwen3_5MoeForCausalLM loads
+    out_json = qwen3_5_moe.QWEN3_5_MOE.config_to_hf(cfg_mm)
+    assert out_json["model_type"] == "qwen3_5_moe_text"
+    d = tmp_path / "mm_as_text"
+    d.mkdir()
+    save_file(
+        {k: v.contiguous() for k, v in qwen3_5_moe.QWEN3_5_MOE.weights.to_hf(mm_internal, cfg_mm,
+                                                                              False).items()},
+        d / "model.safetensors", metadata={"format": "pt"},
+    )  # fmt: skip
+    (d / "config.json").write_text(json.dumps(out_json))
+    reloaded = transformers.Qwen3_5MoeForCausalLM.from_pretrained(d).eval()
+    ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = mm(input_ids=ids).logits
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, ref, atol=1e-5, rtol=1e-5)
+
+
+class _DictSource:
+    def __init__(self, sd: dict[str, torch.Tensor]) -> None:
+        self.sd = sd
+
+    def has(self, name: str) -> bool:
+        return name in self.sd
+
+    def slice(self, name: str, lo, hi):  # type: ignore[no-untyped-def]
+        return self.sd[name][lo:hi]
+
+
+def test_expert_parallel_rows_read_through_the_maps(tmp_path):
+    """`rows` (what sharded expert-parallel loading reads): experts lo..hi-1 and the split GDN
+    projections, equal to the full load's."""
+    hf_json = qwen3_next.tiny_hf_config()
+    model = _hf_model(transformers.Qwen3NextForCausalLM, transformers.Qwen3NextConfig, hf_json)
+    _, disk, saved_json = _saved(model, tmp_path, "next")
+    cfg = _cfg(qwen3_next.QWEN3_NEXT, saved_json)
+    weights = qwen3_next.QWEN3_NEXT.weights
+    internal, _ = weights.from_hf(disk, cfg)
+    src = _DictSource(disk)
+    for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.2.mlp.experts.down_proj",
+                 "model.layers.0.linear_attn.in_proj_z.weight",
+                 "model.layers.2.linear_attn.in_proj_qkv.weight"):  # fmt: skip
+        assert torch.equal(weights.rows(src, name, 2, 5, cfg), internal[name][2:5]), name
+
+
+def _hf_quantize(sd: dict[str, torch.Tensor], block: list[int]) -> dict[str, torch.Tensor]:
+    from transformers.integrations import finegrained_fp8 as hf_fp8
+
+    q = hf_fp8.Fp8Quantize.__new__(hf_fp8.Fp8Quantize)
+    q.hf_quantizer = types.SimpleNamespace(
+        quantization_config=types.SimpleNamespace(weight_block_size=block, scale_fmt=None)
+    )
+    out: dict[str, torch.Tensor] = {}
+    for k, v in sd.items():  # as the releases: linear weights, not norms, embeddings, router
+        if (
+            k.endswith(".weight")
+            and v.ndim == 2
+            and not any(s in k for s in ("norm", "embed", "lm_head", ".gate."))
+        ):
+            out.update(q._quantize_one(k, v))
+        else:
+            out[k] = v
+    return out
+
+
+@pytest.mark.parametrize("q_lora_rank", [24, None])
+def test_deepseek_v3_checkpoint_both_ways_and_fp8_equal_to_transformers(tmp_path, q_lora_rank):
+    hf_json = {**deepseek_v3.tiny_hf_config(), "q_lora_rank": q_lora_rank}
+    model = _hf_model(transformers.DeepseekV3ForCausalLM, transformers.DeepseekV3Config, hf_json)
+    d, disk, saved_json = _saved(model, tmp_path, "ds")
+    cfg = _cfg(deepseek_v3.DEEPSEEK_V3, saved_json)
+    assert cfg.head_dim == 8 and cfg.n_group == 4 and cfg.mlp_only_layers == [0]
+    assert cfg.rope_scaling is not None and cfg.rope_scaling.mscale_all_dim == 0.7
+    weights = deepseek_v3.DEEPSEEK_V3.weights
+    mtp = {"model.layers.3.eh_proj.weight": torch.randn(4, 8)}  # an MTP layer (layer L)
+    internal, passthrough = weights.from_hf({**disk, **mtp}, cfg)
+    assert set(passthrough) == set(mtp)
+    _assert_same(internal, _in_memory(model))
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in internal
+    _assert_same(weights.to_hf(internal, cfg, False), disk)
+    back = transformers.DeepseekV3Config(**deepseek_v3.config_to_hf(cfg))
+    for key in ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "n_group",
+                "topk_group", "first_k_dense_replace", "n_shared_experts", "head_dim",
+                "routed_scaling_factor", "rope_interleave"):  # fmt: skip
+        assert getattr(back, key) == getattr(model.config, key), key
+    for key in (
+        "rope_type",
+        "factor",
+        "mscale",
+        "mscale_all_dim",
+        "original_max_position_embeddings",
+    ):
+        assert back.rope_parameters[key] == model.config.rope_parameters[key], key
+
+    # FP8 with block scales: transformers' own quantiser writes it, its loader dequantises it
+    block = [16, 16]  # the tiny shapes are not multiples of 128; the releases use 128
+    fp8 = _hf_quantize(disk, block)
+    assert sum(k.endswith("weight_scale_inv") for k in fp8) > 20
+    q_dir = tmp_path / "ds_fp8"
+    q_dir.mkdir()
+    save_file(fp8, q_dir / "model.safetensors", metadata={"format": "pt"})
+    q_json = {**saved_json, "quantization_config": {"quant_method": "fp8",
+              "weight_block_size": block, "activation_scheme": "dynamic"}}  # fmt: skip
+    (q_dir / "config.json").write_text(json.dumps(q_json))
+    theirs = transformers.DeepseekV3ForCausalLM.from_pretrained(
+        q_dir,
+        quantization_config=transformers.FineGrainedFP8Config(
+            dequantize=True, weight_block_size=block
+        ),
+    )
+    ours, _ = weights.from_hf(fp8, _cfg(deepseek_v3.DEEPSEEK_V3, q_json))
+    _assert_same(ours, _in_memory(theirs))
+    changed = [k for k in ours if not torch.equal(ours[k], internal[k])]
+    assert len(changed) > 10  # a real quantisation: the dequantised weights differ
+    assert all(torch.allclose(ours[k], internal[k], atol=0.05, rtol=0.07) for k in ours)
+    with pytest.raises(ValueError, match="quant_method='bitsandbytes'"):
+        deepseek_v3.config_from_hf({**saved_json, "quantization_config": {"quant_method":
+                                                                           "bitsandbytes"}})  # fmt: skip
+
+
+def test_deepseek_v3_refuses_what_mla_cannot_express():
+    hf = deepseek_v3.tiny_hf_config()
+    with pytest.raises(ValueError, match="num_key_value_heads=2 must equal"):
+        deepseek_v3.config_from_hf({**hf, "num_key_value_heads": 2})
+    with pytest.raises(ValueError, match="rope_type='linear'"):
+        deepseek_v3.config_from_hf({**hf, "rope_parameters": {"rope_type": "linear",
+                                                              "factor": 2.0}})  # fmt: skip
