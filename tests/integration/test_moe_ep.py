@@ -80,3 +80,17 @@ def test_measured_remote_nodes_vs_cost_model(ranks: list[dict[str, Any]]) -> Non
     p = expected_remote_nodes(8, 2, k)  # g = 2: remote-node count per token is Bernoulli(p)
     se = math.sqrt(p * (1 - p) / tokens)
     assert abs(measured - p) < 5 * se + 1e-3, f"measured {measured} vs model {p}"
+
+
+def test_model_families_match_one_process(ranks: list[dict[str, Any]]) -> None:
+    """Each family's MoE block (its routing scheme, router and correction bias, shared experts)
+    expert-parallel over the 4 ranks equals one process: outputs and every gradient."""
+    from slipstream.moe.selfcheck import FAMILIES
+
+    for rank, r in enumerate(ranks):
+        assert set(r["families"]) == set(FAMILIES)
+        for family, diffs in r["families"].items():
+            assert diffs.pop("correction_bias_trainable") is False
+            assert diffs.pop("out_scale") > 0.1
+            for key, d in diffs.items():
+                assert d < TOL, f"rank {rank} {family} {key}: max relative diff {d}"

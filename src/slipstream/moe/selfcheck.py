@@ -158,10 +158,76 @@ def _own_node_hit(ids_NK: torch.Tensor, t: Any, rank: int) -> torch.Tensor:
     return (t.owner_node(ids_NK) == t.node_of(rank)).any(1).long()
 
 
+FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "glm4_moe")
+"""Model families whose MoE block `family_check` runs expert-parallel (model/families/)."""
+
+
+def family_check(group: EPGroup, N: int = 20, seed: int = 11) -> dict[str, Any]:
+    """Per model family: the MoE block its tiny config builds (`SparseMoeBlock.from_config`:
+    the family's routing scheme, router bias / correction bias, shared experts), every
+    parameter and the correction bias random, run expert-parallel (exact dispatcher) vs the
+    same block in one process over every rank's tokens: max abs differences of outputs, input
+    gradients, and the gradients of every replicated parameter (all-reduced: router, shared
+    experts) and of the local experts, each relative to max(1, the reference's largest value)."""
+    from slipstream.config.model import ModelConfig
+    from slipstream.model.families import family_for
+
+    t, r = group.topo, group.rank
+    out: dict[str, Any] = {}
+    for model_type in FAMILIES:
+        family = family_for(model_type)
+        cfg = ModelConfig(model_type=model_type, **family.config_from_hf(family.tiny_hf_config()))
+        if cfg.num_experts != t.num_experts:
+            raise ValueError(f"{model_type}: tiny config has {cfg.num_experts} experts, the "
+                             f"EP group {t.num_experts}")  # fmt: skip
+
+        def build(cfg: ModelConfig = cfg) -> SparseMoeBlock:
+            torch.manual_seed(seed)
+            block = SparseMoeBlock.from_config(cfg)
+            with torch.no_grad():
+                for p in block.parameters():
+                    p.normal_(0.0, 0.3)
+                if block.gate.e_score_correction_bias is not None:
+                    block.gate.e_score_correction_bias.normal_(0.0, 0.3)
+            return block
+
+        Ns = _uneven(N, t.world_size)
+        xs, gs = _inputs(Ns, cfg.hidden_size, seed)
+        ref = build()
+        x_all = torch.cat(xs).requires_grad_(True)
+        out_all, _ = ref(x_all)
+        (out_all * torch.cat(gs)).sum().backward()
+        moe = ExpertParallelMoE(build(), make_dispatcher("exact", group))
+        x = xs[r].clone().requires_grad_(True)
+        y, _ = moe(x)
+        (y * gs[r]).sum().backward()
+        mine = slice(sum(Ns[:r]), sum(Ns[: r + 1]))
+        lo, hi = t.expert_range(r)
+
+        def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+            return _maxdiff(a, b) / max(1.0, float(b.detach().abs().max()) if b.numel() else 0.0)
+
+        diffs = {"out": rel(y, out_all[mine]), "x_grad": rel(x.grad, x_all.grad[mine]),
+                 "out_scale": float(out_all.detach().abs().max())}  # fmt: skip
+        theirs = dict(ref.named_parameters())
+        for name, p in moe.block.named_parameters():
+            if name.startswith("experts."):
+                diffs[name] = rel(p.grad, theirs[name].grad[lo:hi])
+            else:  # replicated: the ranks' gradients add up to the one-process gradient
+                g = p.grad.clone()
+                dist.all_reduce(g)
+                diffs[name] = rel(g, theirs[name].grad)
+        bias = moe.block.gate.e_score_correction_bias
+        diffs["correction_bias_trainable"] = bias is not None and bias.requires_grad
+        out[model_type] = diffs
+    return out
+
+
 def all_checks(group: EPGroup) -> dict[str, Any]:
     """Everything above in one process group (one spawn for the whole test module)."""
     return {
         "reference": reference_check(group),
         "drop": drop_check(group),
         "routing": routing_check(group),
+        "families": family_check(group),
     }
