@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -217,3 +218,73 @@ def test_unbounded_calls_are_refused_past_the_limit(setup) -> None:  # type: ign
     # three calls whose prompts are the same text: each is its own sample (none extends another)
     assert len(out.episodes) == 3
     check_exact(out, rec)
+
+
+def _gone(pid: int) -> bool:
+    """The process no longer runs (absent, or a zombie nobody reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "Z"
+    except (FileNotFoundError, IndexError):
+        return True
+
+
+def test_malformed_requests_are_counted_and_leftover_processes_killed(setup, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # the agent leaves a background process behind, sends a malformed request, then a good one
+    command = (
+        'sleep 60 & echo $! >> "$PIDS"\n'
+        'curl -sS -o /dev/null -w "%{http_code}\\n" -X POST "$OPENAI_BASE_URL/chat/completions" '
+        '-H "Authorization: Bearer $OPENAI_API_KEY" -H "Content-Type: application/json" '
+        '-d \'{"messages": [{"role": "user"\'\n'
+        f"sh {AGENTS / 'curl_agent.sh'}"
+    )
+    pids = tmp_path / "pids"
+    out, rec, rt = run_agent(setup, command, n=2, env={"PIDS": str(pids)})
+    assert out.status == "done", out.error
+    assert len(rec.calls) == 2 and len(out.episodes) == 2
+    st = rt.stats.as_dict()
+    assert st["bad_requests"] == 2 and st["calls"] == 2
+    left = [int(p) for p in pids.read_text().split()]
+    assert len(left) == 2 and all(_gone(p) for p in left)  # the process groups were killed
+
+
+def test_worker_acks_good_agents_and_drops_failing_ones(setup) -> None:  # type: ignore[no-untyped-def]
+    """Through the rollout worker and a real coordinator: every task ends acked or dropped (none
+    pending, none lost), the failing agents' tasks are dropped and counted, and only the good
+    agents' groups reach the buffer."""
+    from slipstream.config.rl import RolloutConfig
+    from slipstream.rl.buffer import ExperienceBuffer
+    from slipstream.rl.coordinator import Coordinator
+    from slipstream.rl.queue import TaskQueue
+    from slipstream.rl.verifier import InProcessVerifier
+    from slipstream.rl.worker import RolloutWorker
+
+    cfg, _, engine, _, _ = setup
+    ts = get_taskset(cfg.task.model_copy(update={"env": "agent"}))
+    rc = RolloutConfig(group_size=2, tasks_per_lease=1, max_inflight_tasks=2, lease_ttl_s=60,
+                       max_infra_retries=0, verify_threads=2, drain_timeout_s=5,
+                       max_new_tokens=8, max_turns=4)  # fmt: skip
+    buffer = ExperienceBuffer(1, 4)
+    coord = Coordinator(TaskQueue(ts.num_train, max_tasks=4), buffer)
+    # odd train indices: the agent crashes before calling the model
+    command = (
+        "t=$(cat); case \"$t\" in *'/train/1\"'*|*'/train/3\"'*) exit 1;; esac\n"
+        f'echo "$t" | sh {AGENTS / "curl_agent.sh"}'
+    )
+    worker = RolloutWorker("w0", coord, engine, ts, InProcessVerifier(ts), rc, weights=None,  # type: ignore[arg-type]
+                           max_new_tokens=8, agent=AgentConfig(command=command))  # fmt: skip
+    t = threading.Thread(target=worker.run)
+    t.start()
+    try:
+        deadline = time.monotonic() + 60
+        while coord.queue.stats().num_done < 4:
+            assert time.monotonic() < deadline and t.is_alive(), coord.status()
+            time.sleep(0.05)
+    finally:
+        worker.request_stop()
+        t.join(60)
+    status, report = coord.status(), worker.report()
+    assert status.queue_pending_tasks == 0 and status.dropped_tasks == 2
+    assert worker.stats["groups_acked"] == 2 and worker.stats["tasks_dropped"] == 2
+    assert len(buffer) == 2 and buffer.metrics()["dropped_infra"] == 2
+    # each failing group: its first failure drops it; the other episode failed too or was aborted
+    assert 2 <= report["agent_exit_nonzero"] <= 4 and report["agent_episodes"] == 4
