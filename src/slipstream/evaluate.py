@@ -174,8 +174,17 @@ def episode_eval(
     engine = build_engine(engine_cfg, model, tokenizer=taskset.tokenizer)
     try:
         with ThreadPoolExecutor(max(1, cfg.rollout.verify_threads), "eval-env") as pool:
-            make_env = make_env_factory(taskset, scorer=taskset_scorer(taskset), sandboxes=host,
-                                        limits=limits)  # fmt: skip
+            agent = None
+            if taskset.cfg.env == "agent":  # the user's agent drives the episodes
+                from slipstream.envs.agent import AgentRuntime
+
+                agent = AgentRuntime(engine, taskset, cfg.agent, limits,
+                                     scorer=taskset_scorer(taskset), temperature=temperature,
+                                     context_tokens=engine.max_seq_len)  # fmt: skip
+                make_env = agent.factory()
+            else:
+                make_env = make_env_factory(taskset, scorer=taskset_scorer(taskset),
+                                            sandboxes=host, limits=limits)  # fmt: skip
             runner = EpisodeRunner(engine, make_env, taskset.tokenizer, limits, pool,
                                    temperature=temperature, context_tokens=engine.max_seq_len)  # fmt: skip
             try:
@@ -183,6 +192,8 @@ def episode_eval(
                                         seed=None if temperature == 0 else seed)  # fmt: skip
             finally:
                 runner.close()
+                if agent is not None:
+                    agent.close()
     finally:
         engine.close()
         model.train(was_training)

@@ -31,6 +31,9 @@ class AgentConfig(Section):
     max_output_bytes: int = Field(default=1 << 20, ge=1024, le=1 << 30)
     """Most bytes kept of the agent's stdout and stderr (and the largest file it may write:
     RLIMIT_FSIZE)."""
+    max_concurrent: int = Field(default=0, ge=0, le=4096)
+    """Most agent processes of one worker (or one evaluation) running at once; the others wait
+    (their wall-clock bound starts when they run). 0 = twice the CPUs."""
     failed_exit_is_failure: bool = True
     """An agent that exits non-zero ends its episode as a failure (re-run, never a reward).
     False: its calls are scored like those of an agent that exited 0."""

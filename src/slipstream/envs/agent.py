@@ -158,6 +158,7 @@ class AgentRuntime:
             record_routing=record_routing,
         )  # fmt: skip
         self.stats = AgentStats()
+        self.slots = threading.BoundedSemaphore(cfg.max_concurrent or 2 * (os.cpu_count() or 1))
 
     def factory(self) -> EnvFactory:
         def make() -> AgentEnv:
@@ -174,7 +175,11 @@ class AgentRuntime:
         kib = self.cfg.memory_mib * 1024
         blocks = max(1, self.cfg.max_output_bytes // 512)  # sh's ulimit -f counts 512-byte blocks
         command = self.cfg.command.replace("{python}", sys.executable)
-        return ["/bin/sh", "-c", f"ulimit -v {kib} && ulimit -f {blocks} && ulimit -c 0 || exit 126\n{command}"]
+        return [
+            "/bin/sh",
+            "-c",
+            f"ulimit -v {kib} && ulimit -f {blocks} && ulimit -c 0 || exit 126\n{command}",
+        ]
 
     def environment(self, session: EpisodeSession, home: str) -> dict[str, str]:
         return {
@@ -314,8 +319,15 @@ class AgentEnv:
 
     def run(self, task: Task, stopped: Callable[[], bool]) -> list[Episode]:
         rt = self.runtime
-        session = rt.endpoint.open(max_calls=rt.max_calls, max_sampled_tokens=rt.max_sampled_tokens)
-        run = rt.run_agent(task, session, stopped)
+        while not rt.slots.acquire(timeout=0.1):  # agent.max_concurrent
+            if stopped():
+                return []
+        try:
+            session = rt.endpoint.open(max_calls=rt.max_calls,
+                                       max_sampled_tokens=rt.max_sampled_tokens)  # fmt: skip
+            run = rt.run_agent(task, session, stopped)
+        finally:
+            rt.slots.release()
         self.last_run = run
         return rt.episodes(task, run, session)
 
