@@ -56,7 +56,39 @@ SUBCOMMANDS = [
 EPILOG = """\
 Config: every job command takes -c FILE (TOML) and dotted overrides such as --trainer.lr=3e-4.
 `slipstream config show -c FILE` prints the fully resolved config; `slipstream config schema` lists
-every key with its type, default and meaning."""
+every key with its type, default and meaning.
+
+Guides: docs/README.md (one line per page, by what you want to do); each command's --help names
+its own page."""
+
+# The guide page each command's --help names, by its path of subcommand names; a command not
+# listed takes its parent's page. tests/unit/test_cli_guides.py checks every command has one
+# and every page exists.
+GUIDES: dict[tuple[str, ...], str] = {
+    ("run",): "docs/rl.md",
+    ("sft",): "docs/tasks-and-sft.md",
+    ("rm",): "docs/rlhf.md",
+    ("eval",): "docs/tasks-and-sft.md",
+    ("serve",): "docs/engine.md",
+    ("sandbox",): "docs/sandbox.md",
+    ("sandbox", "build-image"): "docs/sandbox-vms.md",
+    ("sweep",): "docs/sweep.md",
+    ("bench",): "docs/performance.md",
+    ("bench", "engine"): "docs/engine.md",
+    ("bench", "pipeline"): "docs/rl.md",
+    ("bench", "sandbox"): "docs/sandbox.md",
+    ("bench", "moe-experts"): "docs/moe-ep.md",
+    ("bench", "moe-dispatch"): "docs/moe-ep.md",
+    ("bench", "moe-train"): "docs/moe-ep.md",
+    ("bench", "r3"): "docs/rl.md",
+    ("bench", "weights"): "docs/weights.md",
+    ("bench", "rm"): "docs/rlhf.md",
+    ("bench", "peer"): "docs/rl.md",
+    ("ckpt",): "docs/rl.md",
+    ("config",): "docs/architecture.md",
+    ("plan",): "docs/plan.md",
+    ("task",): "docs/data.md",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,7 +101,45 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     register_modules(sub, "slipstream.cli", SUBCOMMANDS)
     bound_numeric_flags(parser)
+    name_guides(parser, ())
     return parser
+
+
+class ParagraphHelpFormatter(argparse.HelpFormatter):
+    """argparse's default formatter, but each blank-line-separated paragraph of a description or
+    epilog is filled on its own (the default joins them into one)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "\n\n".join(super(ParagraphHelpFormatter, self)._fill_text(p, width, indent)
+                           for p in text.split("\n\n"))  # fmt: skip
+
+
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The parsers of `parser`'s subcommands by name (aliases included), or {}."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def guide_of(path: tuple[str, ...]) -> str | None:
+    """The guide page of a command path: its own entry in GUIDES, else its nearest parent's."""
+    for n in range(len(path), 0, -1):
+        if path[:n] in GUIDES:
+            return GUIDES[path[:n]]
+    return None
+
+
+def name_guides(parser: argparse.ArgumentParser, path: tuple[str, ...]) -> None:
+    """Every subcommand's --help ends with the guide page that explains it."""
+    for name, child in subcommands(parser).items():
+        page = guide_of((*path, name))
+        if page is not None:
+            line = f"Guide: {page}"
+            child.epilog = f"{child.epilog}\n\n{line}" if child.epilog else line
+            if child.formatter_class is argparse.HelpFormatter:  # keep the guide on its own line
+                child.formatter_class = ParagraphHelpFormatter
+        name_guides(child, (*path, name))
 
 
 def bound_numeric_flags(parser: argparse.ArgumentParser) -> None:
