@@ -28,10 +28,34 @@ TRAIN = [
 ]  # fmt: skip
 
 
-def save_init(directory: Path) -> None:
-    cfg = load_config(None, MODEL)
+# The same sizes as a GLM-4.5 (glm4_moe family): sigmoid group-limited routing with a random
+# correction bias, an ungated shared expert, a dense first layer, q/k/v biases, partial rotary.
+GLM_MODEL = [
+    *MODEL, "model.model_type=glm4_moe", "model.router_scheme=sigmoid_group_topk",
+    "model.router_correction_bias=true", "model.n_group=2", "model.topk_group=1",
+    "model.routed_scaling_factor=2.5", "model.shared_expert_intermediate_size=16",
+    "model.shared_expert_gated=false", "model.mlp_only_layers=[0]", "model.num_hidden_layers=3",
+    "model.attention_bias=true", "model.partial_rotary_factor=0.5",
+    "model.router_aux_loss_coef=0.0",
+]  # fmt: skip
+
+
+def save_init(directory: Path, model: list[str] = MODEL) -> None:
+    cfg = load_config(None, model)
     torch.manual_seed(0)
-    save_pretrained(MoEForCausalLM(cfg.model), directory)
+    policy = MoEForCausalLM(cfg.model)
+    with torch.no_grad():  # random biases: a layout that drops one would not pass
+        for name, t in policy.state_dict().items():
+            if name.endswith("bias"):
+                t.normal_(0.0, 0.3)
+    save_pretrained(policy, directory)
+
+
+def load_state(directory: Path) -> dict[str, torch.Tensor]:
+    """The internal state dict of a saved checkpoint."""
+    from slipstream.model import load_pretrained
+
+    return load_pretrained(directory).state_dict()
 
 
 def batches(num_steps: int, num_groups: int = 4, group_size: int = 4, seed: int = 0) -> list[Batch]:

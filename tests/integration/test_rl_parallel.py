@@ -67,6 +67,26 @@ def test_layouts_take_the_single_process_step(reference, layout: list[str]) -> N
     assert _max_diff(ref["state"], got["state"]) < STATE_TOL
 
 
+def test_glm4_moe_family_on_ep4_takes_the_single_process_step(tmp_path: Path) -> None:
+    """A glm4_moe model (sigmoid routing with a random correction bias, shared experts, a dense
+    layer, biases, partial rotary) on ep 4: the same steps as one process, the correction bias
+    loaded on every rank (a sharded build reads buffers too) and never trained."""
+    init = tmp_path / "glm"
+    pc.save_init(init, pc.GLM_MODEL)
+    ref = pc.train(str(init), pc.GLM_MODEL[len(pc.MODEL) :])
+    got = spawn_ranks("parallelcheck:train", 4,
+                      {"init_dir": str(init), "overrides": [*pc.GLM_MODEL[len(pc.MODEL):],
+                                                             *EP4_2NODES]},
+                      timeout_s=120)[0]  # fmt: skip
+    for want, have in zip(ref["metrics"], got["metrics"], strict=True):
+        for key in ("pg_loss", "loss", "grad_norm", "num_tokens"):
+            assert have[key] == pytest.approx(want[key], abs=TOL), (key, want[key], have[key])
+    assert _max_diff(ref["state"], got["state"]) < STATE_TOL
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    saved = pc.load_state(init)[bias]
+    assert torch.equal(got["state"][bias], saved) and torch.equal(ref["state"][bias], saved)
+
+
 def test_bf16_on_the_sharded_layout_is_the_one_process_bf16_step(reference) -> None:
     """trainer.precision = bf16 on FSDP2 (MixedPrecisionPolicy: bf16 parameters gathered,
     float32 gradient reduction) and on one process (autocast): the same 3 steps within bf16

@@ -141,6 +141,12 @@ def _load_rows(model: MoEForCausalLM, reader: RowReader) -> None:
                 f"rank's shard {tuple(local.shape)}"
             )
         local.copy_(rows)
+    # persistent buffers (a sigmoid router's e_score_correction_bias): replicated, and
+    # `to_empty` left them uninitialised
+    persistent = set(model.state_dict())
+    for name, buf in model.named_buffers():
+        if name in persistent:
+            buf.copy_(reader.rows(name, 0, buf.shape[0]))
 
 
 def gather_full_state(model: nn.Module, rank: int) -> dict[str, torch.Tensor] | None:
