@@ -21,11 +21,12 @@ from jobutil import TINY_MODEL, publish_random_init
 from s3util import free_port
 from slipstream.config import load_config
 from slipstream.launch.worker import WorkerSpec, build_worker, close_worker
+from slipstream.rewards.rewardset import RewardSet
 from slipstream.rl.buffer import ExperienceBuffer
 from slipstream.rl.coordinator import Coordinator
 from slipstream.rl.queue import TaskQueue
 from slipstream.rm.model import MoERewardModel, load_reward_model, save_reward_model, score_ids
-from slipstream.rm.source import RewardModelVerifier, sigmoid
+from slipstream.rm.source import RewardModelScorer, sigmoid
 from slipstream.tasks import get_taskset
 
 TINY = [*TINY_MODEL, "task.name=arithmetic"]
@@ -112,8 +113,10 @@ def test_worker_rewards_from_served_rm_and_requeues_when_it_dies(
     coord = Coordinator(TaskQueue(cfg.task.num_train), ExperienceBuffer(10_000, 10_000))
     worker = build_worker(WorkerSpec(("127.0.0.1", 0), b"\0", cfg.model_dump(mode="json")),
                           "w0.0", coord=coord)  # fmt: skip
-    assert isinstance(worker.verifier, RewardModelVerifier)
-    scorer = worker.verifier.scorer
+    assert isinstance(worker.verifier, RewardSet)
+    rm = worker.verifier.local["reward_model"]
+    assert isinstance(rm, RewardModelScorer)
+    scorer = rm.scorer
     runner = threading.Thread(target=worker.run, name="worker")
     proc2 = None
     try:

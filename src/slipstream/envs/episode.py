@@ -30,9 +30,9 @@ How a group runs:
    as `aborted`: the worker nacks it and the task is redelivered, never rewarded. A
    `RewardDropped` (a reward function gave no reward after its retries) drops the group at once
    (`dropped`, counted), never rewarded, and never re-run.
-6. Once all G episodes are done, the runner's `group_scorer` (group reward functions) adds its
+5. Once all G episodes are done, the runner's `group_scorer` (group reward functions) adds its
    scores to their rewards; RewardDropped there drops the group too.
-5. Every environment is closed exactly once, however its episode ends (done, aborted, failed,
+6. Every environment is closed exactly once, however its episode ends (done, aborted, failed,
    dropped), before `on_done` runs.
 
 Statuses: `done` (G finished episodes, rewards from the environments), `aborted` (`abort()`

@@ -116,6 +116,9 @@ def _serve(conn: Any, memory_bytes: int) -> None:
             fn = cache.get(spec)
             if fn is None:
                 fn = cache[spec] = resolve(spec)
+            if kwargs is None:  # `RewardPool.load`: resolve only
+                conn.send(("ok", None))
+                continue
             out = fn(**kwargs)
             if inspect.isawaitable(out):
                 out = asyncio.run(_await(out))
@@ -214,6 +217,23 @@ class RewardPool:
         if kind != "ok":
             raise CallFailed(kind, value)
         return valid_values(value, n, True)  # checked again here: the process is not trusted
+
+    def load(self, spec: FunctionSpec, timeout_s: float = 60.0) -> None:
+        """Import spec's function in a reward process (at start: an import error is found before
+        the first completion); CallFailed naming the module or attribute otherwise."""
+        p = self._idle.get()
+        try:
+            p.conn.send((spec, None, 0))
+            if not p.conn.poll(timeout_s):
+                self._replace(p)
+                raise CallFailed("timeout", f"importing took longer than {timeout_s:g} s")
+            kind, value = p.conn.recv()
+        except (EOFError, OSError):
+            self._replace(p)
+            raise CallFailed("crash", "the reward process died while importing") from None
+        self._idle.put(p)
+        if kind != "ok":
+            raise CallFailed(kind, value)
 
     def pids(self) -> list[int]:
         with self._lock:

@@ -106,6 +106,16 @@ class RewardSet:
             cfg.workers, cfg.memory_bytes)  # fmt: skip
         self._stats = {f.name: FunctionStats() for f in cfg.functions}
         self._lock = threading.Lock()
+        for f in cfg.functions:
+            if f.kind in POOL_KINDS:
+                assert self.pool is not None
+                try:
+                    self.pool.load(_spec(f))
+                except CallFailed as e:
+                    if self._own_pool:  # the caller still owns what `closers` close
+                        self.pool.close()
+                    raise ValueError(f"reward function {f.name!r} ({f.kind}"
+                                     f"{' ' + f.function if f.function else ''}): {e}") from None  # fmt: skip
 
     # ---- the Verifier protocol -----------------------------------------------------------------
 
@@ -178,7 +188,7 @@ class RewardSet:
               columns: dict[str, Any]) -> list[float | None]:  # fmt: skip
         assert self.pool is not None
         n = len(texts)
-        spec = FunctionSpec(f.kind, f.function, f.batched, f.pattern, f.answer_key, f.timeout_s)
+        spec = _spec(f)
         comps = [as_completion(prompt, t) for t in texts]
         if f.batched:
             kwargs = {k: [v] * n for k, v in columns.items()}
@@ -255,6 +265,10 @@ class RewardSet:
                 for key in ("calls", "failed_calls", "dropped", "scores", "none", "total"):
                     out[f"reward_{name}_{key}"] = float(getattr(st, key))
         return out
+
+
+def _spec(f: RewardFunctionConfig) -> FunctionSpec:
+    return FunctionSpec(f.kind, f.function, f.batched, f.pattern, f.answer_key, f.timeout_s)
 
 
 def _reference(f: RewardFunctionConfig, task: Task, columns: dict[str, Any]) -> Any:

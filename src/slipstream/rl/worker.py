@@ -400,6 +400,7 @@ class RolloutWorker:
     def run(self) -> int:
         """Work until the coordinator says stop or request_stop(); returns the exit code (0)."""
         self.sync_weights()
+        self.coord.report(self.worker_id, self.report())  # the job sees its counters from the start
         threads = [
             threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat"),
             threading.Thread(target=self._watch_weights, daemon=True, name="weights"),

@@ -14,7 +14,7 @@ cannot):
 - `BatchingScorer`: completions of all the worker's groups, verified concurrently on its thread
   pool, are coalesced into one call of at most `reward.max_batch` texts (a call waits at most
   `reward.batch_window_s` for company); every waiter gets its own result or the call's error.
-- `reward_model_scorer`: the kind's scorer: sigmoid(score) of task.prompt + completion.
+- `RewardModelScorer`: the kind's scorer: sigmoid(score) of task.prompt + completion.
   `make_reward_source` puts it into a `RewardSet` (slipstream/rewards) with the task's verifier:
   reward.source = "reward_model" is [verifier x 0, reward_model x 1]; "combined" with "sum" is
   [verifier x verifier_weight, reward_model x rm_weight]; "gate" is [verifier x 0, reward_model
@@ -214,16 +214,17 @@ class BatchingScorer:
         self.inner.close()
 
 
-def reward_model_scorer(scorer: BatchingScorer) -> Callable[[Task, str], tuple[float, str]]:
+class RewardModelScorer:
     """The "reward_model" kind of `[[reward.functions]]`: sigmoid(score of task.prompt +
     completion), with the raw score in the reason. ServiceUnavailable when the model cannot
-    answer (the group is requeued, never rewarded)."""
+    answer (the group is requeued, never rewarded). `scorer`: the batching client."""
 
-    def score(task: Task, completion: str) -> tuple[float, str]:
-        raw = scorer.score_one(task.prompt + completion)
+    def __init__(self, scorer: BatchingScorer) -> None:
+        self.scorer = scorer
+
+    def __call__(self, task: Task, completion: str) -> tuple[float, str]:
+        raw = self.scorer.score_one(task.prompt + completion)
         return sigmoid(raw), f"score={raw:.4f}"
-
-    return score
 
 
 def reward_model_dir(cfg: SlipstreamConfig) -> Path:
@@ -285,7 +286,7 @@ def make_reward_source(cfg: SlipstreamConfig, verifier: Verifier) -> Verifier:
                                         "or set reward.model / reward.url)")  # fmt: skip
             scorer = InProcessScorer(directory)
         batching = BatchingScorer(scorer, rc.max_batch, rc.batch_window_s, rc.timeout_s)
-        local["reward_model"] = reward_model_scorer(batching)
+        local["reward_model"] = RewardModelScorer(batching)
         closers.append(batching.close)
     closers.append(verifier.close)
     return RewardSet(rc, local, sandboxes=verifier.sandboxes, closers=closers)
