@@ -19,7 +19,9 @@ BENCHMARKS = [
     "train",
     "weights",
     "rm",
+    "rewards",
     "peer",
+    "agent",
 ]
 
 

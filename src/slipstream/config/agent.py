@@ -11,7 +11,8 @@ class AgentConfig(Section):
     """The agent's command line, run by `/bin/sh -c` in a fresh work directory, once per episode:
     the task as JSON on stdin; `OPENAI_BASE_URL`, `OPENAI_API_KEY` and `OPENAI_MODEL` name the
     episode's own endpoint. `{python}` is replaced by the worker's Python interpreter (which has
-    the `openai` package). Required when task.env = "agent"."""
+    the `openai` package), `{cwd}` by the directory the job was started in (the agent itself
+    runs in a fresh directory). Required when task.env = "agent"."""
     env: dict[str, str] = Field(default_factory=dict)
     """Extra environment variables for the agent (the rest of the worker's environment is not
     passed on: only PATH, LANG, HOME = the work directory and these)."""

@@ -61,6 +61,7 @@ from slipstream.envs.base import (
     StepResult,
 )
 from slipstream.envs.episode import Episode
+from slipstream.envs.python_tool import CALL_CLOSE, CALL_OPEN, OUT_CLOSE, OUT_OPEN, ToolTeacher
 from slipstream.envs.single_turn import taskset_scorer
 from slipstream.tasks import Task, TaskSet
 
@@ -158,6 +159,7 @@ class AgentRuntime:
             record_routing=record_routing,
         )  # fmt: skip
         self.stats = AgentStats()
+        self.cwd = os.getcwd()  # `{cwd}` in agent.command: where the job was started
         self.slots = threading.BoundedSemaphore(cfg.max_concurrent or 2 * (os.cpu_count() or 1))
 
     def factory(self) -> EnvFactory:
@@ -174,7 +176,7 @@ class AgentRuntime:
     def argv(self) -> list[str]:
         kib = self.cfg.memory_mib * 1024
         blocks = max(1, self.cfg.max_output_bytes // 512)  # sh's ulimit -f counts 512-byte blocks
-        command = self.cfg.command.replace("{python}", sys.executable)
+        command = self.cfg.command.replace("{python}", sys.executable).replace("{cwd}", self.cwd)
         return [
             "/bin/sh",
             "-c",
@@ -332,8 +334,29 @@ class AgentEnv:
         return rt.episodes(task, run, session)
 
     def demonstration(self, task: Task) -> Demonstration:
-        ts = self.taskset
-        return Demonstration(ts.prompt_ids(task), ts.completion_ids(ts.demonstration(task)))
+        """The task's demonstration as the agent's first call would see it (the task's prompt as
+        the one user message). A task set with a tool teacher (`ToolTeacher`: tool_arithmetic)
+        gets, where its teacher uses the tool, the exchange of examples/agents/calculator_agent.py:
+        the call `<py>PROGRAM</py>` (trained on), the chat template's close of that reply and
+        the next user message `<out>STDOUT</out>` (masked), then the answer. Where the template
+        does not render that exchange as an extension of the first prompt, or the task set has
+        no teacher, the plain demonstration."""
+        ts, tok = self.taskset, self.taskset.tokenizer
+        prompt = ts.prompt_ids(task)
+        answer = ts.completion_ids(ts.demonstration(task))
+        demo = ts.tool_demonstration(task) if isinstance(ts, ToolTeacher) else None
+        if demo is None:
+            return Demonstration(prompt, answer)
+        program, stdout = demo
+        user = [{"role": "user", "content": task.prompt}]
+        call = tok.encode(CALL_OPEN + program + CALL_CLOSE)
+        after = tok.chat_prompt([*user, {"role": "assistant", "content": CALL_OPEN + program + CALL_CLOSE},
+                                 {"role": "user", "content": OUT_OPEN + stdout + OUT_CLOSE}])  # fmt: skip
+        if tok.chat_prompt(user) != prompt or after[: len(prompt) + len(call)] != prompt + call:
+            return Demonstration(prompt, answer)
+        obs = after[len(prompt) + len(call) :]
+        return Demonstration(prompt, call + obs + answer,
+                             [1] * len(call) + [0] * len(obs) + [1] * len(answer))  # fmt: skip
 
     def close(self) -> None:
         """Nothing held between runs (each run closes its session and kills its processes)."""
