@@ -67,6 +67,7 @@ def test_layouts_take_the_single_process_step(reference, layout: list[str]) -> N
     assert _max_diff(ref["state"], got["state"]) < STATE_TOL
 
 
+@pytest.mark.slow  # a one-process reference and a 4-rank spawn of its own: 81 s here
 def test_glm4_moe_family_on_ep4_takes_the_single_process_step(tmp_path: Path) -> None:
     """A glm4_moe model (sigmoid routing with a random correction bias, shared experts, a dense
     layer, biases, partial rotary) on ep 4: the same steps as one process, the correction bias
