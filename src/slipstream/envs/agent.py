@@ -20,7 +20,8 @@ The process:
 How an episode ends:
 - exit 0 with at least one sampled token: reward = the task's verifier on the last assistant
   message (the last call's completion text). Its output (`agent.result_file` in the work dir,
-  else stdout when it parses as JSON) is kept as `agent_output` for reward functions.
+  else stdout when it parses as JSON) is kept as `agent_output` for reward functions; an integer
+  `tool_calls` in it is the episode's tool-call count in the run's metrics.
 - a failure: a non-zero exit (unless `agent.failed_exit_is_failure = false`), the wall-clock
   bound, no call sampled anything: `AgentFailed` (an InfraError), so the episode loop re-runs
   the episode and after `rollout.max_infra_retries` drops the task, counted; none of its tokens
@@ -331,6 +332,9 @@ class AgentEnv:
         finally:
             rt.slots.release()
         self.last_run = run
+        out = run.output
+        if isinstance(out, dict) and type(out.get("tool_calls")) is int and out["tool_calls"] >= 0:
+            self.usage.tool_calls = out["tool_calls"]  # the agent's own count, for the metrics
         return rt.episodes(task, run, session)
 
     def demonstration(self, task: Task) -> Demonstration:
