@@ -89,7 +89,7 @@ FEATURES: list[Feature] = [
         "SGLang",
         "`/generate` `return_logprob` -> `output_token_logprobs` [lp, id, text] (text with `return_text_in_logprobs`)",
         C,
-        "yes (processed behaviour logprobs)",
+        "yes (processed behaviour logprobs; greedy: the raw distribution's, as SGLang)",
         "yes",
         "-",
         peer_test="test_srt_endpoint test_logprob_*",
@@ -148,9 +148,9 @@ FEATURES: list[Feature] = [
     Feature(
         "prefix_cache",
         "SGLang",
-        "prefix cache across requests: `meta_info.cached_tokens` of a resent prompt / history; OpenAI `usage.prompt_tokens_details.cached_tokens`",
+        "prefix cache across requests: `meta_info.cached_tokens` of a resent prompt / history; OpenAI `usage.prompt_tokens_details.cached_tokens` (with vLLM's `--enable-prompt-tokens-details`, else omitted)",
         C,
-        "yes (`engine.prefix_cache_tokens` > 0; 16-token blocks)",
+        "yes (on by default in `slipstream serve`, `--disable-radix-cache` or `engine.prefix_cache_tokens`; 16-token blocks)",
         "yes (radix cache)",
         "yes (prefix caching)",
         peer_test="SGLang cache report (cached_tokens)",
@@ -290,7 +290,7 @@ FEATURES: list[Feature] = [
     Feature(
         "completion_logprobs",
         "OpenAI",
-        "completions `logprobs` (raw top-n up to 20 plus the sampled token; 0: the sampled token; 21 -> 400)",
+        "completions `logprobs` (the sampled token first, then the raw top-n up to 20; 0: the sampled token; 21 -> 400); temperature 0: the model's logprob of the chosen token",
         C,
         "yes (`token_logprobs` processed, `top_logprobs` raw)",
         "yes",
@@ -319,7 +319,7 @@ FEATURES: list[Feature] = [
     Feature(
         "token_ids",
         "OpenAI",
-        "vLLM `return_tokens_as_token_ids` (completions and chat)",
+        "vLLM `return_tokens_as_token_ids` (completions and chat; tokens and top-logprob keys `token_id:N`)",
         C,
         "yes",
         "not checked",
@@ -349,7 +349,7 @@ FEATURES: list[Feature] = [
     Feature(
         "chat",
         "OpenAI",
-        "`POST /v1/chat/completions`: messages (text content), chat template from the tokenizer, max_tokens / max_completion_tokens, n, stop, seed; `matched_stop`",
+        '`POST /v1/chat/completions`: messages (text content; any role and extra fields, passed to the template), chat template from the tokenizer, max_tokens / max_completion_tokens, n, stop, seed; `matched_stop`; `model` absent or "" is the served one',
         C,
         "yes",
         "yes",

@@ -1,5 +1,6 @@
 """`slipstream serve` as a real subprocess on a tiny MoE checkpoint (HF format, char tokenizer
-with its chat template), with the prefix cache on, shared by the compat suite; a second
+with its chat template), with serve's default prefix cache (on, as SGLang's radix cache) and
+vLLM's `--enable-prompt-tokens-details`, shared by the compat suite; a second
 checkpoint for the weight-update tests."""
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     exe = Path(sys.executable).parent / "slipstream"
     cmd = [str(exe), "serve", "--model", str(ckpt), "--port", str(port),
            f"--engine.max_seq_len={MAX_SEQ_LEN}", "--engine.kv_cache_tokens=2048",
-           "--engine.max_batch_size=16", "--engine.prefix_cache_tokens=4096",
+           "--engine.max_batch_size=16", "--enable-prompt-tokens-details",
            "--weight-version", "test_version_1.0"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     log = open(root / "serve.log", "wb")  # noqa: SIM115 - closed below

@@ -10,6 +10,8 @@ import pytest
 from compat_registry import covers
 from compat_server import MAX_SEQ_LEN, Served
 
+from slipstream.model.tokenizer import CharTokenizer
+
 openai = pytest.importorskip("openai")
 PROMPT = "12+34="
 
@@ -115,6 +117,10 @@ def test_echo_and_logprobs(served, client):
     ids = [1, 5, 6, 7]  # <bos> + 3 characters
     assert client.completions.create(prompt=ids, echo=True, **kw).choices[0].text.startswith(
         "<bos>")  # fmt: skip
+    # temperature 0: the chosen token's logprob is the model's (vLLM raw_logprobs), never 0.0
+    for pos, tok in enumerate(some.tokens):
+        assert some.token_logprobs[pos] == some.top_logprobs[pos][tok] < 0.0
+        assert some.token_logprobs[pos] == max(some.top_logprobs[pos].values())  # greedy: top-1
 
 
 @covers("token_ids", "prompt_logprobs", "validation")
@@ -122,6 +128,15 @@ def test_vllm_extensions_and_validation(served, client):
     kw = dict(model=served.name, prompt=PROMPT, max_tokens=3, temperature=0.0, logprobs=1)
     out = client.completions.create(extra_body={"return_tokens_as_token_ids": True}, **kw)
     assert all(t.startswith("token_id:") for t in out.choices[0].logprobs.tokens)
+    # vLLM test_return_tokens_as_ids: echo, logprobs=1; each position's first top-logprob key is
+    # its own token; the ids decode to the text
+    echo = client.completions.create(model=served.name, prompt="Say 'Hello'", echo=True,
+                                     temperature=0, max_tokens=10, logprobs=1,
+                                     extra_body={"return_tokens_as_token_ids": True}).choices[0]  # fmt: skip
+    token_strs = echo.logprobs.tokens
+    assert token_strs[1:] == [next(iter(t)) for t in echo.logprobs.top_logprobs[1:]]
+    tokens = [int(t.removeprefix("token_id:")) for t in token_strs]
+    assert echo.text == CharTokenizer().decode(tokens, skip_special_tokens=True)  # the served one
     for n in (0, 2):
         plp = client.completions.create(model=served.name, prompt=PROMPT, max_tokens=1,
                                         extra_body={"prompt_logprobs": n}).choices[0].prompt_logprobs  # fmt: skip
@@ -143,6 +158,15 @@ def test_chat_single_n_stop_and_logprobs(served, client):
     assert choice.message.role == "assistant" and out.usage.completion_tokens <= 6
     assert len(choice.logprobs.content) == out.usage.completion_tokens
     assert all(len(e.top_logprobs) == 3 for e in choice.logprobs.content)
+    # vLLM passes a message's extra fields and custom roles to the template (agent frameworks
+    # send them); an empty model name is the served model
+    agent = [{"role": "system", "content": "1", "cache_control": {"type": "ephemeral"}},
+             {"role": "user", "content": PROMPT, "reasoning_content": None, "x-trace": "t1"},
+             {"role": "critic", "content": "2"}]  # fmt: skip
+    for kw in ({"model": served.name, "messages": agent}, {"model": "", "messages": msgs}):
+        resp = httpx.post(served.url + "/v1/chat/completions", json={**kw, "max_tokens": 2})
+        assert resp.status_code == 200 and resp.json()["model"] == served.name, resp.text
+    assert client.completions.create(model="", prompt=PROMPT, max_tokens=2).model == served.name
     two = client.chat.completions.create(model=served.name, messages=msgs, max_tokens=6, n=2,
                                          temperature=1.0, seed=3)  # fmt: skip
     assert len(two.choices) == 2

@@ -284,6 +284,7 @@ def test_top_logprobs_are_raw_at_temperature_zero_and_logprobs_zero_gives_one(se
         assert list(tops) == [f"token_id:{t}" for t in ref.indices.tolist()]
         assert list(tops.values()) == pytest.approx(ref.values.tolist(), abs=1e-4)
         assert lp.tokens[i] == f"token_id:{tokens[i]}" == next(iter(tops))  # greedy: the argmax
+        assert lp.token_logprobs[i] == pytest.approx(ref.values[0].item(), abs=1e-4)
     zero = client.completions.create(model=NAME, prompt=ids, max_tokens=4, temperature=0.0,
                                      logprobs=0, echo=True, extra_body=tid)  # fmt: skip
     zl = zero.choices[0].logprobs
@@ -294,7 +295,9 @@ def test_top_logprobs_are_raw_at_temperature_zero_and_logprobs_zero_gives_one(se
     meta = httpx.post(server.url + "/generate", json=body, timeout=60).json()["meta_info"]
     for i, tops in enumerate(meta["output_top_logprobs"]):
         assert [t[1] for t in tops] == raw[len(ids) - 1 + i].topk(5).indices.tolist()
-    assert all(t[0] == 0.0 for t in meta["output_token_logprobs"])  # processed: greedy
+    # greedy: the chosen token's logprob is the model's (SGLang's greedy sampler), not 0.0
+    for i, t in enumerate(meta["output_token_logprobs"]):
+        assert t[0] == pytest.approx(float(raw[len(ids) - 1 + i, t[1]]), abs=1e-4) and t[0] < 0
 
 
 def test_errors_have_the_openai_shape(served):

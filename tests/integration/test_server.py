@@ -171,7 +171,14 @@ def test_openai_completions(served, model):
     assert out["object"] == "text_completion" and out["usage"]["completion_tokens"] == 4
     choice = out["choices"][0]
     assert choice["token_ids"] == checks.reference_greedy(model, [5, 6, 7], 4, set())
-    assert choice["finish_reason"] == "length" and choice["logprobs"]["token_logprobs"] == [0.0] * 4
+    assert choice["finish_reason"] == "length" and len(choice["logprobs"]["token_logprobs"]) == 4
+    # greedy: the model's logprob of each chosen token (vLLM raw_logprobs), not 0.0
+    with torch.no_grad():
+        raw = torch.log_softmax(
+            model(torch.tensor([[5, 6, 7] + choice["token_ids"]])).logits_BTV[0], -1
+        )
+    want = [float(raw[2 + i, t]) for i, t in enumerate(choice["token_ids"])]
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(want, abs=1e-4)
     oa = HTTPEngine(server.url, api="openai")
     try:
         reqs = [
@@ -502,8 +509,10 @@ def test_sglang_routed_experts_wire_format(served, model):
 
 
 def test_prefix_cache_is_reported_and_flushed(model):
-    """meta_info.cached_tokens, OpenAI usage.prompt_tokens_details.cached_tokens, the hit rate
-    on /metrics, and /flush_cache emptying the cache."""
+    """meta_info.cached_tokens, OpenAI usage.prompt_tokens_details.cached_tokens (asked for, as
+    vLLM's --enable-prompt-tokens-details), the hit rate on /metrics, and /flush_cache emptying
+    the cache."""
+    from slipstream.engine.guard import ServeOptions
     from slipstream.engine.server import create_app
 
     cfg = EngineConfig(kv_cache_tokens=4 * 128, max_seq_len=128, max_batch_size=4,
@@ -511,7 +520,9 @@ def test_prefix_cache_is_reported_and_flushed(model):
     prompt = [5 + i % 20 for i in range(40)]
     body = {"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 3}}
     with NativeEngine(model, cfg, tokenizer=CharTokenizer()) as engine:
-        with Server(create_app(engine, CharTokenizer(), "m")) as server:
+        app = create_app(engine, CharTokenizer(), "m",
+                         ServeOptions(enable_prompt_tokens_details=True))  # fmt: skip
+        with Server(app) as server:
             metas = [httpx.post(server.url + "/generate", json=body, timeout=30).json()["meta_info"]
                      for _ in range(2)]  # fmt: skip
             assert [m["cached_tokens"] for m in metas] == [0, 32]

@@ -406,6 +406,41 @@ def test_serve_warns_when_binding_beyond_loopback_without_a_key(model, tmp_path,
     assert "no config.json" in capsys.readouterr().err
 
 
+def test_serve_defaults_are_the_peers(model, tmp_path, monkeypatch):
+    """`slipstream serve` with no flag keeps a prefix cache (SGLang's radix cache is on by
+    default: a resent prompt reports meta_info.cached_tokens) and omits OpenAI usage's
+    prompt_tokens_details (vLLM, unless --enable-prompt-tokens-details); --disable-radix-cache
+    turns the cache off."""
+    import uvicorn
+
+    from slipstream.cli import main
+
+    save_pretrained(model, tmp_path / "m")
+    (tmp_path / "empty.toml").write_text("")
+    prompt = [1] + [5 + i % 30 for i in range(40)]
+    seen: list[tuple[int, dict]] = []
+
+    def run(app, **kw) -> None:
+        with Server(app) as s:
+            body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 2}}
+            for _ in range(2):
+                meta = httpx.post(s.url + "/generate", json=body, timeout=60).json()["meta_info"]
+            usage = httpx.post(s.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2},
+                               timeout=60).json()["usage"]  # fmt: skip
+            seen.append((meta["cached_tokens"], usage))
+
+    monkeypatch.setattr(uvicorn, "run", run)
+    monkeypatch.delenv("SLIPSTREAM_API_KEY", raising=False)
+    serve = ["serve", "--model", str(tmp_path / "m"), "-c", str(tmp_path / "empty.toml")]
+    for extra in ([], ["--enable-prompt-tokens-details"], ["--disable-radix-cache"],
+                  ["--engine.prefix_cache_tokens=0"]):  # fmt: skip
+        assert main([*serve, *extra]) == 0
+    (cached, usage), (_, asked), (off, _), (off_by_config, _) = seen
+    assert cached >= 32 and off == off_by_config == 0
+    assert "prompt_tokens_details" not in usage
+    assert asked["prompt_tokens_details"]["cached_tokens"] >= 32
+
+
 def test_serve_refuses_an_empty_api_key(model, tmp_path, capsys, monkeypatch):
     """`--api-key "$UNSET"` or `SLIPSTREAM_API_KEY=` must not open the admin routes: refused
     before anything is loaded or bound, in one line naming where the empty key came from."""

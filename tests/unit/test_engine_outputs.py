@@ -81,7 +81,8 @@ def test_routing_int16_for_many_experts():
 @torch.no_grad()
 def test_top_logprobs_are_the_raw_distribution(engine, model):
     """Top-n is the model's raw top-n (as SGLang top_logprobs_num / vLLM raw_logprobs) at any
-    temperature and filter; the sampled token's own logprob stays the processed one."""
+    temperature and filter; the sampled token's own logprob stays the processed one, but a
+    greedy row's is the raw one (SGLang's greedy sampler, vLLM raw_logprobs), never 0.0."""
     params = SamplingParams(temperature=0.8, top_k=6, max_new_tokens=6, seed=5, top_logprobs=4)
     greedy = SamplingParams(temperature=0, max_new_tokens=4, top_logprobs=3)
     p1, p2 = prompts(2, seed=9)
@@ -97,10 +98,11 @@ def test_top_logprobs_are_the_raw_distribution(engine, model):
             assert all(abs(lp - float(raw[t])) < 1e-4 for t, lp in alts)
             processed = processed_logprobs(pos_V[None],
                                            RowParams.build([sp], model.config.vocab_size))[0]  # fmt: skip
-            assert c.logprobs[i] == pytest.approx(0.0 if sp.greedy else float(processed[tok]),
-                                                  abs=1e-4)  # fmt: skip
+            want = raw[tok] if sp.greedy else processed[tok]
+            assert c.logprobs[i] == pytest.approx(float(want), abs=1e-4)
             if sp.greedy:  # the argmax is the raw top-1
                 assert alts[0][0] == tok and alts[0][1] < 0.0
+                assert alts[0][1] == pytest.approx(c.logprobs[i], abs=1e-5)
 
 
 @torch.no_grad()

@@ -10,6 +10,7 @@ import ipaddress
 import logging
 import os
 import sys
+from typing import Any
 
 from slipstream.cli import add_config_args
 from slipstream.config import load_config
@@ -83,6 +84,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="SGLang's --weight-version: the label the served weights report (weight_version, "
         "/get_weight_version) until an update; default: the integer version (0)",
     )
+    p.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="vLLM's flag: OpenAI usage objects report prompt_tokens_details.cached_tokens "
+        "(omitted otherwise, as vLLM); SGLang's meta_info.cached_tokens is always reported",
+    )
+    p.add_argument(
+        "--disable-radix-cache",
+        action="store_true",
+        help="SGLang's flag: no prefix cache. By default serve keeps one of "
+        "engine.kv_cache_tokens tokens (as SGLang's radix cache is on by default) unless the "
+        "config sets engine.prefix_cache_tokens",
+    )
     p.add_argument("--log-level", default="warning")
     add_config_args(p)
     p.set_defaults(func=cmd_serve)
@@ -95,6 +109,19 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _served_engine_config(engine: Any, disable_radix_cache: bool) -> Any:
+    """The engine section this server runs: native (this process is the server, whatever
+    engine.type a config shared with the clients names: their "http" points here), with a
+    prefix cache unless the config sized one or --disable-radix-cache: SGLang's radix cache is
+    on by default, and its clients read meta_info.cached_tokens."""
+    update: dict[str, Any] = {"type": "native"}
+    if disable_radix_cache:
+        update["prefix_cache_tokens"] = 0
+    elif "prefix_cache_tokens" not in engine.model_fields_set:
+        update["prefix_cache_tokens"] = min(engine.kv_cache_tokens, 2**24)  # the key's bound
+    return engine.model_copy(update=update)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -144,6 +171,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         weight_url_schemes=("file", "s3", *(s.lower() for s in args.allow_weight_url_scheme)),
         allow_version_rollback=args.allow_version_rollback,
         weight_sync_timeout_s=cfg.engine.weight_sync_timeout_s,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
     )
     if options.api_key is None and not _is_loopback(args.host):
         print(
@@ -166,11 +194,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if tok_spec is None and (model_dir / TOKENIZER_FILE).is_file():
         tok_spec = args.model
     tokenizer = load_tokenizer(tok_spec) if tok_spec is not None else None
-    # This process is the server, so its engine is the in-process one whatever engine.type a
-    # config shared with the clients names (their type = "http" points at this server).
-    engine = build_engine(
-        cfg.engine.model_copy(update={"type": "native"}), model, tokenizer=tokenizer
-    )
+    engine = build_engine(_served_engine_config(cfg.engine, args.disable_radix_cache), model,
+                          tokenizer=tokenizer)  # fmt: skip
     app = create_app(engine, tokenizer, model_path=str(args.model), options=options,
                      weight_version=args.weight_version)  # fmt: skip
     auth = f"API key on {options.api_key_scope} endpoints" if options.api_key else "no API key"

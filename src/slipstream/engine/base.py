@@ -77,8 +77,9 @@ class SamplingParams:
     """How to sample one request. Field names follow SGLang's `sampling_params` except `seed`
     (SGLang: `sampling_seed`).
 
-    temperature 0 means greedy (argmax); its behaviour logprobs are then 0.0 (a point mass), as in
-    SGLang, where temperature 0 becomes top_k = 1. top_k = -1 means the whole vocabulary.
+    temperature 0 means greedy (argmax); its logprobs are then the raw distribution's
+    (log_softmax of the logits), as SGLang's greedy sampler and vLLM's `raw_logprobs` report
+    them. top_k = -1 means the whole vocabulary.
     seed None draws a fresh seed per request; the same seed gives the same samples whatever else
     is in the batch. Stop strings end a sample when its decoded text contains one; the text is cut
     before the stop string, the token ids keep the token that completed it.

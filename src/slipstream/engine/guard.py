@@ -72,6 +72,9 @@ class ServeOptions:
     allow_version_rollback: bool = False
     """Accept a weight_version below the served one (a job resumed from an older checkpoint
     against a long-lived server)."""
+    enable_prompt_tokens_details: bool = False
+    """OpenAI usage objects carry `prompt_tokens_details.cached_tokens` (vLLM's
+    `--enable-prompt-tokens-details`; omitted otherwise, as vLLM)."""
     weight_sync_timeout_s: float = 120.0
     """Bound on every collective of a weight-update group this server joins (a sender that
     died mid-transfer frees the receiving thread after it); `engine.weight_sync_timeout_s`."""

@@ -52,7 +52,8 @@ if TYPE_CHECKING:
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached: int | None = None) -> dict[str, Any]:
     """OpenAI usage; `cached`: prompt tokens served from the prefix cache (its
-    `prompt_tokens_details.cached_tokens`), on the final usage objects."""
+    `prompt_tokens_details.cached_tokens`), on the final usage objects of a server started with
+    `--enable-prompt-tokens-details` (vLLM omits the field otherwise)."""
     out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
     if cached is not None:
@@ -70,17 +71,16 @@ def _with_sampled(
     tokens: list[int],
     logprobs: list[float | None],
 ) -> list[list[tuple[int, float]] | None]:
-    """Completions' top_logprobs per position: the raw top-n (none when n = 0) plus the position's
-    own token when it is not among them (vLLM: n or n + 1 entries, so logprobs=0 gives one).
-    A position without a logprob (the first prompt token) has None."""
+    """Completions' top_logprobs per position: the position's own token first, then the raw
+    top-n without it (none when n = 0): vLLM's n or n + 1 entries, its own token the first key
+    (logprobs=0 gives one). A position without a logprob (the first prompt token) has None."""
     alts_of = tops if tops is not None else [[] for _ in tokens]
     out: list[list[tuple[int, float]] | None] = []
     for alts, tok, lp in zip(alts_of, tokens, logprobs, strict=True):
         if lp is None:
             out.append(None)
             continue
-        alts = alts or []
-        out.append(alts if any(t == tok for t, _ in alts) else [*alts, (tok, lp)])
+        out.append([(tok, lp), *((t, a) for t, a in alts or [] if t != tok)])
     return out
 
 
@@ -250,7 +250,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
                     **_routed(state, c),
                 })  # fmt: skip
         prompt_tokens = sum(len(ids) for ids in prompts)
-        usage = _usage(prompt_tokens, completion_tokens, _cached(groups))
+        usage = _usage(prompt_tokens, completion_tokens, state.prompt_details(_cached(groups)))
         return {**head, "choices": choices, "usage": usage,
                 "metadata": _metadata(state, groups)}  # fmt: skip
 
@@ -259,12 +259,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
         checked(obj)
         if state.tokenizer is None:
             raise ValueError("this server has no tokenizer: chat completions need one")
-        messages = []
-        for m in obj.messages:
-            msg: dict[str, Any] = {"role": m.role, "content": m.text()}
-            if m.name is not None:
-                msg["name"] = m.name
-            messages.append(msg)
+        messages = [m.template_fields() for m in obj.messages]
         ids = state.tokenizer.chat_prompt(messages, obj.add_generation_prompt)
         top_n = (obj.top_logprobs or 0) if obj.logprobs else 0
         params = SamplingParams(max_new_tokens=obj.max_new_tokens(state.default_max_new),
@@ -301,7 +296,8 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
                 "stop_reason": c.matched_stop, "matched_stop": c.matched_stop,
                 "token_ids": c.token_ids, "token_versions": c.versions, **_routed(state, c),
             })  # fmt: skip
-        usage = _usage(len(ids), sum(len(c.token_ids) for c in group), _cached([group]))
+        usage = _usage(len(ids), sum(len(c.token_ids) for c in group),
+                       state.prompt_details(_cached([group])))  # fmt: skip
         prompt_lps = _vllm_prompt_logprobs(group[0], obj.prompt_logprobs, state)
         return {**head, "object": "chat.completion", "choices": choices, "usage": usage,
                 "metadata": _metadata(state, [group]), "prompt_logprobs": prompt_lps}  # fmt: skip
@@ -452,7 +448,7 @@ async def _completion_stream(
     else:
         if include_usage:
             prompt_tokens = sum(len(r.prompt_ids) for r in requests)
-            usage = _usage(prompt_tokens, completion_tokens, cached)
+            usage = _usage(prompt_tokens, completion_tokens, state.prompt_details(cached))
             yield sse({**head, "choices": [], "usage": usage})
     yield sse("[DONE]")
 
@@ -509,6 +505,6 @@ async def _chat_stream(
         yield sse(error_body(500, f"engine error: {e}"))
     else:
         if include_usage:
-            usage = _usage(len(req.prompt_ids), completion_tokens, cached)
+            usage = _usage(len(req.prompt_ids), completion_tokens, state.prompt_details(cached))
             yield sse({**head, "choices": [], "usage": usage})
     yield sse("[DONE]")

@@ -4,16 +4,17 @@
 Requests follow OpenAI's API reference (plus the extensions SGLang and vLLM accept: top_k,
 min_p, stop_token_ids, ignore_eos, vLLM's return_tokens_as_token_ids and add_generation_prompt).
 Fields OpenAI defines but slipstream does not implement are accepted at their neutral value and
-refused otherwise with a 400 naming them; unknown fields are refused too.
+refused otherwise with a 400 naming them; unknown fields are refused too, except in a chat
+message (vLLM passes a message's extra fields and custom roles to the chat template).
 
 Logprob semantics (raw vs processed): a generated token's own logprob (`token_logprobs`, chat
 `logprob`) is *processed*: under the distribution it was sampled from (after temperature, top-k,
-top-p, min-p: the behaviour logprob the RL trainer uses), so a greedy token has 0.0. Its top
+top-p, min-p: the behaviour logprob the RL trainer uses); a greedy token's is the raw one. Its top
 alternatives (`top_logprobs`) are *raw*: the model's n most likely tokens (log_softmax of the
 logits, no temperature or filters), as vLLM's default `logprobs_mode="raw_logprobs"` and SGLang's
 `top_logprobs_num`, so temperature 0 with logprobs = 5 lists 5 tokens. Completions'
-`top_logprobs` also hold the position's own token when it is not among the n (n or n + 1
-entries; `logprobs = 0` gives one per token, as vLLM), at its `token_logprobs` value. Echoed
+`top_logprobs` start with the position's own token, at its `token_logprobs` value, then the n
+(n or n + 1 entries; `logprobs = 0` gives one per token, as vLLM). Echoed
 prompt tokens' logprobs and alternatives are raw (nothing was sampled there), each prompt
 position lists the prompt token itself; the first prompt token has none (None).
 """
@@ -21,9 +22,9 @@ position lists the prompt token itself; the first prompt token has none (None).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from slipstream.engine.base import ALL_TOKENS, MAX_INT32, MAX_SAMPLES
 from slipstream.engine.protocol import Count, Seed, Strict, TokenId, TopN, refuse_long_lists
@@ -40,6 +41,7 @@ class _Sampling(Strict):
     """Fields common to completions and chat completions."""
 
     model: str | None = None
+    """The served model's name; None or "" means it (vLLM)."""
     temperature: float = 1.0
     top_p: float = 1.0
     n: Annotated[int, Field(ge=1, le=MAX_SAMPLES)] = 1
@@ -107,10 +109,24 @@ class CompletionRequest(_Sampling):
         return bad
 
 
-class ChatMessage(Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+class ChatMessage(BaseModel):
+    """One chat message. As vLLM: any role (the chat template decides what a custom one means)
+    and any extra field (`reasoning_content`, `tool_calls`, `tool_call_id`, a framework's own),
+    passed to the template as given."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    role: Annotated[str, Field(min_length=1, max_length=256)]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+
+    def template_fields(self) -> dict[str, Any]:
+        """What the chat template gets: the extra fields, then role, content (text), name."""
+        out: dict[str, Any] = {**(self.model_extra or {}), "role": self.role,
+                               "content": self.text()}  # fmt: skip
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
     def text(self) -> str:
         """The message's text; content parts must all be text."""

@@ -9,7 +9,8 @@ slipstream does not implement are accepted at their neutral value and rejected o
 number is bounded here (and again by `SamplingParams`), floats must be finite.
 
 Logprobs: `output_token_logprobs` are the processed (behaviour) logprobs of the sampled tokens
-(after temperature and filters; 0.0 for greedy); `output_top_logprobs` / `input_*` are the raw
+(after temperature and filters; for greedy the raw distribution's, as SGLang's greedy sampler);
+`output_top_logprobs` / `input_*` are the raw
 distribution's (log_softmax of the logits), as SGLang reports `top_logprobs_num`.
 `meta_info.weight_version` is a string label over slipstream's integer versions
 (`weight_versions.py`); `meta_info.cached_tokens` counts the prefix cache's hit.

@@ -8,7 +8,9 @@ softmax p sorted in descending order, drop token i when the mass before it alrea
 (cum_i - p_i > top_p), when its rank >= top_k, or when p_i < min_p * p_max; the kept probabilities
 are renormalised. `processed_logprobs` returns log of that renormalised distribution, so the
 behaviour logprob of a sampled token is exactly what a trainer recomputes from the same logits and
-parameters. Greedy rows (temperature 0) take the argmax with logprob 0.0 (top_k = 1, as SGLang).
+parameters. Greedy rows (temperature 0) take the argmax and report its logprob under the raw
+distribution (log_softmax of the logits), as SGLang's greedy sampler and vLLM's default
+`logprobs_mode="raw_logprobs"` do (the trainer takes a greedy rollout's policy at temperature 1).
 
 Top-n alternatives (`raw_top_logprobs`) are the model's raw distribution (log_softmax of the
 logits: no temperature, no filters), as SGLang's `top_logprobs_num` and vLLM's default
@@ -137,7 +139,7 @@ def sample(
     rows' `processed_logprobs`, when the caller computed them already (for top-n outputs)."""
     argmax_B = logits_BV.argmax(dim=-1)
     if rp.all_greedy:
-        return argmax_B, torch.zeros(argmax_B.shape, dtype=torch.float32, device=argmax_B.device)
+        return argmax_B, _raw_logprob(logits_BV, argmax_B)
     if lp_BV is None:
         lp_BV = processed_logprobs(logits_BV, rp)
     cdf_BV = lp_BV.exp().cumsum(dim=-1)
@@ -154,8 +156,17 @@ def sample(
     token_B = torch.where(bad_B, argmax_B, token_B)
     logprob_B = torch.where(bad_B, lp_BV.gather(1, argmax_B[:, None]).squeeze(1), logprob_B)
     if rp.any_greedy:
-        logprob_B = torch.where(rp.greedy_B, torch.zeros_like(logprob_B), logprob_B)
+        logprob_B = torch.where(rp.greedy_B, _raw_logprob(logits_BV, argmax_B), logprob_B)
     return token_B, logprob_B
+
+
+def _raw_logprob(logits_BV: torch.Tensor, token_B: torch.Tensor) -> torch.Tensor:
+    """log p(token) under the model's raw distribution (log_softmax of the logits), float32: a
+    greedy row's logprob, as SGLang's greedy sampler and vLLM's `raw_logprobs` report it (and
+    what the trainer recomputes for a greedy rollout, whose policy it takes at temperature 1)."""
+    logits_BV = logits_BV.float()
+    chosen_B = logits_BV.gather(1, token_B[:, None]).squeeze(1)
+    return chosen_B - torch.logsumexp(logits_BV, dim=-1)
 
 
 def raw_top_logprobs(logits_BV: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:

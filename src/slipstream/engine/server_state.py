@@ -67,8 +67,14 @@ class ServerState:
     def decode(self) -> Any:
         return self.tokenizer.decode if self.tokenizer is not None else None
 
+    def prompt_details(self, cached: int) -> int | None:
+        """The cached prompt tokens an OpenAI usage object reports: None (the field omitted)
+        unless the server was asked for them, as vLLM's `--enable-prompt-tokens-details`."""
+        return cached if self.options.enable_prompt_tokens_details else None
+
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.options.served_model_name:
+        """404 for another model's name; no name or "" means the served one (vLLM)."""
+        if name and name != self.options.served_model_name:
             raise HTTPException(404, f"model {name[:200]!r} does not exist "
                                      f"(this server serves {self.options.served_model_name!r})")  # fmt: skip
 
