@@ -244,3 +244,126 @@ def test_deepseek_v3_refuses_what_mla_cannot_express():
     with pytest.raises(ValueError, match="rope_type='linear'"):
         deepseek_v3.config_from_hf({**hf, "rope_parameters": {"rope_type": "linear",
                                                               "factor": 2.0}})  # fmt: skip
+
+
+# ---- the whole model against transformers ---------------------------------------------------
+
+MODEL_CASES = {
+    "qwen3_next": (qwen3_next.tiny_hf_config(), 150),  # T crosses GDN chunks at 64 and 128
+    "qwen3_5_moe_text": (qwen3_5_moe.tiny_hf_config(), 150),
+    "deepseek_v3": (deepseek_v3.tiny_hf_config(), 90),  # past YaRN's original 64 positions
+    "deepseek_v3_q_proj": ({**deepseek_v3.tiny_hf_config(), "q_lora_rank": None}, 90),
+}
+
+
+def _random_hf(hf_json: dict, seed: int = 0):
+    """transformers' model, every parameter and buffer random (as test_families.py's harness);
+    the zero-centred (1 + w) norms' weights near 0 like trained ones (scale ~1, as the other
+    families' norms). The hybrids' weights are drawn at std 0.1, not 0.2: at 0.2 their logits
+    reach |10| and float32 rounding of differently ordered ops (split vs fused projections, the
+    attention and expert kernels; the chunked delta rule itself is bitwise transformers') grows
+    through the four layers to 1.5e-5."""
+    hf_cfg = {k: v for k, v in hf_json.items() if k != "model_type"}
+    config = transformers.AutoConfig.for_model(hf_json["model_type"], **hf_cfg)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    zero_centered = hf_json["model_type"] != "deepseek_v3"
+    std = 0.1 if zero_centered else 0.2
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            base = 1.0 if name.endswith("norm.weight") and not zero_centered else 0.0
+            if name.endswith("linear_attn.norm.weight"):  # RMSNormGated: plain weight
+                base = 1.0
+            p.copy_(base + std * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn(b.shape, generator=g))
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=list(MODEL_CASES))
+def model_pair(request, tmp_path_factory):
+    from slipstream.model import load_pretrained
+
+    hf_json, seq = MODEL_CASES[request.param]
+    hf = _random_hf(hf_json)
+    directory = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(directory)
+    return hf, directory, load_pretrained(directory), seq
+
+
+def _as_hf(model, sd):
+    from slipstream.model.families import family_of
+
+    return family_of(model.config).weights.to_hf(sd, model.config, True)
+
+
+def test_model_logits_and_packed_forward_equal_transformers(model_pair):
+    hf, _, ours, seq = model_pair
+    assert set(_as_hf(ours, ours.state_dict())) == set(hf.state_dict())
+    ids = torch.randint(0, 96, (2, seq), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        torch.testing.assert_close(ours(ids).logits_BTV, ref, atol=1e-5, rtol=1e-5)
+        real = torch.ones_like(ids, dtype=torch.bool)
+        real[1, 70:] = False  # right padding: GDN and attention see only the real prefix
+        packed = ours(ids, skip_padding_BT=real).logits_BTV
+        torch.testing.assert_close(packed[0], ref[0], atol=1e-5, rtol=1e-5)
+        short = hf(ids[1:, :70]).logits[0]
+        torch.testing.assert_close(packed[1, :70], short, atol=1e-5, rtol=1e-5)
+
+
+def test_model_train_step_loss_and_grads_equal_transformers(model_pair):
+    import torch.nn.functional as F
+
+    hf, _, ours, seq = model_pair
+    ids = torch.randint(0, 96, (2, seq), generator=torch.Generator().manual_seed(8))
+    hf.train()
+    ours.train()
+    try:
+        hf.zero_grad()
+        ours.zero_grad()
+        ref = hf(ids, labels=ids)
+        ref.loss.backward()
+        logits = ours(ids).logits_BTV
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        loss.backward()
+        torch.testing.assert_close(loss, ref.loss, atol=1e-5, rtol=1e-5)
+        theirs = dict(hf.named_parameters())
+        grads = _as_hf(ours, {n: p.grad for n, p in ours.named_parameters()})
+        assert set(grads) == set(theirs)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, theirs[name].grad, atol=1e-5, rtol=1e-4, msg=name)
+    finally:
+        hf.eval()
+        ours.eval()
+
+
+def test_model_save_round_trip_through_transformers(model_pair, tmp_path):
+    from slipstream.model import save_pretrained
+
+    hf, directory, ours, _ = model_pair
+    save_pretrained(ours, tmp_path)
+    assert sorted(load_file(tmp_path / "model.safetensors")) == sorted(
+        load_file(directory / "model.safetensors")
+    )
+    reloaded = type(hf).from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, hf(ids).logits, atol=0, rtol=0)
+
+
+def test_gdn_layers_refuse_a_kv_cache_until_the_engine_has_their_state():
+    from slipstream.model import MoEForCausalLM, model_config_from_hf
+
+    ours = MoEForCausalLM(model_config_from_hf(qwen3_next.tiny_hf_config()))
+
+    class _Cache:
+        length = 0
+
+        def attend(self, layer_idx, q, k, v, **kw):  # pragma: no cover - never reached
+            raise AssertionError
+
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="layer 0 is a Gated DeltaNet"):
+        ours(torch.zeros(1, 3, dtype=torch.long), cache=_Cache())

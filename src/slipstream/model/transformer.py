@@ -16,6 +16,7 @@ from torch import nn
 
 from slipstream.config.model import ModelConfig
 from slipstream.model.attention import KVCache
+from slipstream.model.gated_deltanet import GatedDeltaNet, ZeroCenteredRMSNorm
 from slipstream.model.layers import (
     MLP,
     Attention,
@@ -24,6 +25,7 @@ from slipstream.model.layers import (
     packed_rope_tables,
     rope_cos_sin,
 )
+from slipstream.model.mixers import Mixer, build_mixer, run_mixer
 from slipstream.model.moe_block import Experts, SparseMoeBlock, load_balancing_loss, router_z_loss
 
 
@@ -65,30 +67,41 @@ def rotary_dim(cfg: ModelConfig) -> int:
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        self.self_attn = Attention(
-            cfg.hidden_size,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            cfg.rms_norm_eps,
-            layer_idx,
-            qkv_bias=cfg.attention_bias,
-            out_bias=cfg.attention_out_bias,
-            qk_norm=cfg.qk_norm,
-            clip_qkv=cfg.clip_qkv,
-            rotary_dim=rotary_dim(cfg),
-            sinks=cfg.attention_sinks,
-            sliding_window=cfg.layer_window(layer_idx),
-        )
+        # a Gated DeltaNet (`linear_attn`), MLA or gated attention layer (model/mixers.py), or
+        # the plain Attention below
+        mixer = build_mixer(cfg, layer_idx)
+        self.plain_attention = mixer is None
+        """self_attn is model/layers.py's Attention (else a model/mixers.py mixer)."""
+        self.linear_attn: GatedDeltaNet | None = None
+        self.self_attn: Attention | Mixer
+        if isinstance(mixer, GatedDeltaNet):
+            self.linear_attn = mixer
+        elif mixer is not None:
+            self.self_attn = mixer
+        else:
+            self.self_attn = Attention(
+                cfg.hidden_size,
+                cfg.num_attention_heads,
+                cfg.num_key_value_heads,
+                cfg.head_dim,
+                cfg.rms_norm_eps,
+                layer_idx,
+                qkv_bias=cfg.attention_bias,
+                out_bias=cfg.attention_out_bias,
+                qk_norm=cfg.qk_norm,
+                clip_qkv=cfg.clip_qkv,
+                rotary_dim=rotary_dim(cfg),
+                sinks=cfg.attention_sinks,
+                sliding_window=cfg.layer_window(layer_idx),
+            )
         self.mlp: SparseMoeBlock | MLP
         if is_moe_layer(cfg, layer_idx):
             # on the default expert path; model/converters.py's ExpertPath applies moe_impl
             self.mlp = SparseMoeBlock.from_config(cfg)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
-        f32 = cfg.norm_weight_in_float32
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, f32)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, f32)
+        self.input_layernorm = decoder_norm(cfg)
+        self.post_attention_layernorm = decoder_norm(cfg)
 
     def forward(
         self,
@@ -99,7 +112,13 @@ class DecoderLayer(nn.Module):
         packing: Packing | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x (B, T, D), or (M, D) with `packing`; -> (x after the layer, router logits or None)."""
-        x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), cos_sin, cache, packing)
+        h = self.input_layernorm(x_BTD)
+        if self.linear_attn is not None:
+            x_BTD = x_BTD + run_mixer(self.linear_attn, h, cos_sin, cache, packing)
+        elif self.plain_attention:
+            x_BTD = x_BTD + self.self_attn(h, cos_sin, cache, packing)
+        else:
+            x_BTD = x_BTD + run_mixer(self.self_attn, h, cos_sin, cache, packing)
         h = self.post_attention_layernorm(x_BTD)
         if isinstance(self.mlp, SparseMoeBlock):
             out, router_logits = self.mlp(h, replay_ids_Nk)
@@ -114,7 +133,14 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_in_float32)
+        self.norm = decoder_norm(cfg)
+
+
+def decoder_norm(cfg: ModelConfig) -> RMSNorm | ZeroCenteredRMSNorm:
+    """The residual-stream RMSNorm: zero-centred `1 + w` (Qwen3-Next / 3.5) or plain."""
+    if cfg.norm_zero_centered:
+        return ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_in_float32)
 
 
 class MoEForCausalLM(nn.Module):

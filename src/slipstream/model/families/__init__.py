@@ -309,4 +309,13 @@ def common_to_hf(cfg: ModelConfig, family: Family, **rope_extra: Any) -> dict[st
 
 
 # The families (each module registers itself on import).
-from slipstream.model.families import glm4_moe, gpt_oss, mixtral, olmoe, qwen3_moe  # noqa: E402, F401
+from slipstream.model.families import (  # noqa: E402, F401
+    deepseek_v3,
+    glm4_moe,
+    gpt_oss,
+    mixtral,
+    olmoe,
+    qwen3_5_moe,
+    qwen3_moe,
+    qwen3_next,
+)
