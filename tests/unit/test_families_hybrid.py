@@ -367,3 +367,45 @@ def test_gdn_layers_refuse_a_kv_cache_until_the_engine_has_their_state():
 
     with torch.no_grad(), pytest.raises(NotImplementedError, match="layer 0 is a Gated DeltaNet"):
         ours(torch.zeros(1, 3, dtype=torch.long), cache=_Cache())
+
+
+def test_model_routing_replay_is_exact(model_pair, tmp_path):
+    """R3: the expert ids a forward routed to, replayed, give the same logits bitwise; the
+    router keeps its gradient; DeepSeek's correction bias steers live selection only."""
+    from slipstream.model import load_pretrained
+    from slipstream.model.moe_block import SparseMoeBlock
+
+    _, directory, _, seq = model_pair
+    model = load_pretrained(directory)  # a copy: the correction bias is changed below
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    ids = torch.randint(0, 96, (2, seq), generator=torch.Generator().manual_seed(10))
+
+    def record() -> torch.Tensor:
+        seen: list[torch.Tensor] = []
+        for b in blocks:
+            b.routing_sink = lambda ids_Nk: seen.append(ids_Nk.clone())
+        try:
+            with torch.no_grad():
+                model(ids)
+        finally:
+            for b in blocks:
+                b.routing_sink = None
+        return torch.stack(seen)
+
+    recorded = record()
+    with torch.no_grad():
+        live = model(ids).logits_BTV
+        assert torch.equal(model(ids, replay_routing_LNk=recorded).logits_BTV, live)
+    out = model(ids, replay_routing_LNk=recorded)
+    out.logits_BTV.logsumexp(-1).sum().backward()
+    assert all(
+        b.gate.weight.grad is not None and b.gate.weight.grad.abs().sum() > 0 for b in blocks
+    )
+    bias = blocks[0].gate.e_score_correction_bias
+    if bias is None:
+        return
+    with torch.no_grad():
+        for b in blocks:
+            b.gate.e_score_correction_bias.add_(torch.randn(bias.shape) * 3)
+        assert not torch.equal(record(), recorded)
+        assert torch.equal(model(ids, replay_routing_LNk=recorded).logits_BTV, live)
