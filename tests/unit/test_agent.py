@@ -130,7 +130,7 @@ def test_refusals_are_answered_counted_and_never_recorded(endpoint) -> None:  # 
         HTTP.post(url, json={"messages": user, "n": 2}, headers=auth),
         HTTP.post(url, json={"messages": user, "no_such_field": 1}, headers=auth),
         HTTP.post(url, json={"messages": user, "tools": [{"type": "function"}]}, headers=auth),
-        HTTP.post(url, json={"messages": [{"role": "wizard", "content": "x"}]}, headers=auth),
+        HTTP.post(url, json={"messages": [{"role": "user", "content": 5}]}, headers=auth),
     ]
     for r in bad:
         assert r.status_code == 400, r.text
@@ -201,3 +201,49 @@ def test_grpo_baseline_counts_an_episode_once() -> None:
     trainer.cfg, trainer.device = TrainerConfig(), torch.device("cpu")
     adv, _ = trainer._advantages([split, plain], t)
     assert adv[:, 0].tolist() == pytest.approx([1, 1, 1, -1, 1, -1], abs=1e-4)
+
+
+def test_an_agent_episodes_samples_share_group_rewards() -> None:
+    """The episode loop runs an AgentDriven environment on its own thread; a group reward
+    function's score reaches every sample of a split episode; a failed run is re-run."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from slipstream.envs import EnvUsage, EpisodeLimits, EpisodeRunner, InfraError, run_episodes
+    from slipstream.envs.base import Score
+    from slipstream.envs.episode import Episode
+    from slipstream.tasks import Task
+
+    class Driven:
+        stop: tuple[str, ...] = ()
+        runs = 0
+
+        def __init__(self) -> None:
+            self.usage = EnvUsage()
+
+        def reset(self, task: Task) -> list[int]:
+            return [1]
+
+        def run(self, task: Task, stopped: Any) -> list[Episode]:
+            Driven.runs += 1
+            if Driven.runs == 1:
+                raise InfraError("the first run fails")
+            return [Episode([1, 5], [6], [1], [-0.5], [0], reward=1.0, text="a"),
+                    Episode([1, 7], [8], [1], [-0.5], [0], reward=1.0, text="b")]  # fmt: skip
+
+        def close(self) -> None:
+            pass
+
+    def group(task: Task, texts: list[str]) -> list[Score]:
+        assert texts == ["a", "a"]  # one text per episode
+        return [Score(0.5, "group", {"g": 0.5})] * len(texts)
+
+    with ThreadPoolExecutor(2) as pool:
+        runner = EpisodeRunner(None, Driven, TOK, EpisodeLimits(), pool, group_scorer=group)  # type: ignore[arg-type]
+        (out,) = run_episodes(runner, [Task("t/0", "1+1=", "k")], n=2, timeout_s=30)
+        runner.close()
+    assert out.status == "done" and out.infra_failures == 1
+    assert len(out.episodes) == 4
+    assert [e.reward for e in out.episodes] == [1.5] * 4
+    assert all(e.reward_components == {"g": 0.5} for e in out.episodes)
+    assert sorted(e.episode_index for e in out.episodes) == [0, 0, 1, 1]
+    assert all(e.infra_retries in (0, 1) for e in out.episodes)

@@ -28,9 +28,15 @@ How an episode ends:
   are trained on and no reward is made up. Refused calls (over `max_calls` or the token budget,
   malformed requests) are answered 4xx and counted; what the agent does then is its business.
 
+The reward is the worker's Verifier on the last assistant message (the `[[reward.functions]]`
+RewardSet: per-sample functions here, group functions over the group's episodes in the episode
+loop, every sample of an episode getting its episode's; without functions, the task's
+verifier).
+
 Not covered: running the agent inside the episode's sandbox (sandboxes have no network, and the
-endpoint is TCP: docs/agents.md has the design), the reward functions of `[[reward.functions]]`
-(issue 45; the task's verifier scores), the `tools` request field.
+endpoint is TCP: docs/agents.md has the design), handing the final messages and the agent's
+output to reward functions (they get the last assistant message and the task's columns), the
+`tools` request field.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ from slipstream.envs.base import (
     InfraError,
     Scorer,
     StepResult,
+    score_components,
 )
 from slipstream.envs.episode import Episode
 from slipstream.envs.python_tool import CALL_CLOSE, CALL_OPEN, OUT_CLOSE, OUT_OPEN, ToolTeacher
@@ -274,7 +281,9 @@ class AgentRuntime:
                                           f"(exit {run.exit_code}; {len(run.calls)} calls)")  # fmt: skip
         last = run.calls[-1]
         answer = last.reply.get("content", "") if last.kind == "chat" else last.completion.text
-        reward, reason = self.scorer(task, answer)
+        score = self.scorer(task, answer)  # the worker's Verifier: [[reward.functions]]
+        reward, reason = score
+        components = score_components(score)
         tok = self.taskset.tokenizer
         out = [
             Episode(
@@ -283,6 +292,7 @@ class AgentRuntime:
                 finish_reason=s.finish_reason, text=tok.decode(s.completion_ids),
                 num_turns=s.num_calls, routed_experts=s.routed_experts(),
                 prefill_tokens=len(s.prompt_ids), env_s=run.wall_s,
+                reward_components=dict(components),
             )
             for s in segs
         ]  # fmt: skip

@@ -23,9 +23,9 @@ the calls are RL samples:
 - `max_tokens` is capped by the turn cap and by what is left of the episode's token budget;
   a call past the episode's call or token budget is refused with 403 (not retried by the
   OpenAI SDK), and so is any call after the episode ended (410).
-- Assistant messages sent back may carry `tool_calls` and tool messages `tool_call_id`; they are
-  handed to the chat template as they are (the template decides how they render). Requests with
-  `tools` are not implemented yet (400), see docs/agents.md.
+- Messages reach the chat template as `slipstream serve` hands them (`template_fields`: any role,
+  extra fields such as an assistant turn's `tool_calls` or a tool result's `tool_call_id` as
+  given). Requests with `tools` are not implemented yet (400), see docs/agents.md.
 - A streamed response is sent when the call's generation ends (one chunk per token, as
   `slipstream serve` frames it): the engine protocol returns completions, not token events, so
   the time to the first chunk is the call's latency.
@@ -53,13 +53,11 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import Field
 
 from slipstream.engine.base import Completion, Engine, GenerateRequest, SamplingParams
-from slipstream.engine.guard import authorized, error_body, error_response
+from slipstream.engine.guard import authorized, error_response
 from slipstream.engine.openai_protocol import (
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     chat_logprob_entries,
     completion_logprobs,
@@ -69,18 +67,6 @@ from slipstream.engine.streaming import TextStream, sse
 log = logging.getLogger(__name__)
 
 CallKind = Literal["chat", "completion"]
-
-
-class AgentMessage(ChatMessage):
-    """A chat message as agents send them back: an assistant turn's `tool_calls`, a tool
-    result's `tool_call_id` (OpenAI's shapes), passed to the chat template unchanged."""
-
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
-
-
-class AgentChatRequest(ChatCompletionRequest):
-    messages: list[AgentMessage] = Field(min_length=1, max_length=4096)  # type: ignore[assignment]
 
 
 @dataclass
@@ -372,12 +358,10 @@ class AgentEndpoint:
             return {"object": "list", "data": [model_card()]}
 
         @app.post("/s/{sid}/v1/chat/completions")
-        async def chat(sid: str, obj: AgentChatRequest, request: Request) -> Any:
+        async def chat(sid: str, obj: ChatCompletionRequest, request: Request) -> Any:
             s = self._session(request, sid)
             self._check(obj)
-            messages = [m.model_dump(exclude_none=True) for m in obj.messages]
-            for m, src in zip(messages, obj.messages, strict=True):
-                m["content"] = src.text()
+            messages = [m.template_fields() for m in obj.messages]  # as slipstream serve
             ids = self.tokenizer.chat_prompt(messages, obj.add_generation_prompt)
             room = s.admit()
             params = self._params(obj, room, obj.max_new_tokens(self.max_turn_tokens), len(ids))
@@ -484,5 +468,4 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
 
 
-__all__ = ["AgentEndpoint", "AgentMessage", "CallRecord", "EpisodeSession", "SessionError",
-           "error_body"]  # fmt: skip
+__all__ = ["AgentEndpoint", "CallRecord", "EpisodeSession", "SessionError"]

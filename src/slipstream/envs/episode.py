@@ -587,7 +587,8 @@ class GroupRollout:
         scorer = self.runner.group_scorer
         if scorer is None:
             return
-        data = [ep.data for ep in self.eps if ep.data is not None]
+        held = [ep for ep in self.eps if ep.data is not None]
+        data = [ep.data for ep in held if ep.data is not None]
         try:
             scores = scorer(self.task, [d.text for d in data])
         except RewardDropped as e:
@@ -607,9 +608,11 @@ class GroupRollout:
             return
         if scores is None:
             return
-        for d, s in zip(data, scores, strict=True):
-            d.reward += s.reward
-            d.reward_components.update(s.components)
+        for ep, s in zip(held, scores, strict=True):
+            for d in [ep.data, *ep.extra]:  # an agent episode's samples share its reward
+                assert d is not None
+                d.reward += s.reward
+                d.reward_components.update(s.components)
 
 
 def run_episodes(
