@@ -73,7 +73,10 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
     def encode_prompt(self, text: str) -> list[int]: ...
     def chat_prompt(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> list[int]: ...
     def save(self, directory: str | Path) -> None: ...
 
@@ -139,12 +142,16 @@ class CharTokenizer:
         return [self.bos_id, *self.encode_with_specials(text)]
 
     def chat_prompt(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> list[int]:
         """`CHAR_CHAT_TEMPLATE` rendered and encoded (special-token strings parsed, no BOS added:
-        the template has it), as transformers' `apply_chat_template(tokenize=True)`."""
+        the template has it), as transformers' `apply_chat_template(tokenize=True)`. The char
+        template renders no tools."""
         text = render_chat_template(
-            CHAR_CHAT_TEMPLATE, messages, add_generation_prompt, BOS, EOS, PAD
+            CHAR_CHAT_TEMPLATE, messages, add_generation_prompt, BOS, EOS, PAD, tools=tools
         )
         return self.encode_with_specials(text)
 
@@ -300,16 +307,20 @@ class HFTokenizer:
         return list(self._tok.encode(text, add_special_tokens=True).ids)
 
     def chat_prompt(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The tokenizer's chat template rendered and encoded without the post-processor (the
-        template carries its own specials), as transformers' apply_chat_template does."""
+        template carries its own specials), as transformers' apply_chat_template does; `tools`
+        (OpenAI function definitions) reach the template as its `tools` variable."""
         if self.chat_template is None:
             raise ValueError(f"{self.path.parent}: the tokenizer has no chat template")
         names = {r: self._tok.id_to_token(i) for r, i in self._ids.items()}
         text = render_chat_template(
             self.chat_template, messages, add_generation_prompt,
-            names["bos"], names["eos"], names["pad"],
+            names["bos"], names["eos"], names["pad"], tools=tools,
         )  # fmt: skip
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
@@ -403,10 +414,12 @@ def render_chat_template(
     bos_token: str | None,
     eos_token: str | None,
     pad_token: str | None = None,
+    tools: Sequence[dict[str, Any]] | None = None,
 ) -> str:
     """Render a Hugging Face chat template in a sandboxed Jinja environment with the variables
-    transformers passes (messages, add_generation_prompt, bos/eos/pad token strings). A template
-    error (including the template's own `raise_exception`) is a ValueError naming it."""
+    transformers passes (messages, add_generation_prompt, bos/eos/pad token strings, `tools`
+    when given). A template error (including the template's own `raise_exception`) is a
+    ValueError naming it."""
     from jinja2.exceptions import TemplateError
 
     try:
@@ -416,6 +429,7 @@ def render_chat_template(
             bos_token=bos_token or "",
             eos_token=eos_token or "",
             pad_token=pad_token or "",
+            **({"tools": list(tools)} if tools else {}),
         )
     except TemplateError as e:
         raise ValueError(f"chat template: {e}") from None
