@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from jobutil import TINY_MODEL, save_random_init, start_server, wait_healthy
+from sglang_pg import init_custom_process_group
 from slipstream.config import load_config
 from slipstream.engine.weight_transport import DistributedSender, free_port, store_catch_up
 from slipstream.model import MoEForCausalLM, hf_weights, save_pretrained
@@ -40,10 +41,10 @@ class Servers:
         self.procs: list[subprocess.Popen] = []
         save_random_init(tmp / "init", TINY_MODEL)
 
-    def start(self, i: int) -> str:
+    def start(self, i: int, extra: tuple[str, ...] = ()) -> str:
         d = self.tmp / f"server{i}"
         d.mkdir()
-        proc, url = start_server(d, self.tmp / "init")
+        proc, url = start_server(d, self.tmp / "init", extra)
         self.procs.append(proc)
         wait_healthy(proc, url, d / "server.log")
         return url
@@ -76,16 +77,13 @@ def _model_info(url: str) -> dict:
 
 def _rank0(port: int, group: str, init: Callable[[], None]) -> tuple[Any, datetime.timedelta]:
     """The trainer's end of a 2-rank gloo group, formed while `init` (the engine's init
-    request) runs on a thread: torch.distributed only, as an outside client would."""
-    import torch.distributed as dist
-
+    request) runs on a thread, with SGLang's own `init_custom_process_group` (sglang_pg.py):
+    what OpenRLHF, SkyRL, open-instruct and PipelineRL run on their side."""
     t = threading.Thread(target=init)
     t.start()
     timeout = datetime.timedelta(seconds=60)
-    store = dist.TCPStore(
-        "127.0.0.1", port, 2, is_master=True, timeout=timeout, wait_for_workers=False
-    )
-    pg = dist.ProcessGroupGloo(dist.PrefixStore(f"slipstream/{group}", store), 0, 2, timeout)
+    pg = init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                   timeout=timeout, world_size=2, rank=0, group_name=group)  # fmt: skip
     t.join()
     return pg, timeout
 
@@ -296,6 +294,174 @@ def test_distributed_sender_survives_kill_mid_transfer_and_admits_a_joining_engi
         assert sender.dropped == [b]
     finally:
         sender.close()
+
+
+def _broadcast_while(request: Callable[[], httpx.Response], pg: Any,
+                     tensors: list[torch.Tensor]) -> httpx.Response:  # fmt: skip
+    """`request` on a thread while rank 0 broadcasts `tensors` (errors of a broken group are
+    the test's to judge by the answer)."""
+    import torch.distributed as dist
+
+    out: dict[str, httpx.Response] = {}
+    t = threading.Thread(target=lambda: out.update(r=request()))
+    t.start()
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    try:
+        for x in tensors:
+            pg.broadcast([x], opts).wait(datetime.timedelta(seconds=30))
+    except RuntimeError:
+        pass  # the receiver is gone: its answer says why
+    t.join(timeout=120)
+    return out["r"]
+
+
+def _generates(url: str) -> bool:
+    out = httpx.post(f"{url}/generate", json={"input_ids": [1, 5, 7], "sampling_params": {
+        "max_new_tokens": 2, "temperature": 0}}, timeout=60)  # fmt: skip
+    return out.status_code == 200 and len(out.json()["output_ids"]) == 2
+
+
+def test_a_broadcast_larger_or_shorter_than_declared_never_takes_the_server_down(servers) -> None:
+    """Issue 44: a group member that broadcasts more bytes than /update_weights_from_distributed
+    declared (float64 for a declared float32) made gloo abort the whole server
+    (std::terminate on its transport thread); one that broadcast fewer had the rest of the
+    tensor served from uninitialised staging. Now the larger one kills only the group's
+    receiving process (503, the group gone), the shorter one is refused (400); the server keeps
+    serving its weights, and a SGLang label ("disk_update_v2.0.0") names a version that
+    arrives whole."""
+    url = servers.start(0)
+    norm = [32]  # model.norm.weight of TINY_MODEL (hidden 32), float32
+
+    def group(name: str) -> Any:
+        port = free_port()
+        init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+                "world_size": 2, "group_name": name, "backend": "gloo"}  # fmt: skip
+        answers: dict[str, httpx.Response] = {}
+        pg, _ = _rank0(port, name, lambda: answers.update(
+            r=httpx.post(f"{url}/init_weights_update_group", json=init, timeout=120)))  # fmt: skip
+        assert answers["r"].json()["success"], answers["r"].text
+        return pg
+
+    def update(name: str, version: str) -> Callable[[], httpx.Response]:
+        body = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [norm],
+                "group_name": name, "weight_version": version}  # fmt: skip
+        return lambda: httpx.post(f"{url}/update_weights_from_distributed", json=body,
+                                  timeout=120)  # fmt: skip
+
+    pg = group("g1")
+    resp = _broadcast_while(update("g1", "3"), pg, [torch.ones(norm, dtype=torch.float64)])
+    assert resp.status_code == 503 and "died" in resp.json()["message"], resp.text
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200 and _generates(url)
+    assert _model_info(url)["weight_version"] == "0"
+
+    pg = group("g2")  # the broken group was dropped: a new one forms
+    resp = _broadcast_while(update("g2", "3"), pg, [torch.ones([16], dtype=torch.float32)])
+    assert resp.status_code == 400 and "fewer bytes arrived" in resp.json()["message"], resp.text
+    assert _model_info(url)["weight_version"] == "0" and _generates(url)
+
+    # the group survives a refusal: a whole version under a free-form label is served
+    model = _new_model(seed=5)
+    state, _ = hf_weights(model)
+    names = list(state)
+    body = {"names": names, "dtypes": ["float32"] * len(names),
+            "shapes": [list(state[n].shape) for n in names], "group_name": "g2",
+            "weight_version": "disk_update_v2.0.0"}  # fmt: skip
+    resp = _broadcast_while(lambda: httpx.post(f"{url}/update_weights_from_distributed",
+                                               json=body, timeout=120),
+                            pg, [state[n].contiguous() for n in names])  # fmt: skip
+    assert resp.status_code == 200 and resp.json()["success"], resp.text
+    assert _model_info(url)["weight_version"] == "disk_update_v2.0.0"
+    assert httpx.get(f"{url}/weight_info", timeout=10).json() == {
+        "weight_version": "disk_update_v2.0.0"}  # fmt: skip
+
+
+def test_a_silent_rendezvous_is_bounded_and_groups_are_capped(servers) -> None:
+    """Issue 44: /init_weights_update_group at a listener that accepts and never answers had
+    not returned after 200 s with weight_sync_timeout_s = 10, and nine of them starved every
+    route on the server's default thread pool while /health said 200. Now each is answered
+    503 at its deadline (its receiving process killed), at most MAX_WEIGHT_GROUPS join at
+    once (the next is refused at once), and the other routes answer meanwhile."""
+    import socket
+
+    from slipstream.engine.weight_transport import MAX_WEIGHT_GROUPS
+
+    url = servers.start(0, ("engine.weight_sync_timeout_s=3",))
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)
+    accepted: list = []
+    threading.Thread(target=lambda: [accepted.append(silent.accept()) for _ in range(64)],
+                     daemon=True).start()  # fmt: skip
+    port = silent.getsockname()[1]
+    answers: dict[int, httpx.Response] = {}
+
+    def init(i: int) -> None:
+        body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+                "world_size": 2, "group_name": f"silent{i}", "backend": "gloo"}  # fmt: skip
+        answers[i] = httpx.post(f"{url}/init_weights_update_group", json=body, timeout=120)
+
+    threads = [threading.Thread(target=init, args=(i,)) for i in range(MAX_WEIGHT_GROUPS + 1)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    # while they wait: the routes of the default pool answer
+    assert _model_info(url)["weight_version"] == "0" and _generates(url)
+    for t in threads:
+        t.join(timeout=120)
+    elapsed = time.monotonic() - t0
+    codes = sorted(r.status_code for r in answers.values())
+    assert codes == [400] + [503] * MAX_WEIGHT_GROUPS, [r.text for r in answers.values()]
+    refused = next(r for r in answers.values() if r.status_code == 400)
+    assert f"at most {MAX_WEIGHT_GROUPS}" in refused.json()["message"]
+    late = next(r for r in answers.values() if r.status_code == 503)
+    assert "within 3 s" in late.json()["message"], late.text
+    assert elapsed < 60, elapsed  # 3 s each, concurrently (+ starting the receiving processes)
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    silent.close()
+
+
+def test_distributed_sender_forms_groups_as_sglangs_engine_does(tmp_path) -> None:
+    """Our trainer's end against SGLang's engine end: a stand-in that serves SGLang's
+    /init_weights_update_group and /update_weights_from_distributed exactly as SGLang's
+    engine does (tests/sglang_standin.py: SGLang's init_custom_process_group, one
+    torch.distributed.broadcast per tensor into an empty tensor of the declared dtype and
+    shape) receives two versions from `DistributedSender` bit for bit."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "received.json"
+    port = free_port()
+    here = Path(__file__).parent.parent
+    proc = subprocess.Popen([sys.executable, str(here / "sglang_standin.py"), str(port), str(out)],
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "standin.log", "wb"))  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    sender = DistributedSender([url], bucket_bytes=2**12, timeout_s=60.0)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                tmp_path / "standin.log").read_text()[-2000:]  # fmt: skip
+            time.sleep(0.1)
+        for v in (1, 2):
+            state, _ = hf_weights(_new_model(seed=20 + v))
+            report = sender.send(v, state)
+            assert list(report.served_s) == [url] and not report.dropped, report
+            got = json.loads(out.read_text())
+            assert got["weight_version"] == str(v) and sorted(got["sums"]) == sorted(state)
+            for name, t in state.items():
+                assert got["sums"][name] == float(t.double().sum()), name
+        assert sender.groups_opened == ["slipstream-weights-e1"]
+    finally:
+        sender.close()
+        proc.kill()
+        proc.wait(timeout=30)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -263,16 +263,14 @@ def test_trainer_side_factory_stores_every_nth_refuses_nan_and_colocated_without
     assert isinstance(sync, PushWeightSync)
     state, config = hf_weights(tiny_model(seed=0))
     try:
-        for v in range(4):  # no engine registered: stored as due, announced
-            sync.submit(v, state, config)
-            assert coord.version() == v
-        assert store.versions() == [0, 3]
-        # an engine that never answers stays out of the pushes and costs no store write
+        for v in range(4):  # no engine registered: every version is stored (issue 44: a
+            sync.submit(v, state, config)  # version that reached no engine must reach the
+            assert coord.version() == v  # engines that register later)
+            assert store.latest() == v
+        # an engine that never answers stays out of the pushes; what reached nobody is stored
         coord.register_engine("w9.0", "http://127.0.0.1:9")
         sync.submit(4, state, config)
-        assert store.versions() == [0, 3] and sync.sender.dropped == ["http://127.0.0.1:9"]
-        sync.flush()  # the last pushed version goes to the store
-        assert store.versions() == [0, 3, 4]
+        assert store.latest() == 4 and sync.sender.dropped == ["http://127.0.0.1:9"]
         bad = {
             **state,
             "model.norm.weight": torch.full_like(state["model.norm.weight"], float("nan")),
@@ -347,3 +345,57 @@ def test_ipc_sender_refuses_tensors_off_the_gpu_before_sending_anything() -> Non
         assert sender.members == ["http://127.0.0.1:9"] and sender.dropped == []
     finally:
         sender.close()
+
+
+class _Sender:
+    """A WeightSender that serves every member at once (PushWeightSync's policy under test)."""
+
+    def __init__(self) -> None:
+        self.members: list[str] = []
+        self.dropped: list[str] = []
+        self.sent: list[tuple[int, list[str]]] = []
+
+    def add_engine(self, url: str, api_key: str | None = None) -> None:
+        self.members.append(url)
+
+    def send(self, version: int, state: dict) -> object:
+        from slipstream.engine.weight_transport import SendReport
+
+        self.sent.append((version, list(self.members)))
+        return SendReport(version, 1, 0.01, {u: 0.01 for u in self.members})
+
+    def close(self) -> None:
+        pass
+
+
+def test_push_sync_hands_the_current_version_to_an_engine_that_joins_between_pushes(
+    tmp_path,
+) -> None:
+    """Issue 44 (resume deadlock): an engine that registers after version v was pushed would
+    wait for v + 1, which never comes when the trainer waits on its worker. While the trainer
+    waits (`idle`), v is stored for it (the worker loads it) and it joins the next push; a
+    version served by every engine is not stored again."""
+    from slipstream.config import load_config
+    from slipstream.rl.buffer import ExperienceBuffer
+    from slipstream.rl.coordinator import Coordinator
+    from slipstream.rl.queue import TaskQueue
+    from slipstream.rl.weight_sync import PushWeightSync
+    from slipstream.storage import WeightStore
+
+    store = WeightStore(str(tmp_path / "store"), keep_last=100)
+    coord = Coordinator(TaskQueue(10), ExperienceBuffer(groups_per_step=1, max_staleness=0))
+    cfg = load_config(None, ["engine.weight_sync=distributed", "engine.weight_store_every=100"])
+    sender = _Sender()
+    sync = PushWeightSync(cfg, store, coord, sender)
+    state, config = hf_weights(tiny_model(seed=0))
+    coord.register_engine("w0.0", "http://a")
+    sync.submit(0, state, config)  # the first version is always stored
+    sync.submit(1, state, config)  # served by a: not stored
+    sync.idle()  # nobody new: nothing stored
+    assert store.versions() == [0]
+    coord.register_engine("w0.1", "http://b")  # a replaced worker's engine, after the push
+    sync.idle()
+    assert store.versions() == [0, 1]  # b's worker loads exactly the current version
+    sync.submit(2, state, config)
+    assert sender.sent[-1] == (2, ["http://a", "http://b"])
+    assert store.versions() == [0, 1]

@@ -41,7 +41,9 @@ ADMIN_PATHS = frozenset(
      "/update_weight_version", "/init_weights_update_group", "/update_weights_from_distributed",
      "/destroy_weights_update_group", "/update_weights_from_tensor",
      # vLLM's weight-transfer API (engine/weight_routes.py)
-     "/init_weight_transfer_engine", "/start_weight_update", "/finish_weight_update"}
+     "/init_weight_transfer_engine", "/start_weight_update", "/finish_weight_update",
+     # the weights are the asset: reading them is an admin's too (issue 44)
+     "/get_weights_by_name"}
 )  # fmt: skip
 PUBLIC_PATHS = frozenset({"/health", "/health_generate"})
 _ERROR_TYPES = {

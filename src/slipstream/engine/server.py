@@ -134,6 +134,9 @@ def create_app(
     async def health() -> Response:
         if not engine.healthy:
             return error_response(503, f"engine not serving: {engine.error or 'closed'}")
+        problem = weight_routes.degraded()  # weight_routes.py: its own bounded executor
+        if problem is not None:
+            return error_response(503, problem)
         return Response(status_code=200)
 
     @app.get("/health_generate")
@@ -265,7 +268,7 @@ def create_app(
         return outs if (batched or len(outs) > 1) else outs[0]
 
     add_openai_routes(app, state)
-    add_weight_routes(app, state, options.weight_sync_timeout_s)
+    weight_routes = add_weight_routes(app, state, options.weight_sync_timeout_s)
     return app
 
 

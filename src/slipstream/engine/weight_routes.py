@@ -24,16 +24,25 @@ import asyncio
 import base64
 import io
 import pickle
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
-from slipstream.engine.guard import error_response, parse_version
+from slipstream.engine.guard import error_response
 from slipstream.engine.protocol import Strict
 from slipstream.engine.server_state import ServerState
-from slipstream.engine.weight_transport import DEFAULT_GROUP, VLLM_GROUP, WeightReceiver
+from slipstream.engine.weight_transport import (
+    DEFAULT_GROUP,
+    MAX_WEIGHT_GROUPS,
+    VLLM_GROUP,
+    WeightReceiver,
+)
 
 Name = Annotated[str, Field(min_length=1, max_length=512)]
 
@@ -110,15 +119,72 @@ class VllmFinishRequest(Strict):
     weight_version: str | None = None
 
 
+MAX_TRUNCATE_SIZE = 4096
+"""Most values /get_weights_by_name returns (a spot check of a parameter, as SGLang's tests use
+it; the weights themselves travel through the store or a push, never through this route)."""
+
+
 class GetWeightsByNameReqInput(Strict):
     name: Name
-    truncate_size: Annotated[int, Field(ge=1, le=1 << 20)] = 100
+    truncate_size: Annotated[int, Field(ge=1, le=MAX_TRUNCATE_SIZE)] = 100
 
 
-def add_weight_routes(app: FastAPI, state: ServerState, timeout_s: float) -> WeightReceiver:
-    """Add the endpoints; `timeout_s` bounds every collective this engine joins."""
+WEIGHT_ROUTE_THREADS = MAX_WEIGHT_GROUPS + 2
+"""Threads of the weight routes' own executor: a rendezvous per group the engine may hold, a
+transfer and a spot check; a request beyond them is answered 503 at once, never queued (and
+never on the server's default thread pool, which the other routes use)."""
+
+
+class WeightRouteExecutor:
+    """The bounded executor the weight routes run their blocking work on (see
+    WEIGHT_ROUTE_THREADS), and what /health reports of it: `degraded()` names the calls running
+    past their bound (none should: every rendezvous and broadcast has a deadline)."""
+
+    def __init__(self, bound_s: float) -> None:
+        self.bound_s = bound_s
+        self._pool = ThreadPoolExecutor(WEIGHT_ROUTE_THREADS, thread_name_prefix="wroute")
+        self._lock = threading.Lock()
+        self._running: dict[int, tuple[str, float]] = {}
+        self._next = 0
+
+    async def run(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the executor; RuntimeError (-> 503) when every thread is busy."""
+        with self._lock:
+            if len(self._running) >= WEIGHT_ROUTE_THREADS:
+                raise RuntimeError(
+                    f"the weight routes are busy ({len(self._running)} calls in flight, at "
+                    f"most {WEIGHT_ROUTE_THREADS}); retry later")  # fmt: skip
+            key, self._next = self._next, self._next + 1
+            self._running[key] = (what, time.monotonic())
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: fn(*args))
+        finally:
+            with self._lock:
+                self._running.pop(key, None)
+
+    def degraded(self) -> str | None:
+        """Why the weight routes cannot serve now, or None."""
+        now = time.monotonic()
+        with self._lock:
+            late = [(w, now - t0) for w, t0 in self._running.values() if now - t0 > self.bound_s]
+            busy = len(self._running)
+        if late:
+            what, age = max(late, key=lambda x: x[1])
+            return (f"weight routes degraded: {len(late)} call(s) past their bound of "
+                    f"{self.bound_s:g} s (the oldest {what}, {age:.0f} s)")  # fmt: skip
+        if busy >= WEIGHT_ROUTE_THREADS:
+            return f"weight routes saturated: {busy} of {WEIGHT_ROUTE_THREADS} threads busy"
+        return None
+
+
+def add_weight_routes(app: FastAPI, state: ServerState, timeout_s: float) -> WeightRouteExecutor:
+    """Add the endpoints; `timeout_s` bounds every collective this engine joins. Returns the
+    routes' executor (/health asks it `degraded()`)."""
     receiver = WeightReceiver(state.engine, timeout_s=timeout_s)
     engine, options = state.engine, state.options
+    # a transfer may hold a call for a bound per broadcast; /health flags one held far longer
+    pool = WeightRouteExecutor(bound_s=4 * timeout_s + 60.0)
+    app.state.weight_receiver = receiver
 
     def answer(ok: bool, message: str, status: int = 200) -> JSONResponse:
         if ok:
@@ -132,8 +198,9 @@ def add_weight_routes(app: FastAPI, state: ServerState, timeout_s: float) -> Wei
                 False, f"rank_offset {obj.rank_offset} >= world_size {obj.world_size}", 400
             )
         try:
-            await asyncio.to_thread(receiver.init_group, obj.master_address, obj.master_port,
-                                    obj.rank_offset, obj.world_size, obj.group_name, obj.backend)  # fmt: skip
+            await pool.run("/init_weights_update_group", receiver.init_group, obj.master_address,
+                           obj.master_port, obj.rank_offset, obj.world_size, obj.group_name,
+                           obj.backend)  # fmt: skip
         except ValueError as e:
             return answer(False, f"Failed to init group: {e}", 400)
         except RuntimeError as e:  # rendezvous failed or timed out
@@ -143,28 +210,33 @@ def add_weight_routes(app: FastAPI, state: ServerState, timeout_s: float) -> Wei
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(obj: DestroyWeightsUpdateGroupReqInput) -> JSONResponse:
         try:
-            receiver.destroy_group(obj.group_name)
+            await pool.run("/destroy_weights_update_group", receiver.destroy_group, obj.group_name)
         except ValueError as e:
             return answer(False, str(e), 400)
+        except RuntimeError as e:
+            return answer(False, str(e), 503)
         return answer(True, f"Succeeded to destroy custom process group {obj.group_name}.")
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(
         obj: UpdateWeightsFromDistributedReqInput,
     ) -> JSONResponse:
-        try:
-            version = parse_version(obj.weight_version, engine.version, options)
+        try:  # SGLang's free-form labels too ("disk_update_v2.0.0"): weight_versions.py
+            version, label = state.versions.resolve(obj.weight_version, engine.version, options)
         except ValueError as e:
             return answer(False, str(e), 400)
         if obj.abort_all_requests:
             engine.abort_all()
         try:
-            result = await asyncio.to_thread(receiver.receive, obj.names, obj.dtypes, obj.shapes,
-                                             obj.group_name, version, obj.load_format)  # fmt: skip
+            result = await pool.run("/update_weights_from_distributed", receiver.receive,
+                                    obj.names, obj.dtypes, obj.shapes, obj.group_name, version,
+                                    obj.load_format)  # fmt: skip
         except ValueError as e:
             return answer(False, f"Failed to update parameter online: {e}", 400)
         except RuntimeError as e:
             return answer(False, f"Failed to update parameter online: {e}", 503)
+        if result.applied:
+            state.versions.set(version, label)
         return answer(True, result.message)
 
     @app.post("/update_weights_from_tensor")
@@ -174,11 +246,15 @@ def add_weight_routes(app: FastAPI, state: ServerState, timeout_s: float) -> Wei
             return answer(False, "update_weights_from_tensor (CUDA IPC, weight_sync = "
                           f"'colocated') needs a CUDA engine; this one runs on {device}", 400)  # fmt: skip
         try:
-            version = parse_version(obj.weight_version, engine.version, options)
+            version, label = state.versions.resolve(obj.weight_version, engine.version, options)
             named = _load_ipc_tensors(obj.serialized_named_tensors)  # pragma: no cover - CUDA
-            result = await asyncio.to_thread(receiver.receive_tensors, named, version)
+            result = await pool.run("/update_weights_from_tensor", receiver.receive_tensors,
+                                    named, version)  # fmt: skip
         except (ValueError, pickle.UnpicklingError) as e:
             return answer(False, f"Failed to update weights: {e}", 400)
+        except RuntimeError as e:
+            return answer(False, f"Failed to update weights: {e}", 503)
+        state.versions.set(version, label)
         return answer(True, result.message)
 
     # -- vLLM's weight-transfer API --
@@ -206,8 +282,9 @@ def add_weight_routes(app: FastAPI, state: ServerState, timeout_s: float) -> Wei
         if VLLM_GROUP in receiver.groups():  # vLLM replaces the engine's group on a new init
             receiver.destroy_group(VLLM_GROUP)
         try:
-            await asyncio.to_thread(receiver.init_group, info.master_address, info.master_port,
-                                    info.rank_offset, info.world_size, VLLM_GROUP, backend)  # fmt: skip
+            await pool.run("/init_weight_transfer_engine", receiver.init_group,
+                           info.master_address, info.master_port, info.rank_offset,
+                           info.world_size, VLLM_GROUP, backend)  # fmt: skip
         except ValueError as e:
             return vllm_answer(f"Failed to init weight transfer: {e}", 400)
         except RuntimeError as e:  # rendezvous failed or timed out
@@ -221,7 +298,10 @@ def add_weight_routes(app: FastAPI, state: ServerState, timeout_s: float) -> Wei
         if not obj.is_checkpoint_format:
             return vllm_answer("is_checkpoint_format false (kernel-format weights) is not "
                                "supported: send the checkpoint's names", 400)  # fmt: skip
-        await asyncio.to_thread(receiver.begin_update)
+        try:
+            await pool.run("/start_weight_update", receiver.begin_update)
+        except RuntimeError as e:
+            return vllm_answer(str(e), 503)
         return vllm_answer("Weight update started")
 
     @app.post("/update_weights")
@@ -231,8 +311,8 @@ def add_weight_routes(app: FastAPI, state: ServerState, timeout_s: float) -> Wei
             return vllm_answer("packed weight transfers are not supported; send packed false "
                                "(one broadcast per tensor)", 400)  # fmt: skip
         try:
-            await asyncio.to_thread(receiver.receive, info.names, info.dtype_names, info.shapes,
-                                    VLLM_GROUP, None, None)  # fmt: skip
+            await pool.run("/update_weights", receiver.receive, info.names, info.dtype_names,
+                           info.shapes, VLLM_GROUP, None, None)  # fmt: skip
         except ValueError as e:
             return vllm_answer(f"Failed to update weights: {e}", 400)
         except RuntimeError as e:
@@ -244,10 +324,13 @@ def add_weight_routes(app: FastAPI, state: ServerState, timeout_s: float) -> Wei
         raw = await request.body()
         obj = VllmFinishRequest.model_validate_json(raw) if raw.strip() else VllmFinishRequest()
         try:
-            version = parse_version(obj.weight_version, engine.version, options)
-            await asyncio.to_thread(receiver.finish_update, version)
+            version, label = state.versions.resolve(obj.weight_version, engine.version, options)
+            await pool.run("/finish_weight_update", receiver.finish_update, version)
         except ValueError as e:
             return vllm_answer(f"Failed to finish the weight update: {e}", 400)
+        except RuntimeError as e:
+            return vllm_answer(f"Failed to finish the weight update: {e}", 503)
+        state.versions.set(version, label)
         return vllm_answer("Weight update finished")
 
     @app.get("/get_world_size")
@@ -256,16 +339,20 @@ def add_weight_routes(app: FastAPI, state: ServerState, timeout_s: float) -> Wei
 
     @app.get("/weight_info")
     async def weight_info() -> JSONResponse:
-        return JSONResponse({"weight_version": str(engine.version)})
+        return JSONResponse({"weight_version": state.versions.label(engine.version)})
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
     async def get_weights_by_name(request: Request) -> Any:
         raw = await request.body()
         obj = (GetWeightsByNameReqInput.model_validate_json(raw) if raw
                else GetWeightsByNameReqInput.model_validate(dict(request.query_params)))  # fmt: skip
-        return await asyncio.to_thread(receiver.weights_by_name, obj.name, obj.truncate_size)
+        try:
+            return await pool.run("/get_weights_by_name", receiver.weights_by_name, obj.name,
+                                  obj.truncate_size)  # fmt: skip
+        except RuntimeError as e:
+            return error_response(503, str(e))
 
-    return receiver
+    return pool
 
 
 # Only what a CUDA IPC tensor handle pickles to (torch.multiprocessing.reductions); anything

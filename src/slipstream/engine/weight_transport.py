@@ -145,9 +145,50 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def form_group(
+    backend: str,
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    timeout_s: float,
+) -> Any:
+    """A process group formed the way SGLang's engine (`sglang.srt.utils`
+    `init_custom_process_group`, called by `/init_weights_update_group`) and the trainers that
+    push to SGLang (OpenRLHF, SkyRL, open-instruct, PipelineRL: copies of that function) form
+    it: torch's `tcp://master_address:master_port` rendezvous (rank 0 hosts the TCPStore; every
+    rank registers as a worker), the store prefixed with `group_name`, and
+    `_new_process_group_helper` (the key layout of this torch version's groups). So either end
+    may be ours or theirs. Rank 0's store waits until every rank registered, or `timeout_s`."""
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, rank, world_size = next(rendezvous(f"tcp://{_host(master_address)}:{master_port}",
+                                              rank, world_size, timeout=timeout))  # fmt: skip
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,
+                                      group_name=group_name, backend_options=None,
+                                      timeout=timeout)  # fmt: skip
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def _host(address: str) -> str:
+    return f"[{address}]" if ":" in address and not address.startswith("[") else address
+
+
 class WeightGroup:
-    """One process group of a membership epoch: rank 0 (the trainer) hosts the rendezvous;
-    every collective is bounded by `timeout_s` (gloo/NCCL raise after it)."""
+    """One process group of a membership epoch, formed as SGLang forms it (`form_group`):
+    rank 0 (the trainer) hosts the rendezvous; every collective is bounded by `timeout_s`
+    (gloo/NCCL raise after it)."""
 
     def __init__(
         self,
@@ -159,8 +200,6 @@ class WeightGroup:
         world_size: int,
         timeout_s: float,
     ) -> None:
-        import torch.distributed as dist
-
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend {backend!r} is not 'gloo' or 'nccl'")
         if backend == "nccl" and not torch.cuda.is_available():
@@ -171,16 +210,8 @@ class WeightGroup:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
             else torch.device("cpu")  # fmt: skip
-        self._store = dist.TCPStore(master_address, master_port, world_size,
-                                    is_master=rank == 0, timeout=self.timeout,
-                                    wait_for_workers=False)  # fmt: skip
-        prefixed = dist.PrefixStore(f"slipstream/{name}", self._store)
-        if backend == "gloo":
-            self._pg: Any = dist.ProcessGroupGloo(prefixed, rank, world_size, self.timeout)
-        else:  # pragma: no cover - CUDA only (docs/gpu.md: not run on a GPU yet)
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = self.timeout
-            self._pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+        self._pg: Any = form_group(backend, master_address, master_port, rank, world_size,
+                                   name, timeout_s)  # fmt: skip
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         """Broadcast from rank 0 into `tensor` (in place on other ranks); raises on a peer
@@ -199,7 +230,6 @@ class WeightGroup:
         gone (an engine receiving many per-tensor broadcasts was wedged for minutes by it),
         and nobody should wait on that."""
         pg, self._pg = self._pg, None
-        self._store = None
         if pg is not None:
             holder = [pg]
             del pg  # the reaper holds the last reference: the destructor runs on its thread
@@ -208,10 +238,16 @@ class WeightGroup:
 
 
 def _abort(name: str, holder: list[Any]) -> None:
+    import torch.distributed as dist
+
     try:
         holder[0].abort()
     except (RuntimeError, AttributeError) as e:  # an already-broken group
         log.debug("group %s: abort: %s", name, e)
+    try:  # out of torch's registry of groups (form_group put it there), so it can be freed
+        dist.destroy_process_group(holder[0])
+    except (RuntimeError, ValueError, KeyError, AssertionError) as e:
+        log.debug("group %s: destroy: %s", name, e)
     holder.clear()
 
 
@@ -224,9 +260,223 @@ def _root0() -> Any:
     return opts
 
 
+# ---- the engine's end of a gloo group, in a process of its own --------------------------------
+
+SPAWN_TIMEOUT_S = 60.0
+"""How long a receiving process may take to start before it counts as failed (forked from a
+server process that imported torch already: milliseconds, unless the first one starts it)."""
+_CONTEXT: Any = None
+_CONTEXT_LOCK = threading.Lock()
+
+
+def _process_context() -> Any:
+    """multiprocessing's forkserver, its server preloaded with this module (and torch): a
+    receiving process is forked from it in milliseconds (spawning one imports torch: seconds,
+    longer than a sender waits at a rendezvous), from a process with no threads (forking the
+    server itself would copy its threads' locks)."""
+    global _CONTEXT
+    import multiprocessing as mp
+
+    with _CONTEXT_LOCK:
+        if _CONTEXT is None:
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload([__name__])
+            _CONTEXT = ctx
+        return _CONTEXT
+
+
+def warm_up_group_processes() -> None:
+    """Start the forkserver now (in the background: a second or two), so the first
+    /init_weights_update_group forks at once."""
+    from multiprocessing import forkserver
+
+    ctx = _process_context()
+
+    def start() -> None:
+        try:
+            forkserver.ensure_running()
+        except Exception as e:  # noqa: BLE001 - the first group then starts it (and says why)
+            log.warning("could not start the weight groups' forkserver: %s", e)
+
+    del ctx
+    threading.Thread(target=start, daemon=True, name="wgroup-forkserver").start()
+
+
+class GroupProcess:
+    """The engine's end of a gloo weight-update group, run in a child process of its own, so a
+    group member can never take the server down or hold it past its bounds:
+    - gloo checks a broadcast's size on its transport thread and aborts the whole process
+      (`std::terminate`) when more bytes arrive than the receiver posted (a sender that
+      declared [64, 32] float32 and broadcasts float64, or its tensors in another order): that
+      kills this child, and the receive fails with 503 naming it;
+    - torch's TCPStore client has no deadline on its handshake (a rendezvous that accepts and
+      stays silent held `/init_weights_update_group` for minutes past its timeout): the child is
+      killed at the deadline.
+    The child receives into a shared-memory buffer (`SharedMemory`, grown on demand to the
+    largest request) the parent then copies into its staging. CPU (gloo) only: an NCCL group
+    receives into the device in-process (`WeightGroup`)."""
+
+    def __init__(self, name: str, master_address: str, master_port: int, rank: int,
+                 world_size: int, timeout_s: float) -> None:  # fmt: skip
+        if not 0 < rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size} (rank 0 sends)")
+        self.name, self.backend, self.device = name, "gloo", torch.device("cpu")
+        self.timeout_s = timeout_s
+        self._shm: Any = None
+        self._buf: Any = None
+        ctx = _process_context()
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_group_main, name=f"wgroup-{name}", daemon=True,
+                                 args=(child, master_address, master_port, rank, world_size,
+                                       name, timeout_s))  # fmt: skip
+        self._proc.start()
+        child.close()
+        try:
+            self._expect("started", SPAWN_TIMEOUT_S, "start")
+            self._expect("joined", timeout_s, "join the group (rendezvous at "
+                         f"{master_address}:{master_port})")  # fmt: skip
+        except BaseException:
+            self.close()
+            raise
+
+    def _expect(self, what: str, timeout_s: float, doing: str) -> Any:
+        """The child's next message, which must be `what`; RuntimeError (the child killed) on
+        its error, its death or `timeout_s` without an answer."""
+        try:
+            ready = self._conn.poll(timeout_s)
+            msg = self._conn.recv() if ready else None
+        except (EOFError, OSError):
+            msg = ("died", None)
+        if msg is not None and msg[0] == what:
+            return msg[1]
+        self.close()
+        if msg is None:
+            raise RuntimeError(f"group {self.name!r}: did not {doing} within {timeout_s:g} s; "
+                               "its receiving process was killed")  # fmt: skip
+        if msg[0] == "died":
+            code = self._proc.exitcode
+            raise RuntimeError(
+                f"group {self.name!r}: its receiving process died (exit {code}) while trying to "
+                f"{doing}: gloo aborts when a broadcast is larger than the receiver declared "
+                "(another dtype or shape than the request named, or tensors out of order)"
+            )
+        raise RuntimeError(f"group {self.name!r}: could not {doing}: {msg[1]}")
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        """The shared receive buffer (uint8), at least `nbytes` long (grown: a new one)."""
+        from multiprocessing import shared_memory
+
+        if self._proc is None:
+            raise RuntimeError(f"group {self.name!r} is closed")
+        if self._shm is None or self._shm.size < nbytes:
+            old = self._shm
+            self._shm = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
+            self._buf = torch.frombuffer(self._shm.buf, dtype=torch.uint8)
+            self._conn.send(("buffer", self._shm.name))
+            if old is not None:
+                _release(old)
+        return self._buf
+
+    def receive(self, sizes: Sequence[tuple[int, int, str]]) -> None:
+        """One broadcast per (offset, nbytes, dtype) into `buffer()`; RuntimeError (the group
+        is then closed) when the child failed, died or exceeded its bound."""
+        if self._proc is None:
+            raise RuntimeError(f"group {self.name!r} is closed")
+        self._conn.send(("recv", list(sizes)))
+        budget = self.timeout_s * max(1, len(sizes)) + 10.0
+        self._expect("received", budget, f"receive {len(sizes)} broadcasts")
+
+    def close(self) -> None:
+        proc, self._proc = getattr(self, "_proc", None), None
+        if proc is not None and proc.is_alive():
+            try:
+                self._conn.send(("close", None))
+            except OSError:
+                pass
+            proc.join(timeout=2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5.0)
+        if self._shm is not None:
+            self._buf = None
+            _release(self._shm)
+            self._shm = None
+        self._conn.close()
+
+
+def _release(shm: Any) -> None:
+    try:
+        shm.close()
+    except BufferError:  # a view still exported: the mapping goes with the last one
+        pass
+    try:
+        shm.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def _untrack(shm: Any) -> None:
+    from multiprocessing import resource_tracker
+
+    try:
+        resource_tracker.unregister(shm._name, "shared_memory")
+    except (AttributeError, KeyError, OSError):  # Python >= 3.13 has track=False instead
+        pass
+
+
+def _group_main(conn: Any, master_address: str, master_port: int, rank: int, world_size: int,
+                name: str, timeout_s: float) -> None:  # fmt: skip
+    """The receiving process of a `GroupProcess`: joins the group, then receives what the
+    parent asks for into the shared buffer it names, until told to close or the parent goes."""
+    from multiprocessing import shared_memory
+
+    torch.set_num_threads(1)
+    conn.send(("started", None))
+    try:
+        pg = form_group("gloo", master_address, master_port, rank, world_size, name, timeout_s)
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which answers the request
+        conn.send(("error", f"{type(e).__name__}: {e}"[:500]))
+        return
+    conn.send(("joined", None))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    shm, buf = None, None
+    while True:
+        try:
+            kind, arg = conn.recv()
+        except (EOFError, OSError):  # the server is gone
+            return
+        if kind == "close":
+            return
+        if kind == "buffer":
+            buf = None
+            if shm is not None:
+                shm.close()
+            shm = shared_memory.SharedMemory(name=arg)
+            _untrack(shm)  # the parent owns (and unlinks) it
+            buf = torch.frombuffer(shm.buf, dtype=torch.uint8)
+            continue
+        assert buf is not None
+        try:
+            for offset, nbytes, dtype in arg:
+                view = buf[offset : offset + nbytes].view(parse_dtype(dtype))
+                pg.broadcast([view], _root0()).wait(timeout)
+        except Exception as e:  # noqa: BLE001 - the group is broken: say so and leave
+            conn.send(("error", f"{type(e).__name__}: {e}"[:500]))
+            return
+        conn.send(("received", None))
+
+
 # ---- engine side -------------------------------------------------------------------------------
 
 
+_UNFILLED = 0xFF
+"""Set as the last byte of each region before a receive: still there after it, fewer bytes
+arrived than declared (little-endian: the top byte of the last value; 0xff there is a NaN or
+inf in float16, |x| >= 2**127 in float32 and bfloat16, never a weight)."""
+MAX_WEIGHT_GROUPS = 4
+"""Weight update groups one engine holds at once, joined or joining (each is a receiving
+process with its threads, sockets and shared buffer; a sender needs one per membership epoch,
+and destroys the old one)."""
 CHECK_CHUNK_BYTES = 64 * 2**20
 """The receiver checks what landed for NaN/inf per this many bytes (one fused norm each)."""
 
@@ -277,7 +527,8 @@ class WeightReceiver:
 
         self.engine = engine
         self.timeout_s = timeout_s
-        self._groups: dict[str, WeightGroup] = {}
+        self._groups: dict[str, WeightGroup | GroupProcess] = {}
+        self._joining: set[str] = set()  # groups whose rendezvous is in progress
         self._lock = threading.Lock()  # the groups dict
         # one transfer at a time, and the staging with it: two requests receiving concurrently
         # would take each other's broadcasts (a collective matches calls by order, not by name)
@@ -292,19 +543,41 @@ class WeightReceiver:
         self._flat: torch.Tensor | None = None  # the receive buffer of flattened buckets
         # finite checks of what landed, while the next tensors arrive (`_receive`)
         self._checker = ThreadPoolExecutor(1, thread_name_prefix="wcheck")
+        warm_up_group_processes()
         self._arrived: set[str] = set()
         self._staged_version: int | None = None
 
     def init_group(self, master_address: str, master_port: int, rank_offset: int,
                    world_size: int, group_name: str, backend: str) -> None:  # fmt: skip
-        """Join a group as rank `rank_offset` (blocks until every rank joined or timeout)."""
+        """Join a group as rank `rank_offset`, formed as SGLang forms it (`form_group`): over
+        gloo in a receiving process of its own (`GroupProcess`), over NCCL in-process.
+        Returns once every rank joined; RuntimeError after `timeout_s` (the receiving process
+        killed: a hard deadline), ValueError for a bad request or one group too many
+        (`MAX_WEIGHT_GROUPS`, joined or joining)."""
         if rank_offset < 1:
             raise ValueError(f"rank_offset {rank_offset} must be >= 1 (rank 0 is the sender)")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend {backend!r} is not 'gloo' or 'nccl'")
         with self._lock:
-            if group_name in self._groups:
+            if group_name in self._groups or group_name in self._joining:
                 raise ValueError(f"group {group_name!r} exists; destroy it first")
-        group = WeightGroup(group_name, backend, master_address, master_port, rank_offset,
-                            world_size, self.timeout_s)  # fmt: skip
+            if len(self._groups) + len(self._joining) >= MAX_WEIGHT_GROUPS:
+                raise ValueError(
+                    f"this engine holds {len(self._groups) + len(self._joining)} weight update "
+                    f"groups (at most {MAX_WEIGHT_GROUPS}, each a process with its threads and "
+                    "sockets); destroy one first")  # fmt: skip
+            self._joining.add(group_name)
+        try:
+            group: WeightGroup | GroupProcess
+            if backend == "gloo":
+                group = GroupProcess(group_name, master_address, master_port, rank_offset,
+                                     world_size, self.timeout_s)  # fmt: skip
+            else:  # pragma: no cover - CUDA only
+                group = WeightGroup(group_name, backend, master_address, master_port,
+                                    rank_offset, world_size, self.timeout_s)  # fmt: skip
+        finally:
+            with self._lock:
+                self._joining.discard(group_name)
         with self._lock:
             self._groups[group_name] = group
 
@@ -420,7 +693,7 @@ class WeightReceiver:
         self._views = {}
         self.engine.swap_weights(version, PreparedWeights(dict(self._staging)), exchange=True)
 
-    def _receive(self, group: WeightGroup, group_name: str, metas: list[TensorMeta],
+    def _receive(self, group: WeightGroup | GroupProcess, group_name: str, metas: list[TensorMeta],
                  load_format: str | None, views: dict[str, torch.Tensor]) -> None:  # fmt: skip
         """Receive into the staging views, checking them finite per CHECK_CHUNK_BYTES as they
         land, on the checker thread while the next tensors arrive (inline, each check held up
@@ -451,13 +724,16 @@ class WeightReceiver:
         if found:
             raise ValueError(found[0])
 
-    def _receive_into(self, group: WeightGroup, metas: list[TensorMeta], load_format: str | None,
+    def _receive_into(self, group: WeightGroup | GroupProcess, metas: list[TensorMeta], load_format: str | None,
                       views: dict[str, torch.Tensor], chunk: dict[str, torch.Tensor],
                       check: Callable[[], None]) -> None:  # fmt: skip
         """`_receive`'s transfer: into the views, `chunk` filled as tensors land, `check()` per
         CHECK_CHUNK_BYTES (it takes the chunk and starts a new one)."""
+        if isinstance(group, GroupProcess):
+            self._receive_by_process(group, metas, load_format, views, chunk, check)
+            return
         chunk_bytes = 0
-        if load_format == FLATTENED_BUCKET:
+        if load_format == FLATTENED_BUCKET:  # pragma: no cover - NCCL (in-process) only
             numel = sum(m.nbytes for m in metas) // metas[0].dtype.itemsize
             flat = self._flat
             if flat is None or flat.dtype != metas[0].dtype or flat.numel() < numel \
@@ -468,7 +744,7 @@ class WeightReceiver:
             for name, t in unflatten(flat[:numel], metas).items():
                 views[name].copy_(t)
             chunk.update({m.name: views[m.name] for m in metas})
-        else:
+        else:  # pragma: no cover - NCCL (in-process) only
             # straight into the staging where dtype and device match (views are contiguous)
             direct = {m.name: views[m.name] if views[m.name].dtype == m.dtype
                       and views[m.name].device == group.device
@@ -486,6 +762,50 @@ class WeightReceiver:
                 if chunk_bytes >= CHECK_CHUNK_BYTES:
                     check()
                     chunk_bytes = 0
+
+    def _receive_by_process(self, group: GroupProcess, metas: list[TensorMeta],
+                            load_format: str | None, views: dict[str, torch.Tensor],
+                            chunk: dict[str, torch.Tensor], check: Callable[[], None]) -> None:  # fmt: skip
+        """Over gloo: the group's process receives the request into its shared buffer, each
+        broadcast exactly as large as declared (a larger one kills that process, not this
+        one); a shorter one leaves the last byte of its region as set before (`_UNFILLED`),
+        refused here; then the tensors are copied into the staging views."""
+        if load_format == FLATTENED_BUCKET:
+            total = sum(m.nbytes for m in metas)
+            regions = [(0, total, dtype_name(metas[0].dtype))]
+            offsets, offset = [], 0
+            for m in metas:
+                offsets.append(offset)
+                offset += m.nbytes
+        else:
+            offsets, offset = [], 0
+            for m in metas:
+                offsets.append(offset)
+                offset += -(-m.nbytes // 64) * 64  # aligned for every dtype's view
+            total = offset
+            regions = [
+                (o, m.nbytes, dtype_name(m.dtype)) for o, m in zip(offsets, metas, strict=True)
+            ]
+        buf = group.buffer(total)
+        ends = [o + n - 1 for o, n, _ in regions if n > 0]
+        buf[ends] = _UNFILLED
+        group.receive(regions)
+        short = [e for e in ends if int(buf[e]) == _UNFILLED]
+        if short:
+            bad = next(m for m, o in zip(metas, offsets, strict=True) if o <= short[0] < o + max(m.nbytes, 1)) \
+                if load_format != FLATTENED_BUCKET else metas[-1]  # fmt: skip
+            raise ValueError(
+                f"{bad.name}: fewer bytes arrived than its {dtype_name(bad.dtype)} "
+                f"{list(bad.shape)} declares (or its last value has the top byte 0xff: "
+                "|x| >= 2**127, refused as the same); nothing of it is served")  # fmt: skip
+        chunk_bytes = 0
+        for m, o in zip(metas, offsets, strict=True):
+            views[m.name].copy_(buf[o : o + m.nbytes].view(m.dtype).view(m.shape))
+            chunk[m.name] = views[m.name]
+            chunk_bytes += m.nbytes
+            if chunk_bytes >= CHECK_CHUNK_BYTES:
+                check()
+                chunk_bytes = 0
 
     def receive_tensors(self, named: Mapping[str, torch.Tensor], version: int) -> ReceiveResult:
         """Colocated (CUDA IPC): tensors already rebuilt from their handles; applied at once."""

@@ -157,6 +157,20 @@ class Controller:
         log.warning("resumed from checkpoint step %d (version %d); unpublished versions %s",
                     step, self.trainer.version, gone)  # fmt: skip
 
+    def _wait_for_batch(self, n: int, timeout_s: float) -> Any:
+        """coord.get_batch, in slices: between them the weight sync hands the current version
+        to engines that registered since it was pushed (`WeightSync.idle`), which the batch may
+        be waiting on."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            # staleness counts from the trainer's version (the coordinator's may lag one
+            # version while it is being published)
+            batch = self.coord.get_batch(n, min(1.0, max(0.0, deadline - time.monotonic())),
+                                         version=self.trainer.version)  # fmt: skip
+            if batch is not None or time.monotonic() >= deadline:
+                return batch
+            self.publisher.idle()
+
     def checkpoint(self) -> None:
         self.publisher.flush()  # the coordinator's version in the checkpoint is the trainer's
         self._tell_ranks("save")
@@ -187,10 +201,7 @@ class Controller:
         last_reward = float("nan")
         while self.trainer.step_count < tc.steps:
             t_wait = time.monotonic()
-            # staleness counts from the trainer's version (the coordinator's may lag one
-            # version while it is being published)
-            batch = self.coord.get_batch(tc.groups_per_step, tc.batch_timeout_s,
-                                         version=self.trainer.version)  # fmt: skip
+            batch = self._wait_for_batch(tc.groups_per_step, tc.batch_timeout_s)
             if batch is None:
                 raise TimeoutError(
                     f"no batch of {tc.groups_per_step} groups within trainer.batch_timeout_s="

@@ -87,6 +87,9 @@ class Publisher:
             self._thread = None
         self._raise()
 
+    def idle(self) -> None:
+        """Nothing: every version is in the store, where a joining engine finds it."""
+
     def close(self) -> None:
         """`flush` (the `WeightSync` protocol's close: nothing else to release)."""
         self.flush()

@@ -14,8 +14,9 @@ engines, chosen by `engine.weight_sync` (docs/weights.md). One Protocol, one fac
   endpoints or, with `engine.api = "vllm"`, vLLM's weight-transfer API), then announced; the
   store receives the first version and every `engine.weight_store_every`-th (synchronously,
   before the push: the fallback exists before anyone needs it), every version a push could not
-  deliver to some engine (it catches up with exactly that version) or to any (TransferFailed:
-  the store carries it), and, on `flush`, the last one pushed. An engine that missed a version (dropped after `engine.weight_sync_timeout_s`) loads
+  deliver to some engine (it catches up with exactly that version) or that reached none (no
+  engine registered, or TransferFailed: the store carries it), the last one pushed when an
+  engine registers while the trainer waits (`idle`), and, on `flush`, the last one pushed. An engine that missed a version (dropped after `engine.weight_sync_timeout_s`) loads
   the newest stored one and rejoins at the next push. The publish -> served seconds of each
   engine go to `Coordinator.record_served` (metrics and /metrics).
 - `colocated`: the same pushes and store copies, the tensors sent as CUDA IPC handles to
@@ -74,6 +75,12 @@ class WeightSync(Protocol):
 
     def flush(self) -> None:
         """Every submitted version is where it goes (raises if one failed)."""
+        ...
+
+    def idle(self) -> None:
+        """Called while the trainer waits for a batch (its tensors still hold the last
+        submitted version): engines that registered since the last push get that version
+        (store: nothing to do; a push: it is stored for them to load)."""
         ...
 
     def close(self) -> None: ...
@@ -141,8 +148,10 @@ class PushWeightSync:
         except TransferFailed as e:  # nobody took it: the store carries this version
             log.warning("weight version %d: %s; storing it for the engines to load", version, e)
             report = SendReport(version, 0, 0.0, dropped=list(self.sender.dropped))
-        if report.dropped and self._stored != version:
-            # an engine missed this version: it catches up with exactly it from the store
+        if (report.dropped or not report.served_s) and self._stored != version:
+            # an engine missed this version, or none took it (none registered yet: a resumed
+            # trainer pushes from its restored buffer before the new workers' engines exist):
+            # whoever joins later catches up with exactly it from the store
             self._store(version, state, hf_config)
         self._last = (version, state, hf_config)
         self.coord.set_version(version)
@@ -163,6 +172,22 @@ class PushWeightSync:
     def flush(self) -> None:
         if self._last is not None and self._last[0] != self._stored:
             self._store(*self._last)
+
+    def idle(self) -> None:
+        """An engine that registered after the last push would wait for the next one, which,
+        when its worker is the one the trainer waits on, never comes: store the last version
+        for it (the trainer is between steps, so `_last`'s tensors still hold it), and add it
+        to the pushes (caught up from the store first)."""
+        new = {u: (w, k) for w, (u, k) in self.coord.engines().items() if u not in self._known}
+        if not new or self._last is None:
+            return
+        if self._last[0] != self._stored:
+            log.info("weight version %d: storing it for %d engine(s) that joined after its "
+                     "push", self._last[0], len(new))  # fmt: skip
+            self._store(*self._last)
+        for url, (worker, key) in new.items():
+            self._known[url] = worker
+            self.sender.add_engine(url, key)
 
     def close(self) -> None:
         self.sender.close()
