@@ -1,7 +1,8 @@
 """`slipstream run -c configs/rlhf.toml`, shrunk: SFT, preference pairs from the verifier's
 verdicts on sampled completions, the reward model, then RL against the reward model only, in one
 command (real worker processes); the report names the reward source and the RM's held-out
-accuracy, and every trained reward is the RM's (in (0, 1), not the verifier's 0/1)."""
+accuracy, and every trained reward is the RM's (the batch reward is the reward-model component's
+mean over every sample, which the verifier's component is not)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SHRINK = [
@@ -37,6 +40,13 @@ def test_rlhf_config_runs_end_to_end(tmp_path: Path) -> None:
     assert f"**RM held-out pairwise accuracy**: {summary['heldout_accuracy']:.4g}" in report
     assert (out / "reward_curve.png").stat().st_size > 0
     steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    rewards = [r["reward_mean"] for r in steps if "reward_mean" in r]
-    assert len(rewards) == 4
-    assert all(0 < r < 1 for r in rewards)  # sigmoid(RM score): never the verifier's 0 or 1
+    trained = [r for r in steps if "reward_mean" in r]
+    assert len(trained) == 4
+    for r in trained:
+        # the source of every trained reward: the reward-model component scored every sample
+        # and the batch's reward is exactly its mean; the verifier's verdict (also computed,
+        # weight 0) is not in it
+        assert r["reward/reward_model/none"] == 0.0 and r["reward/verifier/none"] == 0.0
+        assert r["reward_mean"] == pytest.approx(r["reward/reward_model/mean"], abs=1e-9)
+        assert 0 < r["reward/reward_model/mean"] < 1  # sigmoid(RM score)
+    assert any(abs(r["reward_mean"] - r["reward/verifier/mean"]) > 1e-6 for r in trained)
