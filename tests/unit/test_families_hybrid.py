@@ -409,3 +409,24 @@ def test_model_routing_replay_is_exact(model_pair, tmp_path):
             b.gate.e_score_correction_bias.add_(torch.randn(bias.shape) * 3)
         assert not torch.equal(record(), recorded)
         assert torch.equal(model(ids, replay_routing_LNk=recorded).logits_BTV, live)
+
+
+def test_meta_built_model_initialises_every_hybrid_parameter():
+    """Built on the meta device then `init_weights` (bench presets, sharded loading): the GDN's
+    dt_bias, A_log, gated norm and conv and the zero-centred norms get their init, not the
+    uninitialised memory `to_empty` leaves."""
+    from slipstream.model import MoEForCausalLM, model_config_from_hf
+
+    with torch.device("meta"):
+        model = MoEForCausalLM(model_config_from_hf(qwen3_next.tiny_hf_config()))
+    model = model.to_empty(device="cpu")
+    for p in model.parameters():
+        p.data.fill_(float("nan"))
+    model.init_weights()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    gdn = model.model.layers[0].linear_attn
+    assert gdn is not None and torch.equal(gdn.dt_bias, torch.ones(4))
+    assert ((gdn.A_log.exp() >= 0.0099) & (gdn.A_log.exp() <= 16.01)).all()
+    assert torch.equal(gdn.norm.weight, torch.ones(6))
+    assert torch.equal(model.model.norm.weight, torch.zeros(32))
+    assert torch.equal(model.model.layers[3].self_attn.q_norm.weight, torch.zeros(16))

@@ -49,6 +49,10 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
 
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.weight.zero_()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return (out * (1.0 + self.weight.float())).to(x.dtype)
@@ -234,6 +238,16 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(num_v_heads).uniform_(0.01, 16).log())
         self.norm = RMSNormGated(head_v_dim, eps)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The non-Linear parameters' init (transformers' `_init_weights`): dt_bias 1, A uniform
+        in [0.01, 16] (A_log its log), the gated norm's weight 1, the conv PyTorch's default;
+        for a model built on the meta device (`MoEForCausalLM.init_weights`)."""
+        self.dt_bias.fill_(1.0)
+        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log())
+        self.norm.weight.fill_(1.0)
+        self.conv1d.reset_parameters()
 
     def new_state(self, batch_size: int, dtype: torch.dtype, device: torch.device) -> GDNState:
         """A zero state (sequence starts) for `batch_size` sequences."""

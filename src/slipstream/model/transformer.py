@@ -195,6 +195,8 @@ class MoEForCausalLM(nn.Module):
                 m.down_proj.normal_(0.0, std)
             elif isinstance(m, RMSNorm):
                 m.weight.fill_(1.0)
+            elif isinstance(m, GatedDeltaNet | ZeroCenteredRMSNorm):
+                m.reset_parameters()
             if isinstance(m, Attention) and m.sinks is not None:
                 m.sinks.normal_(0.0, std)  # as transformers' GPT-OSS init
 
