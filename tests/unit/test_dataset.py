@@ -257,3 +257,25 @@ def test_chat_prompts_render_as_transformers_apply_chat_template(tmp_path) -> No
             "content": "You are a helpful assistant.",
         }
         assert task.prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_the_guide_shows_the_tested_example_config() -> None:
+    """docs/data.md's config block is copied from examples/own_data.toml (which the integration
+    test runs): every line of it must still be there."""
+    doc = (EXAMPLES.parent / "docs" / "data.md").read_text()
+    block = doc.split("```toml\n", 1)[1].split("```", 1)[0]
+    example = (EXAMPLES / "own_data.toml").read_text()
+    assert block.strip() and block in example
+
+
+def test_json_arrays_and_json_lines(tmp_path) -> None:
+    rows = [{"question": f"{a}+1=", "answer": str(a + 1)} for a in range(10)]
+    (tmp_path / "array.json").write_text(json.dumps(rows, indent=1))
+    (tmp_path / "lines.json").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for name in ("array.json", "lines.json"):
+        path = f"{tmp_path}/{name}"
+        ts = taskset(f"task.train_files=['file://{path}']", f"task.heldout_files=['{path}']",
+                     "task.block_rows=3")  # fmt: skip
+        assert ts.stats()[0].rows == 10
+        got = sorted((t.meta["prompt"], t.meta["answer"]) for t in (ts.train(i) for i in range(10)))
+        assert got == sorted((r["question"], r["answer"]) for r in rows)
