@@ -7,50 +7,18 @@ baseline counts an episode of several samples once."""
 from __future__ import annotations
 
 import json
-import threading
-from concurrent.futures import Future
 from typing import Any
 
 import httpx
 import pytest
 import torch
 
-from slipstream.engine.base import Completion, GenerateRequest
+from agentutil import TOK, ScriptedEngine
+from slipstream.engine.base import Completion
 from slipstream.envs.agent_endpoint import AgentEndpoint
 from slipstream.envs.agent_trajectory import segments
-from slipstream.model.tokenizer import CharTokenizer
 
-TOK = CharTokenizer()
 HTTP = httpx.Client(timeout=10)  # one connection pool: a fresh one per request costs ~0.1 s
-
-
-class ScriptedEngine:
-    """An Engine that answers call k with `replies[k]` (ids), logprob -0.1*k per token and
-    version 7; records every request."""
-
-    def __init__(self, replies: list[list[int]]) -> None:
-        self.replies = replies
-        self.requests: list[GenerateRequest] = []
-        self.aborted: list[str] = []
-        self.lock = threading.Lock()
-
-    @property
-    def version(self) -> int:
-        return 7
-
-    def submit(self, request: GenerateRequest) -> Future[list[Completion]]:
-        with self.lock:
-            k = len(self.requests)
-            self.requests.append(request)
-        ids = self.replies[k % len(self.replies)][: request.params.max_new_tokens]
-        c = Completion(request.request_id, 0, list(request.prompt_ids), list(ids), TOK.decode(ids),
-                       [-0.1 * (k + 1)] * len(ids), "stop", [7] * len(ids))  # fmt: skip
-        fut: Future[list[Completion]] = Future()
-        fut.set_result([c])
-        return fut
-
-    def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
 
 
 @pytest.fixture
@@ -129,7 +97,7 @@ def test_refusals_are_answered_counted_and_never_recorded(endpoint) -> None:  # 
         HTTP.post(url, json={"messages": []}, headers=auth),
         HTTP.post(url, json={"messages": user, "n": 2}, headers=auth),
         HTTP.post(url, json={"messages": user, "no_such_field": 1}, headers=auth),
-        HTTP.post(url, json={"messages": user, "tools": [{"type": "function"}]}, headers=auth),
+        HTTP.post(url, json={"messages": user, "tool_choice": "required"}, headers=auth),
         HTTP.post(url, json={"messages": [{"role": "user", "content": 5}]}, headers=auth),
     ]
     for r in bad:

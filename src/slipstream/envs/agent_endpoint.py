@@ -23,9 +23,13 @@ the calls are RL samples:
 - `max_tokens` is capped by the turn cap and by what is left of the episode's token budget;
   a call past the episode's call or token budget is refused with 403 (not retried by the
   OpenAI SDK), and so is any call after the episode ended (410).
-- Messages reach the chat template as `slipstream serve` hands them (`template_fields`: any role,
-  extra fields such as an assistant turn's `tool_calls` or a tool result's `tool_call_id` as
-  given). Requests with `tools` are not implemented yet (400), see docs/agents.md.
+- Tools: a request's `tools` reach the chat template as its `tools` variable (as transformers'
+  `apply_chat_template(tools=...)`); with tools (and `tool_choice` not "none"), tool calls in
+  the completion in the Hermes format Qwen's templates define (`<tool_call>{"name": ...,
+  "arguments": {...}}</tool_call>`) come back as the message's `tool_calls`, finish_reason
+  "tool_calls". Messages reach the template as `slipstream serve` hands them (`template_fields`:
+  any role, an assistant turn's `tool_calls`, a tool result's `tool_call_id`, as given).
+  `tool_choice` "required" or naming a function is refused (400).
 - A streamed response is sent when the call's generation ends (one chunk per token, as
   `slipstream serve` frames it): the engine protocol returns completions, not token events, so
   the time to the first chunk is the call's latency.
@@ -39,7 +43,9 @@ experts when recorded), and, for chat, the request's messages and the reply. Ref
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import re
 import reprlib
 import secrets
 import socket
@@ -265,7 +271,7 @@ class AgentEndpoint:
                              "its trajectory)")  # fmt: skip
         if obj.stream_options is not None and not obj.stream:
             raise ValueError("stream_options can only be set when stream is true")
-        bad = obj.unsupported()
+        bad = [b for b in obj.unsupported() if b != "tools"]  # tools: the chat template's
         if bad:
             raise ValueError(f"{bad[0]} is not supported by the episode endpoint")
 
@@ -362,16 +368,23 @@ class AgentEndpoint:
             s = self._session(request, sid)
             self._check(obj)
             messages = [m.template_fields() for m in obj.messages]  # as slipstream serve
-            ids = self.tokenizer.chat_prompt(messages, obj.add_generation_prompt)
+            ids = self.tokenizer.chat_prompt(messages, obj.add_generation_prompt,
+                                             tools=obj.tools or None)  # fmt: skip
             room = s.admit()
             params = self._params(obj, room, obj.max_new_tokens(self.max_turn_tokens), len(ids))
             c, latency = await self._generate(s, ids, params, request)
-            reply = {"role": "assistant", "content": c.text}
+            reply: dict[str, Any] = {"role": "assistant", "content": c.text}
+            finish = c.finish_reason
+            if obj.tools and obj.tool_choice != "none":
+                content, calls = parse_tool_calls(c.text)
+                if calls:
+                    reply = {"role": "assistant", "content": content or None, "tool_calls": calls}
+                    finish = "tool_calls"
             s.record(CallRecord("chat", list(ids), c, messages, reply, latency))
             head = {"id": f"chatcmpl-{c.request_id}", "created": int(time.time()),
                     "model": self.model_name}  # fmt: skip
             if obj.stream:
-                return StreamingResponse(self._chat_stream(obj, c, head),
+                return StreamingResponse(self._chat_stream(obj, c, head, reply, finish),
                                          media_type="text/event-stream")  # fmt: skip
             logprobs = None
             if obj.logprobs:
@@ -379,7 +392,7 @@ class AgentEndpoint:
                 logprobs = {"content": chat_logprob_entries(c.token_ids, c.logprobs, tops,
                                                             self._token_str), "refusal": None}  # fmt: skip
             choice = {"index": 0, "message": reply, "logprobs": logprobs,
-                      "finish_reason": c.finish_reason, "token_ids": c.token_ids}  # fmt: skip
+                      "finish_reason": finish, "token_ids": c.token_ids}  # fmt: skip
             return {**head, "object": "chat.completion", "choices": [choice],
                     "usage": _usage(len(ids), len(c.token_ids))}  # fmt: skip
 
@@ -422,14 +435,22 @@ class AgentEndpoint:
     def _token_str(self, t: int) -> str:
         return self.tokenizer.decode([t])
 
-    async def _chat_stream(self, obj: ChatCompletionRequest, c: Completion,
-                           head: dict[str, Any]) -> AsyncIterator[bytes]:  # fmt: skip
+    async def _chat_stream(self, obj: ChatCompletionRequest, c: Completion, head: dict[str, Any],
+                           reply: dict[str, Any], finish: str) -> AsyncIterator[bytes]:  # fmt: skip
         head = {**head, "object": "chat.completion.chunk"}
         ts = TextStream(self.tokenizer.decode, [s for s in (obj.stop or []) if s] if not
                         isinstance(obj.stop, str) else [obj.stop])  # fmt: skip
         yield sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}]})  # fmt: skip
-        for i, t in enumerate(c.token_ids):
+        calls = reply.get("tool_calls")
+        if calls:  # the parsed message: its content, then its calls, as one delta each
+            if reply["content"]:
+                yield sse({**head, "choices": [{"index": 0, "delta": {"content": reply["content"]},
+                                                "logprobs": None, "finish_reason": None}]})  # fmt: skip
+            deltas = [{"index": k, **call} for k, call in enumerate(calls)]
+            yield sse({**head, "choices": [{"index": 0, "delta": {"tool_calls": deltas},
+                                            "logprobs": None, "finish_reason": None}]})  # fmt: skip
+        for i, t in enumerate([] if calls else c.token_ids):
             delta = ts.push(t)
             lp = None
             if obj.logprobs:
@@ -438,9 +459,9 @@ class AgentEndpoint:
             if delta or lp:
                 yield sse({**head, "choices": [{"index": 0, "delta": {"content": delta},
                                                 "logprobs": lp, "finish_reason": None}]})  # fmt: skip
-        rest = ts.finish(c)
+        rest = "" if calls else ts.finish(c)
         yield sse({**head, "choices": [{"index": 0, "delta": {"content": rest} if rest else {},
-                                        "logprobs": None, "finish_reason": c.finish_reason}]})  # fmt: skip
+                                        "logprobs": None, "finish_reason": finish}]})  # fmt: skip
         if obj.stream_options is not None and obj.stream_options.include_usage:
             yield sse({**head, "choices": [],
                        "usage": _usage(len(c.prompt_ids), len(c.token_ids))})  # fmt: skip
@@ -463,9 +484,35 @@ class AgentEndpoint:
         yield sse("[DONE]")
 
 
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """Tool calls in the Hermes format that Qwen's chat templates define (`<tool_call>{"name":
+    ..., "arguments": {...}}</tool_call>`, one block per call) -> (the text before the first
+    call, OpenAI `tool_calls`). A block that is not such JSON leaves the whole text as content
+    and no calls (vLLM's hermes parser does the same)."""
+    blocks = TOOL_CALL.findall(text)
+    if not blocks:
+        return text, []
+    calls = []
+    for b in blocks:
+        try:
+            obj = json.loads(b)
+        except ValueError:
+            return text, []
+        if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
+            return text, []
+        args = obj.get("arguments", {})
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": obj["name"],
+                                   "arguments": args if isinstance(args, str) else json.dumps(args)}})  # fmt: skip
+    return text[: text.index("<tool_call>")].strip(), calls
+
+
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
 
 
-__all__ = ["AgentEndpoint", "CallRecord", "EpisodeSession", "SessionError"]
+__all__ = ["AgentEndpoint", "CallRecord", "EpisodeSession", "SessionError", "parse_tool_calls"]

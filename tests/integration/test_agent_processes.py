@@ -6,6 +6,7 @@ compared with what the engine recorded, id for id."""
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import time
@@ -16,11 +17,13 @@ from typing import Any
 import pytest
 import torch
 
+from agentutil import TOK, ScriptedEngine
 from slipstream.config import load_config
 from slipstream.config.agent import AgentConfig
 from slipstream.engine import NativeEngine
 from slipstream.envs import EpisodeLimits, EpisodeRunner, run_episodes
 from slipstream.envs.agent import AgentRuntime
+from slipstream.envs.agent_endpoint import AgentEndpoint
 from slipstream.model import MoEForCausalLM
 from slipstream.rl.trainer import Trainer, collate
 from slipstream.rl.types import Batch, Group, TaskRef
@@ -288,3 +291,59 @@ def test_worker_acks_good_agents_and_drops_failing_ones(setup) -> None:  # type:
     assert len(buffer) == 2 and buffer.metrics()["dropped_infra"] == 2
     # each failing group: its first failure drops it; the other episode failed too or was aborted
     assert 2 <= report["agent_exit_nonzero"] <= 4 and report["agent_episodes"] == 4
+
+
+TOOLS_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }};"
+    "{% endfor %}</tools>{% endif %}{% for m in messages %}<{{ m['role'] }}>"
+    "{{ m['content'] or '' }}{% for c in (m.tool_calls or []) %}<tool_call>"
+    "{{ c['function']['name'] }}({{ c['function']['arguments'] }})</tool_call>{% endfor %}"
+    "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def test_tools_reach_the_template_and_calls_come_back_parsed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """An `openai`-SDK client with `tools`: the chat template renders them, a Hermes tool call
+    in the completion comes back as `tool_calls` (streamed too), and the assistant's tool call and
+    the tool's result sent back reach the template."""
+    from openai import OpenAI
+
+    from slipstream.model.tokenizer import HFTokenizer
+
+    TOK.save(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    del config["slipstream_tokenizer"]  # a plain HF tokenizer with a tool-rendering template
+    config["chat_template"] = TOOLS_TEMPLATE
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    hf = HFTokenizer(tmp_path / "tokenizer.json")
+    call = '<tool_call>\n{"name": "calc", "arguments": {"expr": "2+3"}}\n</tool_call>'
+    engine = ScriptedEngine([TOK.encode("sure " + call) + [TOK.eos_id], TOK.encode("5") + [2]])
+    endpoint = AgentEndpoint(engine, hf, max_turn_tokens=200)
+    try:
+        s = endpoint.open(max_calls=4, max_sampled_tokens=1000)
+        client = OpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=0)
+        tools = [{"type": "function", "function": {"name": "calc", "parameters": {
+            "type": "object", "properties": {"expr": {"type": "string"}}}}}]  # fmt: skip
+        msgs: list[Any] = [{"role": "user", "content": "2+3?"}]
+        out = client.chat.completions.create(model="policy", messages=msgs, tools=tools)  # type: ignore[arg-type]
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "sure"
+        (tc,) = choice.message.tool_calls or []
+        assert tc.function.name == "calc" and json.loads(tc.function.arguments) == {"expr": "2+3"}
+        assert hf.decode(s.calls[0].prompt_ids).startswith("<tools>calc;</tools><user>2+3?")
+        msgs += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": tc.id, "content": "5"}]  # fmt: skip
+        out = client.chat.completions.create(model="policy", messages=msgs, tools=tools)  # type: ignore[arg-type]
+        assert out.choices[0].message.content == "5" and not out.choices[0].message.tool_calls
+        prompt = hf.decode(s.calls[1].prompt_ids)
+        assert '<tool_call>calc({"expr": "2+3"})</tool_call>' in prompt and "<tool>5" in prompt
+        engine.replies = [TOK.encode(call) + [TOK.eos_id]]
+        stream = client.chat.completions.create(model="policy", messages=msgs[:1], tools=tools,  # type: ignore[arg-type]
+                                                stream=True)  # fmt: skip
+        chunks = list(stream)
+        deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+        assert [d.function.name for d in deltas] == ["calc"]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        s.close()
+    finally:
+        endpoint.close()
