@@ -470,6 +470,23 @@ class Attention(nn.Module):
         b = torch.cat((self.q_proj.bias, self.k_proj.bias, self.v_proj.bias))  # type: ignore[arg-type]
         return F.linear(x_ND, w, b)
 
+    def _per_head_norm(self, qk: torch.Tensor) -> torch.Tensor:
+        """Per-head RMSNorm of q and k heads together (..., H + K, Dh): the q and k norm
+        weights as one (H + K, Dh) table, cached by version in no-grad forwards."""
+        H, K, Dh = self.num_heads, self.num_kv_heads, self.head_dim
+        wq, wk = self.q_norm.weight, self.k_norm.weight  # type: ignore[union-attr]
+        eps = self.q_norm.eps  # type: ignore[union-attr]
+        if torch.is_grad_enabled():
+            return rms_norm(qk, torch.cat((wq.expand(H, Dh), wk.expand(K, Dh))), eps)
+        key = (wq._version, wq.data_ptr(), wk._version, wk.data_ptr())
+        cached = self.__dict__.get("_norm_table")
+        if cached is None or cached[0] != key:
+            cached = (key, torch.cat((wq.expand(H, Dh), wk.expand(K, Dh))))
+            self.__dict__["_norm_table"] = cached
+        if qk.dtype == torch.float32:
+            return cached[1] * F.rms_norm(qk, (Dh,), eps=eps)
+        return cached[1] * F.rms_norm(qk.float(), (Dh,), eps=eps).to(qk.dtype)
+
     def _forward_variant(
         self,
         x: torch.Tensor,
@@ -483,26 +500,37 @@ class Attention(nn.Module):
         lead = x.shape[:-1]
         qkv = self._project_variant(x)
         if self.qk_norm_kind == "full":
-            q, k, v = qkv.split((H * Dh, K * Dh, K * Dh), dim=-1)
-            q, k = self.q_norm(q), self.k_norm(k)  # type: ignore[misc]
-            qkv = torch.cat((q, k, v), dim=-1)
-        qkv = qkv.view(*lead, H + 2 * K, Dh)
-        if self.qk_norm_kind == "per_head":
-            qk, v = qkv.split((H + K, K), dim=-2)
-            w_norm = torch.cat((self.q_norm.weight.expand(H, Dh), self.k_norm.weight.expand(K, Dh)))  # type: ignore[union-attr]
-            qkv = torch.cat((rms_norm(qk, w_norm, self.q_norm.eps), v), dim=-2)  # type: ignore[union-attr]
-        if self.clip_qkv is not None:
-            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
-        qk, v = qkv.split((H + K, K), dim=-2)
+            if self.clip_qkv is not None:  # one clamp over q, k and v (OLMoE: after the norm)
+                q, k, v = qkv.split((H * Dh, K * Dh, K * Dh), dim=-1)
+                qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)  # type: ignore[misc]
+                qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
+                qk, v = qkv.view(*lead, H + 2 * K, Dh).split((H + K, K), dim=-2)
+            else:
+                q, k, v = qkv.split((H * Dh, K * Dh, K * Dh), dim=-1)
+                q, k = self.q_norm(q), self.k_norm(k)  # type: ignore[misc]
+                qk = torch.cat((q, k), dim=-1).view(*lead, H + K, Dh)
+                v = v.view(*lead, K, Dh)
+        else:
+            if self.clip_qkv is not None and self.qk_norm_kind == "none":
+                qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
+            qk, v = qkv.view(*lead, H + 2 * K, Dh).split((H + K, K), dim=-2)
+            if self.qk_norm_kind == "per_head":
+                qk = self._per_head_norm(qk)
+                if self.clip_qkv is not None:
+                    qk = qk.clamp(-self.clip_qkv, self.clip_qkv)
+                    v = v.clamp(-self.clip_qkv, self.clip_qkv)
         rot, keep = (qk, None) if rd == Dh else qk.split((rd, Dh - rd), dim=-1)
         rot = _rope_packed(rot, *cos_sin) if packing is not None else _rope_BTND(rot, cos_sin)
         qk = rot if keep is None else torch.cat((rot, keep), dim=-1)
-        qkv = torch.cat((qk, v.to(qk.dtype)), dim=-2)
         if packing is not None:  # one scatter to the (B, T) layout, attention, one gather
+            qkv = torch.cat((qk, v.to(qk.dtype)), dim=-2)
             B, T = packing.batch_size, packing.num_tokens
             qkv = packing.unpack(qkv).view(B, T, H + 2 * K, Dh)
-        B, T = qkv.shape[:2]
-        q_BHTD, k_BKTD, v_BKTD = (t.transpose(1, 2) for t in qkv.split((H, K, K), dim=2))
+            q_BHTD, k_BKTD, v_BKTD = (t.transpose(1, 2) for t in qkv.split((H, K, K), dim=2))
+        else:  # no cat and split again (decode is per-op overhead bound)
+            B, T = qk.shape[:2]
+            q_BHTD, k_BKTD = qk.transpose(1, 2).split((H, K), dim=1)
+            v_BKTD = v.transpose(1, 2)
         if cache is None:
             out_BHTD = variant_attend(q_BHTD, k_BKTD, v_BKTD, self.sliding_window, self.sinks)
         else:
@@ -510,6 +538,8 @@ class Attention(nn.Module):
                                     window=self.sliding_window, sinks_H=self.sinks)  # fmt: skip
         if packing is not None:
             return self.o_proj(packing.pack(out_BHTD.transpose(1, 2).reshape(B * T, H * Dh)))
+        if T == 1:  # (B, H, 1, Dh) holds its elements in (B, 1, H, Dh) order: no transpose op
+            return self.o_proj(out_BHTD.reshape(B, 1, H * Dh))
         return self.o_proj(out_BHTD.transpose(1, 2).reshape(B, T, H * Dh))
 
 
@@ -523,4 +553,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and torch.is_grad_enabled():
+            # the packed training path: gate and up as one `linear` (a Function of 3 ops forward,
+            # 3-4 backward; autograd through three nn.Linear takes ~2x that)
+            gate, up = linear(x, self.gate_proj.weight, self.up_proj.weight).chunk(2, dim=-1)
+            return linear(F.silu(gate) * up, self.down_proj.weight)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

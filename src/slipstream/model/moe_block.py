@@ -533,7 +533,9 @@ class SparseMoeBlock(nn.Module):
         w_Nk, ids_Nk = self.scheme.route(
             logits_NE, self.gate.e_score_correction_bias, replay_ids_Nk
         )
-        return logits_NE, w_Nk.to(logits_NE.dtype), ids_Nk
+        if w_Nk.dtype != logits_NE.dtype:  # no no-op cast (decode is per-op overhead bound)
+            w_Nk = w_Nk.to(logits_NE.dtype)
+        return logits_NE, w_Nk, ids_Nk
 
     def forward(
         self, x_D: torch.Tensor, replay_ids_Nk: torch.Tensor | None = None

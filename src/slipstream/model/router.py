@@ -29,6 +29,11 @@ from slipstream.config.model import ModelConfig
 from slipstream.model.layers import linear
 
 
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    """x in float32 without dispatching a no-op cast (decode is per-op overhead bound)."""
+    return x if x.dtype == torch.float32 else x.float()
+
+
 class RoutingScheme(Protocol):
     def select(self, logits_NE: torch.Tensor, correction_E: torch.Tensor | None) -> torch.Tensor:
         """Top-k expert ids (N, k), int64."""
@@ -56,13 +61,13 @@ class SoftmaxTopK:
         self.top_k, self.renormalize = top_k, renormalize
 
     def select(self, logits_NE: torch.Tensor, correction_E: torch.Tensor | None) -> torch.Tensor:
-        return torch.topk(logits_NE.float(), self.top_k, dim=-1).indices
+        return torch.topk(_f32(logits_NE), self.top_k, dim=-1).indices
 
     def weights(self, logits_NE: torch.Tensor, ids_Nk: torch.Tensor) -> torch.Tensor:
         return self.route(logits_NE, None, ids_Nk)[0]
 
     def route(self, logits_NE, correction_E, replay_ids_Nk):  # type: ignore[no-untyped-def]
-        logits32_NE = logits_NE.float()
+        logits32_NE = _f32(logits_NE)
         if self.renormalize:
             # softmax over all E, top-k, renormalised == softmax over the k selected logits (the
             # same function, ~10 fewer ops forward and backward; top-k of the logits is top-k of
@@ -94,7 +99,12 @@ class SigmoidGroupTopK:
 
     def select(self, logits_NE: torch.Tensor, correction_E: torch.Tensor | None) -> torch.Tensor:
         with torch.no_grad():
-            scores_NE = logits_NE.float().sigmoid()
+            return self._select_scores(_f32(logits_NE).sigmoid(), correction_E)
+
+    def _select_scores(
+        self, scores_NE: torch.Tensor, correction_E: torch.Tensor | None
+    ) -> torch.Tensor:
+        with torch.no_grad():
             if correction_E is not None:
                 scores_NE = scores_NE + correction_E
             if self.n_group > 1:
@@ -107,14 +117,22 @@ class SigmoidGroupTopK:
             return torch.topk(scores_NE, self.top_k, dim=-1, sorted=False).indices
 
     def weights(self, logits_NE: torch.Tensor, ids_Nk: torch.Tensor) -> torch.Tensor:
-        w_Nk = logits_NE.float().sigmoid().gather(1, ids_Nk)
+        return self._weights_scores(_f32(logits_NE).sigmoid(), ids_Nk)
+
+    def _weights_scores(self, scores_NE: torch.Tensor, ids_Nk: torch.Tensor) -> torch.Tensor:
+        w_Nk = scores_NE.gather(1, ids_Nk)
         if self.renormalize:
             w_Nk = w_Nk / (w_Nk.sum(dim=-1, keepdim=True) + 1e-20)
-        return w_Nk * self.scaling
+        return w_Nk * self.scaling if self.scaling != 1.0 else w_Nk
 
     def route(self, logits_NE, correction_E, replay_ids_Nk):  # type: ignore[no-untyped-def]
-        ids_Nk = self.select(logits_NE, correction_E) if replay_ids_Nk is None else replay_ids_Nk
-        return self.weights(logits_NE, ids_Nk), ids_Nk
+        # select and weights fused: the sigmoid computed once (decode is per-op overhead bound)
+        scores_NE = _f32(logits_NE).sigmoid()
+        if replay_ids_Nk is None:
+            ids_Nk = self._select_scores(scores_NE.detach(), correction_E)
+        else:
+            ids_Nk = replay_ids_Nk
+        return self._weights_scores(scores_NE, ids_Nk), ids_Nk
 
 
 class TopKSoftmax:
@@ -124,14 +142,14 @@ class TopKSoftmax:
         self.top_k = top_k
 
     def select(self, logits_NE: torch.Tensor, correction_E: torch.Tensor | None) -> torch.Tensor:
-        return torch.topk(logits_NE.float(), self.top_k, dim=-1).indices
+        return torch.topk(_f32(logits_NE), self.top_k, dim=-1).indices
 
     def weights(self, logits_NE: torch.Tensor, ids_Nk: torch.Tensor) -> torch.Tensor:
-        return F.softmax(logits_NE.float().gather(-1, ids_Nk), dim=-1)
+        return F.softmax(_f32(logits_NE).gather(-1, ids_Nk), dim=-1)
 
     def route(self, logits_NE, correction_E, replay_ids_Nk):  # type: ignore[no-untyped-def]
         if replay_ids_Nk is None:
-            sel_Nk, ids_Nk = torch.topk(logits_NE.float(), self.top_k, dim=-1)
+            sel_Nk, ids_Nk = torch.topk(_f32(logits_NE), self.top_k, dim=-1)
             return F.softmax(sel_Nk, dim=-1), ids_Nk
         return self.weights(logits_NE, replay_ids_Nk), replay_ids_Nk
 
@@ -182,9 +200,9 @@ class Router(nn.Linear):
             self.e_score_correction_bias = None
 
     def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
-        if self.fp32:
-            b = None if self.bias is None else self.bias.float()
-            return F.linear(x_ND.float(), self.weight.float(), b)
+        if self.fp32 and x_ND.dtype != torch.float32:
+            b = None if self.bias is None else _f32(self.bias)
+            return F.linear(x_ND.float(), _f32(self.weight), b)
         if self.bias is None:
             return linear(x_ND, self.weight)
         return F.linear(x_ND, self.weight, self.bias)
