@@ -399,3 +399,59 @@ def test_push_sync_hands_the_current_version_to_an_engine_that_joins_between_pus
     sync.submit(2, state, config)
     assert sender.sent[-1] == (2, ["http://a", "http://b"])
     assert store.versions() == [0, 1]
+
+
+def test_weights_by_name_needs_the_admin_key_and_is_capped() -> None:
+    """Issue 44: /get_weights_by_name returned up to 2**20 values of any parameter without the
+    admin key (the weights are the asset). Now it is an admin route and returns at most
+    MAX_TRUNCATE_SIZE values."""
+    from starlette.testclient import TestClient
+
+    from slipstream.engine.guard import ServeOptions
+    from slipstream.engine.server import create_app
+    from slipstream.engine.weight_routes import MAX_TRUNCATE_SIZE
+
+    engine = NativeEngine(tiny_model(seed=0), EngineConfig(max_seq_len=64, kv_cache_tokens=512))
+    app = create_app(engine, options=ServeOptions(api_key="k3y"))
+    body = {"name": "model.norm.weight", "truncate_size": 4}
+    try:
+        with TestClient(app) as client:
+            assert client.post("/get_weights_by_name", json=body).status_code == 401
+            assert client.get("/get_weights_by_name", params=body).status_code == 401
+            ok = client.post("/get_weights_by_name", json=body,
+                             headers={"Authorization": "Bearer k3y"})  # fmt: skip
+            assert ok.status_code == 200 and len(ok.json()) == 4
+            big = {**body, "truncate_size": MAX_TRUNCATE_SIZE + 1}
+            resp = client.post("/get_weights_by_name", json=big,
+                               headers={"Authorization": "Bearer k3y"})  # fmt: skip
+            assert resp.status_code == 400
+            assert client.get("/health").status_code == 200
+    finally:
+        engine.close()
+
+
+def test_weight_route_executor_refuses_beyond_its_threads_and_health_says_so() -> None:
+    """The weight routes run on their own bounded executor: when every thread is held (by
+    calls past their bound), the next call is refused at once and `degraded()` (what /health
+    answers 503 with) names it; nothing queues on the server's default pool."""
+    import asyncio
+
+    from slipstream.engine.weight_routes import WEIGHT_ROUTE_THREADS, WeightRouteExecutor
+
+    pool = WeightRouteExecutor(bound_s=0.0)
+    release = threading.Event()
+
+    async def main() -> None:
+        held = [asyncio.ensure_future(pool.run("/init_weights_update_group", release.wait, 30))
+                for _ in range(WEIGHT_ROUTE_THREADS)]  # fmt: skip
+        while len(pool._running) < WEIGHT_ROUTE_THREADS:
+            await asyncio.sleep(0.01)
+        with pytest.raises(RuntimeError, match="weight routes are busy"):
+            await pool.run("/get_weights_by_name", lambda: None)
+        problem = pool.degraded()
+        assert problem is not None and "past their bound" in problem
+        release.set()
+        await asyncio.gather(*held)
+        assert pool.degraded() is None
+
+    asyncio.run(main())
