@@ -251,3 +251,15 @@ def test_component_metrics() -> None:
     m = component_metrics([S({"a": 1.0, "b": None}), S({"a": 0.0, "b": None}), S({})])
     assert m["reward/a/mean"] == 0.5 and m["reward/a/none"] == 0.0
     assert m["reward/b/none"] == 1.0 and m["reward/b/mean"] != m["reward/b/mean"]  # NaN
+
+
+def test_report_draws_the_components(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from slipstream.observe.report import plot_reward_components, write_report
+
+    records = [{"step": i, "reward_mean": 0.5, "reward/math/mean": 0.1 * i, "reward/math/none": 0.0,
+                "reward/fmt/mean": None, "reward/fmt/none": 1.0, "reward/fmt/failed_calls": i,
+                "reward/fmt/dropped": 0.0} for i in range(1, 6)]  # fmt: skip
+    report = write_report(tmp_path, {"steps": 5}, records).read_text()
+    assert "![reward components](reward_components.png)" in report
+    assert (tmp_path / "reward_components.png").stat().st_size > 0
+    assert plot_reward_components([{"step": 1, "reward_mean": 1.0}], tmp_path / "n.png") is None

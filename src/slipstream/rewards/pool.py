@@ -218,7 +218,7 @@ class RewardPool:
             raise CallFailed(kind, value)
         return valid_values(value, n, True)  # checked again here: the process is not trusted
 
-    def load(self, spec: FunctionSpec, timeout_s: float = 60.0) -> None:
+    def load(self, spec: FunctionSpec, timeout_s: float = 300.0) -> None:
         """Import spec's function in a reward process (at start: an import error is found before
         the first completion); CallFailed naming the module or attribute otherwise."""
         p = self._idle.get()
