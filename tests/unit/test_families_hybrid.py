@@ -229,6 +229,13 @@ def test_deepseek_v3_checkpoint_both_ways_and_fp8_equal_to_transformers(tmp_path
     )
     ours, _ = weights.from_hf(fp8, _cfg(deepseek_v3.DEEPSEEK_V3, q_json))
     _assert_same(ours, _in_memory(theirs))
+    from slipstream.model import load_pretrained  # the whole load path: config, read, map
+
+    ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            load_pretrained(q_dir)(ids).logits_BTV, theirs.eval()(ids).logits, atol=1e-5, rtol=1e-5
+        )
     changed = [k for k in ours if not torch.equal(ours[k], internal[k])]
     assert len(changed) > 10  # a real quantisation: the dequantised weights differ
     assert all(torch.allclose(ours[k], internal[k], atol=0.05, rtol=0.07) for k in ours)
