@@ -249,11 +249,13 @@ class DecodeStep:
 
     def weights_updated(self) -> None:
         """After an in-place weight copy: refresh what the model derives from its weights
-        (the attention's fused q/k/v copies, rebuilt into the same storage, so captured graphs
-        read the new weights)."""
+        (the attention's fused q/k/v copies and the cache's sink columns, rebuilt into the same
+        storage, so captured graphs read the new weights)."""
         for m in self.model.modules():
             if isinstance(m, Attention):
                 m.refresh_inference_weights()
+        with torch.inference_mode():
+            self.batch.cache.refresh_sinks()
 
 
 def _buckets(num_slots: int) -> list[int]:

@@ -97,6 +97,7 @@ class SlotKVCache:
         self._pos_B: torch.Tensor | None = None
         self._mask_B11S: torch.Tensor | None = None
         self._masks: dict[int | None, torch.Tensor] = {}
+        self._sink_cols: dict[int, tuple[tuple[int, int], torch.Tensor, torch.Tensor | None]] = {}
         self._span = 0
         self._parts: list[Part] = []
         self._slots_N = torch.arange(num_slots, device=device)
@@ -148,10 +149,10 @@ class SlotKVCache:
         self._masks = {None: self._mask_B11S}
 
     def _additive(self, hidden_B11S: torch.Tensor) -> torch.Tensor:
-        """0 / -inf float mask of the hidden keys; with the sink key kept, a first column for it
-        (-inf: a layer without sinks never sees it; `_with_sinks` fills in a layer's logits)."""
+        """0 / -inf float mask of the hidden keys; with the sink key kept, a first column for it,
+        0 here: `_decode_attend` adds the layer's sink logits there (-inf for a layer without)."""
         if self._off:
-            hidden_B11S = F.pad(hidden_B11S, (1, 0), value=True)
+            hidden_B11S = F.pad(hidden_B11S, (1, 0), value=False)
         return torch.zeros_like(hidden_B11S, dtype=self.k_LNKSD.dtype).masked_fill_(
             hidden_B11S, float("-inf")
         )
@@ -195,12 +196,38 @@ class SlotKVCache:
         K = keys_BKSD.shape[1]
         q_BKGD = q_BHTD.reshape(B, K, -1, D)
         mask = self._mask_B11S if window is None else self._decode_mask(window)
-        if sinks_H is not None:  # the layer's sink logits in the sink key's column
-            G, S1 = H // K, mask.shape[-1]
-            sink_BKG1 = _as(sinks_H, mask.dtype).view(1, K, G, 1).expand(B, K, G, 1)
-            mask = torch.cat((sink_BKG1, mask[..., 1:].expand(B, K, G, S1 - 1)), dim=-1)
+        if self._off:  # the layer's sink logits in the sink key's column (-inf: no sinks)
+            mask = mask + self._sink_column(layer_idx, sinks_H, K)[..., : mask.shape[-1]]
         out_BKGD = F.scaled_dot_product_attention(q_BKGD, keys_BKSD, values_BKSD, attn_mask=mask)
         return out_BKGD.view(B, H, 1, D)
+
+    def _sink_column(
+        self, layer_idx: int, sinks_H: torch.Tensor | None, num_kv: int
+    ) -> torch.Tensor:
+        """(1, K, G, 1 + S): the layer's sink logits in column 0 (-inf for a layer without
+        sinks), zeros after; added to the step's mask (two ops per layer). Cached per layer,
+        rebuilt in place when the sinks change (their version counter or storage), so a captured
+        CUDA graph reads the new values."""
+        key = (-1, -1) if sinks_H is None else (sinks_H._version, sinks_H.data_ptr())
+        cached = self._sink_cols.get(layer_idx)
+        if cached is None or cached[0] != key:
+            if sinks_H is None:
+                col = self.k_LNKSD.new_full((1, 1, 1, 1), float("-inf"))
+            else:
+                H = sinks_H.shape[0]
+                col = sinks_H.detach().to(self.k_LNKSD.dtype).view(1, num_kv, H // num_kv, 1)
+            new = F.pad(col, (0, self.slot_len))
+            if cached is not None:
+                new = cached[1].copy_(new)
+            cached = self._sink_cols[layer_idx] = (key, new, sinks_H)
+        return cached[1]
+
+    def refresh_sinks(self) -> None:
+        """Bring the cached sink columns up to date after an in-place weight update (in their
+        storage): a replayed CUDA graph runs no Python to notice (DecodeStep.weights_updated)."""
+        for layer_idx, (_, _, sinks_H) in list(self._sink_cols.items()):
+            if sinks_H is not None:
+                self._sink_column(layer_idx, sinks_H, self.k_LNKSD.shape[2])
 
     def _mixed_attend(self, layer_idx, k_NKSD, v_NKSD, q_1HTD, k_1KTD, v_1KTD, window=None,  # noqa: ANN001
                       sinks_H=None) -> torch.Tensor:  # fmt: skip

@@ -40,11 +40,27 @@ class ClampedSwiGLU:
 
     def __init__(self, alpha: float, limit: float) -> None:
         self.alpha, self.limit = alpha, limit
+        self._bounds: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def bounds(self, h_A2I: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(low, high) (2I,) per column: gate (-inf, limit], up [-limit, limit]: both clamps in
+        one op (decode is per-op overhead bound). Made once per device, dtype and width, outside
+        inference mode (autograd may save them)."""
+        key = (h_A2I.device, h_A2I.dtype, h_A2I.shape[-1])
+        b = self._bounds.get(key)
+        if b is None:
+            with torch.inference_mode(False):
+                half = h_A2I.shape[-1] // 2
+                lo = torch.full((2 * half,), -self.limit, dtype=h_A2I.dtype, device=h_A2I.device)
+                lo[:half] = float("-inf")
+                hi = torch.full_like(lo, self.limit)
+            b = self._bounds[key] = (lo, hi)
+        return b
 
     def __call__(self, h_A2I: torch.Tensor) -> torch.Tensor:
-        gate, up = h_A2I.chunk(2, dim=-1)
-        g = gate.clamp(max=self.limit)
-        return (up.clamp(-self.limit, self.limit) + 1) * (g * torch.sigmoid(g * self.alpha))
+        g, up = h_A2I.clamp(*self.bounds(h_A2I)).chunk(2, dim=-1)
+        glu = g * torch.sigmoid(g * self.alpha)
+        return torch.addcmul(glu, up, glu)  # (up + 1) * glu in one op
 
     def backward(
         self, g_AI: torch.Tensor, h_A2I: torch.Tensor
@@ -54,12 +70,12 @@ class ClampedSwiGLU:
         g = gate.clamp(max=lim)
         sig = torch.sigmoid(g * self.alpha)
         glu = g * sig
-        up1 = up.clamp(-lim, lim) + 1
+        up_c = up.clamp(-lim, lim)
         # d glu / d g = sig + alpha * g * sig * (1 - sig)
         d_glu = sig + self.alpha * glu * (1 - sig)
-        g_gate = (g_AI * up1 * d_glu).masked_fill_(gate > lim, 0)
+        g_gate = (g_AI * (up_c + 1) * d_glu).masked_fill_(gate > lim, 0)
         g_up = (g_AI * glu).masked_fill_((up < -lim) | (up > lim), 0)
-        return torch.cat((g_gate, g_up), dim=-1), up1 * glu
+        return torch.cat((g_gate, g_up), dim=-1), torch.addcmul(glu, up_c, glu)
 
 
 Activation = SwiGLU | ClampedSwiGLU
