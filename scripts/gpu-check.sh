@@ -21,14 +21,16 @@
 #   4. engine-qwen: the same, --preset qwen3-30b-a3b-4l (no HF baseline)
 #   5. e2e:        100 async GRPO steps of the mid shape, trainer and engine on the one GPU
 #                  (samples/s, trainer idle share; the run's result line and metrics in the log)
-#   opt-in (GPU_CHECK_PHASES): bench (bench engine, quickstart + larger at 32x8) and
-#                  quickstart (pytest -m "gpu and slow": the quickstart on CUDA learns)
+#   opt-in (GPU_CHECK_PHASES): bench (bench engine, quickstart + larger at 32x8),
+#                  quickstart (pytest -m "gpu and slow": the quickstart on CUDA learns) and
+#                  families (bench engine, bf16, 16x8, on 4 real layers of GLM-4.5-Air,
+#                  Mixtral-8x7B and OLMoE-1B-7B: bench/models.py FAMILY_PRESETS; issue 47)
 # Each phase has a time limit; the default phases stay under 8 minutes (PHASE_LIMITS below,
 # checked by --dry-run). GPU_CHECK_PHASES="gpu-tests quickstart" (say) runs those instead.
 # A failing phase does not stop the later ones. OUT_DIR receives at most 8 files:
 # gpu-check.json (summary: phases, test counts, every test's recorded figures, provenance),
 # gpu-check.log (all output), gpu-tests.jsonl, junit-gpu.xml, engine_mid.json,
-# engine_qwen.json, train_mid.json, train_qwen3.json, and with the opt-in phases junit-quickstart.xml, engine_gpu.json.
+# engine_qwen.json, train_mid.json, train_qwen3.json, and with the opt-in phases junit-quickstart.xml, engine_gpu.json, engine_families.json.
 # Exit 0 when every phase passed. Provenance: set SLIPSTREAM_GIT_COMMIT to
 # the commit you sent (the machine may get the tree without .git); a hash of the tree is
 # recorded either way.
@@ -49,6 +51,7 @@ INSTALL_LIMIT_S=30
 declare -A PHASE_LIMITS=([gpu-tests]=100 [bench]=75 [quickstart]=250)
 PHASE_LIMITS+=([engine-mid]=90 [engine-qwen]=60 [e2e]=120)  # issue 30: the engine at GPU scale
 PHASE_LIMITS+=([bench-train]=45)  # issue 29: the trainer at GPU scale
+PHASE_LIMITS+=([families]=150)  # issue 47 (A): glm4_moe, mixtral, olmoe at real layer shapes
 DEFAULT_PHASES="gpu-tests bench-train engine-mid engine-qwen e2e"
 PHASES=${GPU_CHECK_PHASES:-$DEFAULT_PHASES}
 KILL_AFTER_S=5
@@ -180,6 +183,15 @@ run_named_phase() {  # one phase of the full check (uses full_check's locals: py
         --repeats 1)
       run_phase "$name" "$limit" "${slip[@]}" bench engine "${args[@]}" \
         --out "$out/engine_gpu.json" ;;
+    families)
+      # each family's native engine at its real layer shape (random weights, the quickstart's
+      # vocabulary); no transformers baseline (minutes at these sizes)
+      args=(--device "$device" --models glm-4.5-air-4l,mixtral-8x7b-4l,olmoe-1b-7b-4l
+        --workloads 16x8 --repeats 1 --dtype bfloat16 --skip-hf)
+      ((rehearse)) && args=(--device cpu --models glm4_moe-quickstart,mixtral-quickstart,olmoe-quickstart
+        --workloads 4x4 --max-new-tokens 16 --repeats 1 --skip-hf)
+      run_phase "$name" "$limit" "${slip[@]}" bench engine "${args[@]}" \
+        --out "$out/engine_families.json" ;;
     engine-mid|engine-qwen)
       local preset=mid json=engine_mid.json
       [[ $name == engine-qwen ]] && preset=qwen3-30b-a3b-4l json=engine_qwen.json

@@ -64,3 +64,50 @@ def build_bench_model(name: str, vocab: int, max_pos: int, device: str, seed: in
     model.init_weights()
     model.tie_weights()
     return model.to(getattr(torch, dtype)).eval()
+
+
+# ---- model families of issue 47 part A (model/families/): real layer shapes, 4 layers each,
+# and each family's switches on the quickstart shape (CPU rehearsals, tiny RL runs) ----------
+GLM4_MOE = dict(
+    model_type="glm4_moe", router_scheme="sigmoid_group_topk", router_correction_bias=True,
+    shared_expert_gated=False, attention_bias=True, qk_norm="none", partial_rotary_factor=0.5,
+    router_aux_loss_coef=0.0, mlp_only_layers=[0],
+)  # fmt: skip
+"""GLM-4.5's architecture switches (model/families/glm4_moe.py sets the same from config.json)."""
+MIXTRAL = dict(model_type="mixtral", qk_norm="none", norm_topk_prob=True)
+"""Mixtral's architecture switches."""
+OLMOE = dict(model_type="olmoe", qk_norm="full", norm_topk_prob=False)
+"""OLMoE's architecture switches (OLMoE-1B-7B-0924: clip_qkv null)."""
+
+MODELS.update({
+    # GLM-4.5-Air's decoder layers, 4 of its 46 (the first dense): hidden 4096, 96 / 8 heads
+    # of 128, 128 routed experts top-8 of width 1408 + 1 shared, dense width 10,944
+    "glm-4.5-air-4l": dict(
+        hidden_size=4096, num_hidden_layers=4, num_attention_heads=96, num_key_value_heads=8,
+        head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1408,
+        intermediate_size=10944, shared_expert_intermediate_size=1408, rms_norm_eps=1e-5,
+        rope_theta=1_000_000.0, **GLM4_MOE,
+    ),
+    # Mixtral-8x7B's decoder layer, 4 of its 32: hidden 4096, 32 / 8 heads of 128, 8 experts
+    # top-2 of width 14,336
+    "mixtral-8x7b-4l": dict(
+        hidden_size=4096, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336,
+        intermediate_size=14336, rms_norm_eps=1e-5, rope_theta=1_000_000.0, **MIXTRAL,
+    ),
+    # OLMoE-1B-7B's decoder layer, 4 of its 16: hidden 2048, 16 / 16 heads of 128, 64 experts
+    # top-8 of width 1024
+    "olmoe-1b-7b-4l": dict(
+        hidden_size=2048, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=16,
+        head_dim=128, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=1024,
+        intermediate_size=1024, rms_norm_eps=1e-5, **OLMOE,
+    ),
+    # the quickstart shape with each family's switches
+    "glm4_moe-quickstart": dict(**MODELS["quickstart"], n_group=2, topk_group=1,
+                                shared_expert_intermediate_size=128, **GLM4_MOE),
+    "mixtral-quickstart": dict(**MODELS["quickstart"], **MIXTRAL),
+    "olmoe-quickstart": dict(**MODELS["quickstart"], num_key_value_heads=4, clip_qkv=8.0,
+                             attention_bias=True, attention_out_bias=True, **OLMOE),
+})  # fmt: skip
+FAMILY_PRESETS = ("glm-4.5-air-4l", "mixtral-8x7b-4l", "olmoe-1b-7b-4l")
+"""The family presets at real layer shapes (scripts/gpu-check.sh's `families` phase)."""
