@@ -15,8 +15,8 @@ class DataSource(Section):
     `{path = "s3://bucket/math/*.parquet", weight = 2.0}`. A plain string is the same with
     weight 1."""
 
-    path: str = Field(min_length=1)
-    """A file, a glob (`data/*.jsonl`, `s3://bucket/prefix/*.parquet`) or a `file://` URL. Format by
+    path: str = ""
+    """(Required.) A file, a glob (`data/*.jsonl`, `s3://bucket/prefix/*.parquet`) or a `file://` URL. Format by
     suffix: .jsonl/.ndjson, .json (an array or JSON lines), .parquet, .csv. Every file a glob
     matches belongs to this one source."""
     weight: float = Field(default=1.0, gt=0)
@@ -26,8 +26,8 @@ class DataSource(Section):
 class GymEntry(Section):
     """One `[[task.gym]]` entry of `task.name = "reasoning_gym"`."""
 
-    name: str = Field(min_length=1)
-    """A reasoning-gym dataset name (`reasoning_gym.create_dataset(name, ...)`), e.g.
+    name: str = ""
+    """(Required.) A reasoning-gym dataset name (`reasoning_gym.create_dataset(name, ...)`), e.g.
     "basic_arithmetic", "chain_sum", "spell_backward"."""
     weight: float = Field(default=1.0, gt=0)
     """Share of training prompts drawn from this dataset."""
@@ -145,6 +145,16 @@ class TaskConfig(Section):
             raise ValueError(
                 f"task.min_digits ({self.min_digits}) must be <= task.max_digits ({self.max_digits})"
             )
+        for key, sources in (
+            ("train_files", self.train_files),
+            ("heldout_files", self.heldout_files),
+        ):
+            for k, src in enumerate(sources):
+                if not src.path:
+                    raise ValueError(f"task.{key}[{k}]: path is empty (a file, glob or URL)")
+        for k, g in enumerate(self.gym):
+            if not g.name:
+                raise ValueError(f"task.gym[{k}]: name is empty (a reasoning-gym dataset name)")
         if self.name == "dataset" and not self.train_files:
             raise ValueError(
                 "task.name = 'dataset' needs task.train_files (paths, globs or s3:// URLs of "
