@@ -29,7 +29,12 @@ import torch
 from jobutil import TINY_MODEL, save_random_init, start_server, wait_healthy
 from sglang_pg import init_custom_process_group
 from slipstream.config import load_config
-from slipstream.engine.weight_transport import DistributedSender, free_port, store_catch_up
+from slipstream.engine.weight_transport import (
+    DistributedSender,
+    WeightGroup,
+    free_port,
+    store_catch_up,
+)
 from slipstream.model import MoEForCausalLM, hf_weights, save_pretrained
 from slipstream.storage import WeightStore
 from slipstream.tasks import get_taskset
@@ -252,24 +257,45 @@ def test_distributed_sender_survives_kill_mid_transfer_and_admits_a_joining_engi
 ) -> None:
     a, b = servers.start(0), servers.start(1)
     store = WeightStore(str(tmp_path / "store"))
-    sender = DistributedSender([a, b], bucket_bytes=2**16, timeout_s=5.0,
-                               catch_up=store_catch_up(store))  # fmt: skip
+    caught_up: dict[str, str] = {}
+
+    def catch_up(url: str, headers: dict[str, str]) -> None:
+        """The store's catch-up, then what the engine serves: the newest stored version,
+        before any push reached it (a no-op catch-up leaves it at 0)."""
+        store_catch_up(store)(url, headers)
+        caught_up[url] = _model_info(url)["weight_version"]
+
+    sender = DistributedSender([a, b], bucket_bytes=2**16, timeout_s=5.0, catch_up=catch_up)
     try:
         v1, _ = hf_weights(_new_model(seed=1))
         report = sender.send(1, v1)
         assert sorted(report.served_s) == sorted([a, b]) and not report.dropped
         assert [_model_info(u)["weight_version"] for u in (a, b)] == ["1", "1"]
 
-        # b stalls (SIGSTOP), then is killed -9 while version 2 is being pushed to it
+        # b is stopped, then killed -9, while version 2 is on the wire: after the first
+        # broadcasts of it reached both engines (bytes in flight), mid-version
         proc_b = servers.procs[1]
-        os.kill(proc_b.pid, signal.SIGSTOP)
         v2, config = hf_weights(_new_model(seed=2))
         done: dict = {}
+        sent: list[int] = []
+        real_broadcast = WeightGroup.broadcast
+
+        def broadcast(self: WeightGroup, tensor: torch.Tensor) -> None:
+            real_broadcast(self, tensor)
+            sent.append(tensor.numel() * tensor.element_size())
+            if len(sent) == 3:  # three tensors of version 2 arrived at both engines
+                os.kill(proc_b.pid, signal.SIGSTOP)
+                os.kill(proc_b.pid, signal.SIGKILL)
+
+        WeightGroup.broadcast = broadcast  # type: ignore[method-assign]
         t = threading.Thread(target=lambda: done.update(report=sender.send(2, v2)))
         t0 = time.monotonic()
-        t.start()
-        os.kill(proc_b.pid, signal.SIGKILL)
-        t.join(timeout=60)
+        try:
+            t.start()
+            t.join(timeout=60)
+        finally:
+            WeightGroup.broadcast = real_broadcast  # type: ignore[method-assign]
+        assert len(sent) > 3 and sum(sent[:3]) > 0  # killed with bytes in flight, not before
         assert not t.is_alive(), "the push blocked past its bound"
         assert time.monotonic() - t0 < 60
         report = done["report"]
@@ -283,6 +309,7 @@ def test_distributed_sender_survives_kill_mid_transfer_and_admits_a_joining_engi
         sender.add_engine(c)
         v3, _ = hf_weights(_new_model(seed=3))
         report = sender.send(3, v3)
+        assert caught_up == {c: "2"}  # from the store, before the push of 3 reached it
         assert sorted(report.served_s) == sorted([a, c])
         assert [_model_info(u)["weight_version"] for u in (a, c)] == ["3", "3"]
         want = v3["model.norm.weight"].reshape(-1)[:8].tolist()

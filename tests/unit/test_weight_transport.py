@@ -15,6 +15,7 @@ from slipstream.config.engine import EngineConfig
 from slipstream.engine.native import NativeEngine
 from slipstream.engine.weight_transport import (
     FLATTENED_BUCKET,
+    GROUP_PROCESSES_READY,
     DistributedSender,
     TensorMeta,
     WeightGroup,
@@ -425,6 +426,8 @@ def test_weights_by_name_needs_the_admin_key_and_is_capped() -> None:
             resp = client.post("/get_weights_by_name", json=big,
                                headers={"Authorization": "Bearer k3y"})  # fmt: skip
             assert resp.status_code == 400
+            # /health: 503 until the groups' receiving processes can start at once, then 200
+            assert GROUP_PROCESSES_READY.wait(120)
             assert client.get("/health").status_code == 200
     finally:
         engine.close()
@@ -437,7 +440,10 @@ def test_weight_route_executor_refuses_beyond_its_threads_and_health_says_so() -
     import asyncio
 
     from slipstream.engine.weight_routes import WEIGHT_ROUTE_THREADS, WeightRouteExecutor
+    from slipstream.engine.weight_transport import warm_up_group_processes
 
+    warm_up_group_processes()
+    assert GROUP_PROCESSES_READY.wait(120)
     pool = WeightRouteExecutor(bound_s=0.0)
     release = threading.Event()
 

@@ -39,6 +39,7 @@ from slipstream.engine.protocol import Strict
 from slipstream.engine.server_state import ServerState
 from slipstream.engine.weight_transport import (
     DEFAULT_GROUP,
+    GROUP_PROCESSES_READY,
     MAX_WEIGHT_GROUPS,
     VLLM_GROUP,
     WeightReceiver,
@@ -164,6 +165,8 @@ class WeightRouteExecutor:
 
     def degraded(self) -> str | None:
         """Why the weight routes cannot serve now, or None."""
+        if not GROUP_PROCESSES_READY.is_set():
+            return "weight routes starting (the forkserver of the groups' receiving processes)"
         now = time.monotonic()
         with self._lock:
             late = [(w, now - t0) for w, t0 in self._running.values() if now - t0 > self.bound_s]

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import socket
 import threading
 import time
@@ -297,9 +298,17 @@ def warm_up_group_processes() -> None:
             forkserver.ensure_running()
         except Exception as e:  # noqa: BLE001 - the first group then starts it (and says why)
             log.warning("could not start the weight groups' forkserver: %s", e)
+        GROUP_PROCESSES_READY.set()
 
     del ctx
-    threading.Thread(target=start, daemon=True, name="wgroup-forkserver").start()
+    if not GROUP_PROCESSES_READY.is_set():
+        threading.Thread(target=start, daemon=True, name="wgroup-forkserver").start()
+
+
+GROUP_PROCESSES_READY = threading.Event()
+"""Set once the forkserver runs (`warm_up_group_processes`): until then a group's receiving
+process would take seconds to start, longer than a sender waits at its rendezvous, so /health
+says the weight routes are starting."""
 
 
 class GroupProcess:
@@ -328,7 +337,7 @@ class GroupProcess:
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_group_main, name=f"wgroup-{name}", daemon=True,
                                  args=(child, master_address, master_port, rank, world_size,
-                                       name, timeout_s))  # fmt: skip
+                                       name, timeout_s, os.getpid()))  # fmt: skip
         self._proc.start()
         child.close()
         try:
@@ -349,12 +358,13 @@ class GroupProcess:
             msg = ("died", None)
         if msg is not None and msg[0] == what:
             return msg[1]
+        proc = self._proc
         self.close()
         if msg is None:
             raise RuntimeError(f"group {self.name!r}: did not {doing} within {timeout_s:g} s; "
                                "its receiving process was killed")  # fmt: skip
         if msg[0] == "died":
-            code = self._proc.exitcode
+            code = proc.exitcode if proc is not None else None
             raise RuntimeError(
                 f"group {self.name!r}: its receiving process died (exit {code}) while trying to "
                 f"{doing}: gloo aborts when a broadcast is larger than the receiver declared "
@@ -415,21 +425,23 @@ def _release(shm: Any) -> None:
         pass
 
 
-def _untrack(shm: Any) -> None:
-    from multiprocessing import resource_tracker
-
-    try:
-        resource_tracker.unregister(shm._name, "shared_memory")
-    except (AttributeError, KeyError, OSError):  # Python >= 3.13 has track=False instead
-        pass
-
-
 def _group_main(conn: Any, master_address: str, master_port: int, rank: int, world_size: int,
-                name: str, timeout_s: float) -> None:  # fmt: skip
+                name: str, timeout_s: float, server_pid: int) -> None:  # fmt: skip
     """The receiving process of a `GroupProcess`: joins the group, then receives what the
-    parent asks for into the shared buffer it names, until told to close or the parent goes."""
+    parent asks for into the shared buffer it names, until told to close or the server goes
+    (it is the forkserver's child, not the server's: a watchdog ends it when the server is
+    gone, also mid-broadcast)."""
     from multiprocessing import shared_memory
 
+    def watchdog() -> None:
+        while True:
+            time.sleep(0.5)
+            try:
+                os.kill(server_pid, 0)
+            except ProcessLookupError:
+                os._exit(0)
+
+    threading.Thread(target=watchdog, daemon=True).start()
     torch.set_num_threads(1)
     conn.send(("started", None))
     try:
@@ -451,8 +463,7 @@ def _group_main(conn: Any, master_address: str, master_port: int, rank: int, wor
             buf = None
             if shm is not None:
                 shm.close()
-            shm = shared_memory.SharedMemory(name=arg)
-            _untrack(shm)  # the parent owns (and unlinks) it
+            shm = shared_memory.SharedMemory(name=arg)  # the parent owns (and unlinks) it
             buf = torch.frombuffer(shm.buf, dtype=torch.uint8)
             continue
         assert buf is not None
