@@ -39,7 +39,8 @@ def test_single_batch_and_parallel_completions(served, client):
     out = client.completions.create(model=served.name, prompt=PROMPT, max_tokens=5,
                                     temperature=0.0, extra_body={"ignore_eos": True})  # fmt: skip
     choice = out.choices[0]
-    assert len(out.choices) == 1 and len(choice.text) >= 1 and choice.finish_reason == "length"
+    # vLLM test_single_completion: 5 tokens make at least 5 characters (one per token here)
+    assert len(out.choices) == 1 and len(choice.text) >= 5 and choice.finish_reason == "length"
     assert out.usage.completion_tokens == 5 and out.usage.prompt_tokens == len(PROMPT) + 1
     assert out.usage.total_tokens == out.usage.prompt_tokens + 5
     batch = client.completions.create(model=served.name, prompt=[PROMPT, PROMPT], max_tokens=5,
@@ -51,6 +52,28 @@ def test_single_batch_and_parallel_completions(served, client):
     par = client.completions.create(model=served.name, prompt=PROMPT, max_tokens=10, n=3,
                                     temperature=1.0, seed=7, extra_body={"ignore_eos": True})  # fmt: skip
     assert len(par.choices) == 3 and len({c.text for c in par.choices}) == 3
+
+
+@covers("completions")
+def test_stop_top_p_top_k_min_p_take_effect(served, client):
+    """The sampling knobs sent over HTTP change what is sampled as each one defines."""
+    kw = dict(model=served.name, prompt=PROMPT, max_tokens=8, extra_body={"ignore_eos": True})
+    greedy = client.completions.create(temperature=0.0, **kw).choices[0].text
+    # stop: the text ends before the first occurrence of the stop string (vLLM: stop_reason)
+    cut = next(i for i in range(1, len(greedy)) if greedy[i] not in greedy[:i])
+    stopped = client.completions.create(temperature=0.0, stop=[greedy[cut]], **kw).choices[0]
+    assert stopped.text == greedy[:cut] and stopped.finish_reason == "stop"
+    assert stopped.stop_reason == greedy[cut]  # type: ignore[attr-defined]
+    hot = {**kw, "extra_body": {"ignore_eos": True}}
+    free = {client.completions.create(temperature=1.0, seed=s, **hot).choices[0].text
+            for s in range(6)}  # fmt: skip
+    assert free != {greedy}  # at temperature 1 the seeds differ from greedy...
+    for knob in ({"top_p": 1e-6}, {"extra_body": {"ignore_eos": True, "top_k": 1}},
+                 {"extra_body": {"ignore_eos": True, "min_p": 1.0}}):  # fmt: skip
+        # ...but a filter that keeps only the most likely token makes every seed greedy
+        texts = {client.completions.create(temperature=1.0, seed=s, **{**kw, **knob}).choices[0].text
+                 for s in range(6)}  # fmt: skip
+        assert texts == {greedy}, knob
 
 
 @covers("completions_stream")

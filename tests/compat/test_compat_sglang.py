@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import threading
 
 import httpx
@@ -64,6 +65,36 @@ def test_logprobs_start_len_and_top_n(served):
     later = generate(served, **{**body, "logprob_start_len": 3})["meta_info"]
     assert len(later["input_token_logprobs"]) == n_in - 3
     assert later["input_token_logprobs"] == meta["input_token_logprobs"][3:]
+
+
+@covers("generate_sampling")
+def test_top_k_and_min_p_keep_only_the_tokens_they_allow(served):
+    """`/generate` sampling_params over HTTP: with top_k = 2 every sampled token is one of the
+    raw top-2 at its position; with min_p = 0.5 its probability (at the request's temperature,
+    SGLang's order) is at least half the top token's; without them some tokens are neither."""
+    base = {"text": "12+34=", "return_logprob": True, "top_logprobs_num": 20}
+
+    def tokens(temperature: float, **sp: object) -> list[tuple[int, list[list]]]:
+        out = []
+        for seed in range(6):
+            meta = generate(served, **base, sampling_params={
+                "temperature": temperature, "max_new_tokens": 8, "ignore_eos": True,
+                "sampling_seed": seed, **sp})["meta_info"]  # fmt: skip
+            out += [(t[1], tops) for t, tops in zip(meta["output_token_logprobs"],
+                                                    meta["output_top_logprobs"], strict=True)]  # fmt: skip
+        return out
+
+    def in_top2(tok: int, tops: list[list]) -> bool:
+        return tok in [t[1] for t in tops[:2]]
+
+    def half_of_top(tok: int, tops: list[list]) -> bool:  # at temperature 1: p ~ exp(lp)
+        raw = {t[1]: t[0] for t in tops}
+        return tok in raw and raw[tok] - tops[0][0] >= math.log(0.5) - 1e-6
+
+    assert not all(in_top2(*x) for x in tokens(3.0))
+    assert all(in_top2(*x) for x in tokens(3.0, top_k=2))
+    assert not all(half_of_top(*x) for x in tokens(1.0))
+    assert all(half_of_top(*x) for x in tokens(1.0, min_p=0.5))
 
 
 @covers("routed_experts")
