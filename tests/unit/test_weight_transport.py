@@ -461,3 +461,23 @@ def test_weight_route_executor_refuses_beyond_its_threads_and_health_says_so() -
         assert pool.degraded() is None
 
     asyncio.run(main())
+
+
+def test_a_real_ipc_payload_of_host_tensors_is_refused_by_the_engines_unpickler() -> None:
+    """The CPU-testable half of the colocated (CUDA IPC) path, for real: `ipc_payload` (the
+    sender's serialisation, SGLang's MultiprocessingSerializer's) of host tensors pickles them
+    as shared-memory file descriptors, not CUDA handles, and the engine's restricted unpickler
+    (`_load_ipc_tensors`, what /update_weights_from_tensor runs) refuses that payload naming
+    the function, rebuilding nothing. What needs a GPU and was never run: a CUDA tensor's real
+    handle rebuilt in another process (tests/gpu/test_gpu_weights.py, the device check)."""
+    import pickle
+
+    from slipstream.engine import weight_routes
+    from slipstream.engine.weight_transport import ipc_payload
+
+    state, _ = hf_weights(tiny_model(seed=0))
+    payload = ipc_payload({"model.norm.weight": state["model.norm.weight"]})
+    with pytest.raises(pickle.UnpicklingError, match="refusing torch.multiprocessing"):
+        weight_routes._load_ipc_tensors([payload])
+    with pytest.raises(ValueError, match="has 2 entries"):
+        weight_routes._load_ipc_tensors([payload, payload])
