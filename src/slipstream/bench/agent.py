@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from openai import OpenAI
 
     from slipstream.config import load_config
-    from slipstream.engine import NativeEngine
+    from slipstream.engine import build_engine
     from slipstream.engine.base import GenerateRequest, SamplingParams
     from slipstream.envs.agent_endpoint import AgentEndpoint
     from slipstream.model import MoEForCausalLM
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     tok = ts.tokenizer
     torch.manual_seed(0)
     model = MoEForCausalLM(cfg.model.model_copy(update={"vocab_size": tok.vocab_size})).eval()
-    engine = NativeEngine(model, cfg.engine, tokenizer=tok)
+    engine = build_engine(cfg.engine, model, tokenizer=tok)
     tasks = ts.train_batch(0, args.calls)
     messages = [[{"role": "user", "content": t.prompt}] for t in tasks]
     params = SamplingParams(temperature=1.0, max_new_tokens=args.tokens, ignore_eos=True)
