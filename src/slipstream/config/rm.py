@@ -60,9 +60,10 @@ _FUNCTION_RE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
 class RewardFunctionConfig(Section):
     """One `[[reward.functions]]` entry: a reward component (docs/rewards.md)."""
 
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z_][\w.-]*$")
-    """Unique name: the component's metrics (`reward/<name>/mean`, `/none`, ...) and errors."""
-    kind: RewardKind
+    name: str = Field(default="", max_length=64, pattern=r"^([A-Za-z_][\w.-]*)?$")
+    """Unique name: the component's metrics (`reward/<name>/mean`, `/none`, ...) and errors.
+    "" = the kind's name."""
+    kind: RewardKind = "verifier"
     """"verifier": the task's own verifier (built-in tasks; the code task's sandboxed tests).
     "reward_model": sigmoid of a reward model's score (`reward.url` / `reward.model`). "math":
     Hugging Face math-verify of the completion against the reference answer (gold first).
@@ -103,6 +104,8 @@ class RewardFunctionConfig(Section):
 
     @model_validator(mode="after")
     def _kind_fields(self) -> "RewardFunctionConfig":
+        if not self.name:
+            self.name = self.kind
         where = f"reward function {self.name!r}"
         if self.kind == "python" and not self.function:
             raise ValueError(f"{where}: kind = 'python' needs function = 'package.module:name'")
