@@ -128,6 +128,21 @@ def test_config_files_that_are_not_text_files(tmp_path: Path, capsys) -> None:
     assert load_config(tmp_path / "ok.toml").trainer.lr == 0.01
 
 
+def test_deeply_nested_toml_is_one_line_not_a_recursion_error(tmp_path: Path, capsys) -> None:
+    """tomllib recurses once per level of an array or inline table: thousands of levels, in a
+    file or an override, are a config error, not a RecursionError traceback."""
+    deep = {"array": "[" * 5000 + "]" * 5000, "table": "{a = " * 5000 + "1" + "}" * 5000}
+    for name, value in deep.items():
+        path = tmp_path / f"{name}.toml"
+        path.write_text(f"[run]\nseed = {value}\n")
+        assert main(["config", "show", "-c", str(path)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"slipstream: {path}: not usable TOML: nested too deeply", err
+        assert main(["config", "show", f"--run.seed={value}"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and "nested too deeply" in err and len(err) < 300, err
+
+
 # ---- OS errors: one line naming the path --------------------------------------------------
 
 

@@ -97,6 +97,8 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw
+    except RecursionError:  # `[[[[...` thousands deep: tomllib recurses per level
+        raise ConfigError(f"override {_short(item)!r}: the value is nested too deeply") from None
     return key.split("."), value
 
 
@@ -160,6 +162,8 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not UTF-8 text ({e})") from e
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from e
+    except RecursionError:  # arrays or inline tables thousands deep: tomllib recurses per level
+        raise ConfigError(f"{path}: not usable TOML: nested too deeply") from None
 
 
 def load_model(
