@@ -255,6 +255,8 @@ class SlotKVCache:
             v_NKSD[slot, :, start:end] = v_1KTD[0, :, offset : offset + length].to(v_NKSD.dtype)
             q_1HPD = q_1HTD[:, :, offset : offset + length]
             if window is not None or sinks_H is not None:
+                if self._off:  # build the layer's sink column now, not in the first decode step
+                    self._sink_column(layer_idx, sinks_H, k_NKSD.shape[1])
                 # the variants' masks: query i at position start + i, keys [0, end) of the slot
                 q_pos_P = torch.arange(start, end, device=q_1HTD.device)
                 k_pos_S = torch.arange(end, device=q_1HTD.device)
