@@ -219,6 +219,10 @@ def test_ckpt_export_errors(tmp_path: Path, capsys) -> None:
     store = tmp_path / "store"
     err = _one_line(capsys, main(["ckpt", "export", f"--store.url={store}", "--version", "4",
                                   str(tmp_path / "out")]))  # fmt: skip
+    assert f"no store at {store}" in err and not store.exists()
+    store.mkdir()
+    err = _one_line(capsys, main(["ckpt", "export", f"--store.url={store}", "--version", "4",
+                                  str(tmp_path / "out")]))  # fmt: skip
     assert "weights/v00000004/manifest.json: no manifest (not published)" in err
     WeightStore(str(store)).publish(4, {"w": torch.ones(2)})
     (tmp_path / "file").write_text("x")
@@ -227,6 +231,19 @@ def test_ckpt_export_errors(tmp_path: Path, capsys) -> None:
     )
     assert str(tmp_path / "file") in err
     assert main(["ckpt", "export", f"--store.url={store}", str(tmp_path / "out")]) == 0
+
+
+def test_ckpt_list_on_a_missing_output_dir_creates_nothing(tmp_path: Path, capsys) -> None:
+    """A read-only command: a mistyped --run.output_dir (or store.url) is one line naming the
+    directory, and no run tree is left behind."""
+    missing = tmp_path / "typo" / "run"
+    for url_args in ([f"--run.output_dir={missing}"], [f"--store.url=file://{missing}/store"]):
+        err = _one_line(capsys, main(["ckpt", "list", *url_args]))
+        assert f"no store at {missing}/store" in err
+        assert not (tmp_path / "typo").exists()
+    (missing / "store").mkdir(parents=True)  # an empty store lists nothing, rc 0
+    assert main(["ckpt", "list", f"--run.output_dir={missing}"]) == 0
+    assert '"weight_versions": []' in capsys.readouterr().out
 
 
 def test_traceback_on_request(tmp_path: Path, monkeypatch) -> None:

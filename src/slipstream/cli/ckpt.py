@@ -36,16 +36,33 @@ def register(sub: argparse._SubParsersAction) -> None:
     ex.set_defaults(func=cmd_export)
 
 
+class NoStore(Exception):
+    """The store the config names is a local directory that does not exist."""
+
+
 def _stores(args: argparse.Namespace):
+    """The run's stores, read-only: a local store directory that does not exist is NoStore
+    (opening it would create it, and a typo in --run.output_dir would leave a run tree)."""
+    from pathlib import Path
+
     from slipstream.storage import open_stores
 
     cfg = load_config(args.config, args.overrides)
+    url = cfg.store.url
+    local = url.removeprefix("file://") if "://" not in url or url.startswith("file://") else None
+    if local is not None and not Path(local).is_dir():
+        raise NoStore(f"slipstream ckpt: no store at {local} (no run wrote there: check "
+                      "--run.output_dir / store.url)")  # fmt: skip
     stores = open_stores(cfg)
     return cfg, stores.weights, stores.checkpoints
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    _, weights, ckpts = _stores(args)
+    try:
+        _, weights, ckpts = _stores(args)
+    except NoStore as e:
+        print(e, file=sys.stderr)
+        return 1
     versions, checkpoints = weights.status(), ckpts.status()
     print(json.dumps({"store": weights.blob.url,
                       "weight_versions": [v["version"] for v in versions],
@@ -63,7 +80,11 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    cfg, weights, _ = _stores(args)
+    try:
+        cfg, weights, _ = _stores(args)
+    except NoStore as e:
+        print(e, file=sys.stderr)
+        return 1
     version = args.version if args.version is not None else weights.latest()
     if version is None:
         print(f"slipstream ckpt: no published weights in {weights.blob.url}")
