@@ -263,3 +263,26 @@ def test_report_draws_the_components(tmp_path) -> None:  # type: ignore[no-untyp
     assert "![reward components](reward_components.png)" in report
     assert (tmp_path / "reward_components.png").stat().st_size > 0
     assert plot_reward_components([{"step": 1, "reward_mean": 1.0}], tmp_path / "n.png") is None
+
+
+def test_close_ends_calls_waiting_for_a_process() -> None:
+    import threading
+
+    pool = RewardPool(1, 1 << 30)
+    hang = FunctionSpec("python", "reward_fns:hangs")
+    errors: list[str] = []
+
+    def call() -> None:
+        try:
+            pool.call(hang, {"prompts": ["q"], "completions": ["x"]}, 1, 60.0)
+        except CallFailed as e:
+            errors.append(e.kind)
+
+    threads = [threading.Thread(target=call) for _ in range(2)]  # one runs, one waits
+    for t in threads:
+        t.start()
+    pool.close()  # whenever it comes: a call running, waiting, or not yet started
+    for t in threads:
+        t.join(10.0)
+    assert not any(t.is_alive() for t in threads)
+    assert len(errors) == 2 and set(errors) <= {"crash", "error"}

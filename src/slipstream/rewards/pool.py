@@ -179,6 +179,21 @@ class RewardPool:
             self._all.add(p)
         return p
 
+    def _free(self) -> _Proc:
+        """An idle process (waits for one); CallFailed once the pool is closed, so no caller
+        waits forever for a process that will never come back."""
+        while True:
+            try:
+                p = self._idle.get(timeout=0.2)
+            except queue.Empty:
+                if self._closed:
+                    raise CallFailed("error", "the reward pool is closed") from None
+                continue
+            if self._closed:
+                p.kill()
+                raise CallFailed("error", "the reward pool is closed")
+            return p
+
     def _replace(self, p: _Proc) -> None:
         p.kill()
         with self._lock:
@@ -192,10 +207,7 @@ class RewardPool:
     def call(self, spec: FunctionSpec, kwargs: dict[str, Any], n: int,
              timeout_s: float) -> list[float | None]:  # fmt: skip
         """Run spec's function on kwargs in a free process: n rewards, or CallFailed."""
-        p = self._idle.get()
-        if self._closed:
-            p.kill()
-            raise CallFailed("error", "the reward pool is closed")
+        p = self._free()
         try:
             p.conn.send((spec, kwargs, n))
             if not p.conn.poll(timeout_s):
@@ -221,7 +233,7 @@ class RewardPool:
     def load(self, spec: FunctionSpec, timeout_s: float = 300.0) -> None:
         """Import spec's function in a reward process (at start: an import error is found before
         the first completion); CallFailed naming the module or attribute otherwise."""
-        p = self._idle.get()
+        p = self._free()
         try:
             p.conn.send((spec, None, 0))
             if not p.conn.poll(timeout_s):
