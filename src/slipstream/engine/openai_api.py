@@ -219,6 +219,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
         head = {"id": cid, "object": "text_completion", "created": int(time.time()),
                 "model": options.served_model_name}  # fmt: skip
         if obj.stream:
+            state.runner.validate(requests)  # a 4xx, before the stream answers 200
             return StreamingResponse(
                 _completion_stream(state, obj, requests, head, tok_str, echo_text),
                 media_type="text/event-stream",
@@ -279,6 +280,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
         tok_str = _token_str(state, obj)
         head = {"id": cid, "created": int(time.time()), "model": options.served_model_name}
         if obj.stream:
+            state.runner.validate(requests)  # a 4xx, before the stream answers 200
             return StreamingResponse(_chat_stream(state, obj, requests, head, tok_str),
                                      media_type="text/event-stream")  # fmt: skip
         (group,) = await state.runner.run(request, requests)

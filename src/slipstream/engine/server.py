@@ -261,6 +261,7 @@ def create_app(
                                    state.versions.label)  # fmt: skip
 
         if obj.stream:
+            state.runner.validate(requests)  # a 4xx, before the stream answers 200
             return StreamingResponse(_sglang_stream(state, requests, output),
                                      media_type="text/event-stream")  # fmt: skip
         groups = await state.runner.run(request, requests)

@@ -41,14 +41,20 @@ class Runner:
         self.engine = engine
         self.inflight: set[str] = set()
 
-    def _register(self, requests: Sequence[GenerateRequest]) -> None:
+    def validate(self, requests: Sequence[GenerateRequest]) -> None:
+        """ValueError (400) for a rid in flight or a request the engine would refuse: what
+        `run` and `stream` check first. A streaming handler calls it before it answers 200 (a
+        stream's own checks run only once the response has started)."""
         ids = [r.request_id for r in requests]
         dup = {i for i in ids if ids.count(i) > 1} | (set(ids) & self.inflight)
         if dup:
             raise ValueError(f"rid {sorted(dup)[0]!r} is already in use by a request in flight")
         for r in requests:  # ValueError -> 400 before any of them runs
             self.engine.validate(r)
-        self.inflight.update(ids)
+
+    def _register(self, requests: Sequence[GenerateRequest]) -> None:
+        self.validate(requests)
+        self.inflight.update(r.request_id for r in requests)
 
     def _abort(self, requests: Sequence[GenerateRequest]) -> None:
         for r in requests:
