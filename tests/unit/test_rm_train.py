@@ -60,8 +60,44 @@ def test_split_keeps_heldout_out_of_training(tmp_path):
 def test_bad_pairs_file_names_file_and_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n{"prompt": "x"}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:2: not a preference pair"):
+    with pytest.raises(
+        ValueError, match=r"bad.jsonl:2: not a preference pair: no chosen, rejected"
+    ):
         read_pairs(bad)
+
+
+GOOD = '{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n'
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        (GOOD.encode() + b'{"prompt": "x", "chosen": "2"}\n', ":2: not a preference pair: no rejected"),
+        (GOOD.encode() + b'{"prompt": 1, "chosen": ["2"], "rejected": "3"}\n',
+         ":2: prompt, chosen and rejected must be strings: prompt = 1 (int), chosen"),
+        (GOOD.encode() + b'{"prompt": "x", "chosen": NaN, "rejected": "3"}\n',
+         ":2: prompt, chosen and rejected must be strings: chosen = nan (float)"),
+        (GOOD.encode() + b'["x", "2", "3"]\n', ":2: not a preference pair: a JSON object"),
+        (GOOD.encode() + b'{"prompt": "x", \n', ":2: not JSON"),
+        (b"", "no preference pairs (an empty file)"),
+        (b"\n\n", "no preference pairs"),
+        (GOOD.encode(), "1 pair; rm train needs at least 2"),
+        (GOOD.encode() + b'{"prompt": "\xe9", "chosen": "2", "rejected": "3"}\n', ":2: not UTF-8 text"),
+        (GOOD.encode() + b"[" * 100_000 + b"\n", ":2: JSON nested too deeply"),
+    ],
+    ids=["missing-field", "wrong-types", "nan", "not-an-object", "truncated", "empty", "blank",
+         "one-pair", "non-utf8", "deep"],
+)  # fmt: skip
+def test_cli_rm_train_bad_pairs_are_one_line(body: bytes, why: str, tmp_path, capsys):
+    """`slipstream rm train` on a pairs file it cannot use: rc 2 and one line naming the file
+    (and line) and what is wrong, before any model is built; never a traceback."""
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_bytes(body)
+    rc = main(["rm", "train", f"--run.output_dir={tmp_path}/run", f"--rm.pairs={pairs}", *TINY])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.count("\n") == 0 and "Traceback" not in err, err
+    assert err.startswith(f"slipstream: {pairs}") and why in err, err
+    assert not (tmp_path / "run" / "rm" / "checkpoint").exists()
 
 
 def test_cli_rm_train_missing_pairs_is_one_line(tmp_path, capsys):

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from slipstream.config import SlipstreamConfig
+from slipstream.config.base import ConfigError
 
 
 @dataclass(frozen=True)
@@ -27,24 +28,50 @@ class Pair:
     rejected: str
 
 
+class PairsError(ConfigError):
+    """A preference-pairs file (rm.pairs) that cannot be used: one line naming the file and the
+    line (the CLI prints it as a config error, rc 2)."""
+
+
 def read_pairs(path: str | Path) -> list[Pair]:
-    """Every pair of a JSON-lines file; a line that is not one names the file and line."""
+    """Every pair of a JSON-lines file; PairsError naming the file and line for a line that is
+    not one (not UTF-8, not JSON, nested too deeply, a key missing, a value not a string) or a
+    file without pairs."""
     out: list[Pair] = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            where = f"{path}:{n}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise PairsError(
+                    f"{where}: not UTF-8 text ({e.reason} at byte {e.start})"
+                ) from None
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
-                pair = Pair(row["prompt"], row["chosen"], row["rejected"])
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{n}: not a preference pair "
-                                 f"{{prompt, chosen, rejected}}: {e}") from None  # fmt: skip
-            if not all(isinstance(x, str) for x in (pair.prompt, pair.chosen, pair.rejected)):
-                raise ValueError(f"{path}:{n}: prompt, chosen and rejected must be strings")
-            out.append(pair)
+            except json.JSONDecodeError as e:
+                raise PairsError(f"{where}: not JSON ({e.msg}, column {e.colno})") from None
+            except RecursionError:
+                raise PairsError(f"{where}: JSON nested too deeply") from None
+            if not isinstance(row, dict):
+                raise PairsError(f"{where}: not a preference pair: a JSON object "
+                                 f"{{prompt, chosen, rejected}}, got {type(row).__name__}")  # fmt: skip
+            missing = [k for k in ("prompt", "chosen", "rejected") if k not in row]
+            if missing:
+                raise PairsError(f"{where}: not a preference pair: no {', '.join(missing)}")
+            bad = {
+                k: row[k] for k in ("prompt", "chosen", "rejected") if not isinstance(row[k], str)
+            }
+            if bad:
+                shown = ", ".join(
+                    f"{k} = {str(v)[:40]!s} ({type(v).__name__})" for k, v in bad.items()
+                )
+                raise PairsError(f"{where}: prompt, chosen and rejected must be strings: {shown}")
+            out.append(Pair(row["prompt"], row["chosen"], row["rejected"]))
     if not out:
-        raise ValueError(f"{path}: no preference pairs")
+        raise PairsError(f"{path}: no preference pairs (an empty file)")
     return out
 
 

@@ -40,7 +40,7 @@ from slipstream.rm.model import (
     save_reward_model,
     score_ids,
 )
-from slipstream.rm.pairs import Pair, make_task_pairs, read_pairs
+from slipstream.rm.pairs import Pair, PairsError, make_task_pairs, read_pairs
 from slipstream.runtime import setup_torch
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ def train_reward_model(
         console.print(f"[bold]rm pairs[/] {stats}")
     pairs = read_pairs(path)
     if len(pairs) < 2:
-        raise ValueError(f"{path}: {len(pairs)} pair; rm train needs at least 2 (train + held-out)")
+        raise PairsError(f"{path}: {len(pairs)} pair; rm train needs at least 2 (train + held-out)")
     train, held = split_pairs(pairs, cfg.rm.heldout_fraction, cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
     rm, tok, origin = init_reward_model(cfg, device, dtype, policy)
