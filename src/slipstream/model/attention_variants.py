@@ -67,8 +67,24 @@ def sink_sdpa(
     given (the zero key and the sink column are added here)."""
     if sinks_H is None:
         return sdpa(q_BHTD, k_BKSD, v_BKSD, mask_TS=mask_BHTS)
-    mask = with_sink_column(mask_BHTS, sinks_H)
-    return sdpa(q_BHTD, zero_key_first(k_BKSD), zero_key_first(v_BKSD), mask_TS=mask)
+    real_BKSD = v_BKSD
+    k_BKSD, v_BKSD = zero_key_first(k_BKSD), zero_key_first(v_BKSD)
+    if not (torch.is_grad_enabled() and sinks_H.requires_grad):
+        return sdpa(q_BHTD, k_BKSD, v_BKSD, mask_TS=with_sink_column(mask_BHTS, sinks_H))
+    # Training: a mask that needs a gradient sends SDPA to its math kernel (the (T, S) scores
+    # materialised, ~80 ops per call with backward). Instead the sinks enter the mask detached
+    # (fused kernels) and their gradient comes from dy/ds_h = -p_sink * y (the sink's value is
+    # zero), p_sink = 1 - (attention of the same mask over values one for every real key and
+    # zero for the sink), added as a term
+    # that is zero in value: (s - s.detach()) * -(p_sink * y).detach().
+    mask = with_sink_column(mask_BHTS, sinks_H.detach())
+    y = sdpa(q_BHTD, k_BKSD, v_BKSD, mask_TS=mask)
+    with torch.no_grad():
+        ones = zero_key_first(torch.ones_like(real_BKSD[..., :1, :1]).expand(real_BKSD.shape))
+        p_sink = 1 - sdpa(q_BHTD, k_BKSD, ones, mask_TS=mask)[..., :1]
+        slope = -(p_sink * y)
+    s_1H11 = sinks_H.view(1, -1, 1, 1)
+    return y + (s_1H11 - s_1H11.detach()) * slope
 
 
 def variant_attend(
