@@ -241,8 +241,9 @@ def reward_summary(cfg: SlipstreamConfig) -> dict[str, Any]:
     import json
 
     rc = cfg.reward
-    out: dict[str, Any] = {"reward source": rc.source if rc.source != "combined"
-                           else f"combined ({rc.combine})"}  # fmt: skip
+    out: dict[str, Any] = {}
+    if rc.source != "verifier":  # the shorthand the config used
+        out["reward source"] = rc.source if rc.source != "combined" else f"combined ({rc.combine})"
     out["reward functions"] = ", ".join(
         f"{f.name} ({f.kind}{', gated by ' + f.gate if f.gate else ''}) x {f.weight:g}"
         for f in rc.functions
