@@ -3,13 +3,17 @@
 GPU-scale shapes of issue 30: "mid" (hidden 1024, 16 layers, 16 / 4 heads of 64, 32 experts
 top-4 of width 512; 0.91B parameters at vocab 32,000) and "qwen3-30b-a3b-4l" (Qwen3-30B-A3B's
 layer shape, 4 of its 48 layers: hidden 2048, 32 / 4 heads of 128, 128 experts top-8 of width
-768; vocab 151,936 is the caller's `vocab_size`). `VOCAB` gives "mid" its
+768; vocab 151,936 is the caller's `vocab_size`), "gpt-oss-20b-4l" (gpt-oss-20b's layer shape and
+architecture, 4 of its 24 layers) and "gpt-oss-mid" (mid's shape, GPT-OSS's architecture: the
+family's CPU proxies). `VOCAB` gives "mid" its
 32,000 vocabulary where a bench (weights) needs it; 3.6 GB in fp32. `GPU_PRESETS`: the
 complete shapes of `bench train --preset` (vocabulary included)."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from slipstream.config.model import YarnRope
 
 MODELS = {
     "quickstart": dict(hidden_size=128, num_hidden_layers=4, num_experts=8, num_experts_per_tok=2),
@@ -27,7 +31,34 @@ MODELS = {
     ),
 }  # fmt: skip
 
-VOCAB = {"mid": 32_000}
+GPT_OSS = dict(
+    model_type="gpt_oss", router_scheme="topk_softmax", router_bias=True, qk_norm="none",
+    attention_bias=True, attention_out_bias=True, attention_sinks=True, expert_bias=True,
+    expert_activation="clamped_swiglu", norm_weight_in_float32=True, rope_theta=150_000.0,
+    # an instance, not a dict: `model_copy(update=...)` (bench limits, weights) does not validate
+    rope_scaling=YarnRope(factor=32.0, original_max_position_embeddings=4096, truncate=False),
+    sliding_window=128,
+)  # fmt: skip
+"""The GPT-OSS architecture switches (model/families/gpt_oss.py sets the same from a config.json),
+to put on a preset's shape (with `layer_types`: `gpt_oss_layers`)."""
+
+
+def gpt_oss_layers(num_layers: int) -> list[str]:
+    """GPT-OSS's alternation: sliding-window layers at even indices, full at odd."""
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+
+
+MODELS["gpt-oss-20b-4l"] = dict(
+    # gpt-oss-20b's decoder layer, 4 of its 24: hidden 2880, 64 / 8 heads of 64, 32 experts
+    # top-4 of width 2880 (vocab 201,088 is the caller's `vocab_size`)
+    hidden_size=2880, num_hidden_layers=4, num_attention_heads=64, num_key_value_heads=8,
+    head_dim=64, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=2880,
+    intermediate_size=2880, rms_norm_eps=1e-5, layer_types=gpt_oss_layers(4), **GPT_OSS,
+)  # fmt: skip
+MODELS["gpt-oss-mid"] = dict(**MODELS["mid"], layer_types=gpt_oss_layers(16), **GPT_OSS)
+"""The `mid` shape with GPT-OSS's architecture: the CPU op/sync proxies of the family."""
+
+VOCAB = {"mid": 32_000, "gpt-oss-mid": 32_000}
 """Vocabulary of a preset whose vocabulary is not the task tokenizer's."""
 
 GPU_PRESETS = {
@@ -38,6 +69,9 @@ GPU_PRESETS = {
         **MODELS["qwen3-30b-a3b-4l"], "vocab_size": 151_936, "max_position_embeddings": 4096,
         "rope_theta": 1_000_000.0,
     },
+    # gpt-oss-20b's real decoder layer, 4 of them, its vocabulary
+    "gpt-oss-20b-4l": {**MODELS["gpt-oss-20b-4l"], "vocab_size": 201_088,
+                       "max_position_embeddings": 4096},  # fmt: skip
     # a CPU-test scale (tests/unit/test_bench_train.py)
     "tiny": dict(
         vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
