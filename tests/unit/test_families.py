@@ -171,7 +171,10 @@ def test_routing_replay_and_correction_bias(pair):
     ids = _ids(model.config.vocab_size)
     recorded = _record_routing(model, ids)
     with torch.no_grad():
-        live = model(ids).logits_BTV
+        live_out = model(ids)
+        live = live_out.logits_BTV
+        # the mismatch metrics' live selection (scheme + correction bias) is what was recorded
+        assert torch.equal(model.select_experts(live_out.router_logits), recorded)
         replayed_before = model(ids, replay_routing_LNk=recorded).logits_BTV
     assert torch.equal(replayed_before, live)  # replay reproduces the recorded forward
     model.train()
@@ -220,3 +223,32 @@ def test_engine_greedy_equals_transformers_generate(pair):
                     for p, n in zip(prompts, news, strict=True)]  # fmt: skip
             got = {c.request_id: c.token_ids for c in engine.generate(reqs)}
             assert [got[r.request_id] for r in reqs] == want
+
+
+def test_engine_routing_replayed_reproduces_its_logprobs(pair):
+    """R3 end to end: the engine's sampled tokens, log-probs and recorded experts; the trainer's
+    forward over (prompt + completion)[:-1] replaying those experts gives the engine's log-probs
+    (temperature 1: log_softmax of the logits) and a gradient at every router."""
+    _, _, directory, ours = pair
+    model = load_pretrained(directory)
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(11)
+    prompts = [[int(t) for t in torch.randint(3, V, (n,), generator=g)] for n in (3, 8, 5)]
+    cfg = EngineConfig(kv_cache_tokens=8 * 64, max_seq_len=64, max_batch_size=8)
+    with NativeEngine(ours, cfg) as engine:
+        reqs = [GenerateRequest(p, SamplingParams(temperature=1.0, max_new_tokens=6, seed=i,
+                                                  return_routed_experts=True))
+                for i, p in enumerate(prompts)]  # fmt: skip
+        results = engine.generate(reqs)
+    model.train()
+    for c in results:
+        ids = torch.tensor([(c.prompt_ids + c.token_ids)[:-1]])
+        routing_LNk = c.routed_experts.long().permute(1, 0, 2)  # (T, L, k) -> (L, T, k)
+        logits = model(ids, replay_routing_LNk=routing_LNk).logits_BTV[0]
+        logp = logits.log_softmax(-1)[len(c.prompt_ids) - 1 :]
+        taken = logp.gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(taken.detach(), torch.tensor(c.logprobs), atol=1e-4, rtol=0)
+        model.zero_grad()
+        taken.sum().backward()
+        for b in (m for m in model.modules() if isinstance(m, SparseMoeBlock)):
+            assert b.gate.weight.grad is not None and b.gate.weight.grad.abs().sum() > 0
