@@ -451,3 +451,58 @@ def test_trainer_step_has_no_host_sync(family):
     hf = {"qwen3_next": qwen3_next, "deepseek_v3": deepseek_v3}[family].tiny_hf_config()
     counted = trainer_step_ops(model_config_from_hf(hf), prompt_len=5, completion_lens=[70, 3, 9])
     assert counted.syncs == 0, f"host syncs in the trainer step: {counted.sync_ops()}"
+
+
+DEEPSEEK_V3_CONFIG = {
+    "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1,
+    "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
+    "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+    "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+    "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": True,
+    "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-06, "rope_theta": 10000, "tie_word_embeddings": False,
+    "num_nextn_predict_layers": 1,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                     "type": "yarn"},
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3",
+                            "quant_method": "fp8", "weight_block_size": [128, 128]},
+}  # fmt: skip
+"""DeepSeek-V3's released config.json (the FP8 release), as published."""
+
+
+def test_released_configs_map_to_the_published_sizes():
+    """DeepSeek-V3 671B total / 37B active; Qwen3.5-35B-A3B and Qwen3-Next-80B-A3B (transformers'
+    default configs are those models)."""
+    from slipstream.model import MoEForCausalLM, model_config_from_hf
+
+    cases = [
+        (DEEPSEEK_V3_CONFIG, 671.0, 37.6),
+        (transformers.Qwen3_5MoeTextConfig().to_dict(), 34.7, 3.45),
+        (transformers.Qwen3NextConfig().to_dict(), 79.7, 3.87),
+    ]
+    for hf, total_b, active_b in cases:
+        cfg = model_config_from_hf(hf)
+        with torch.device("meta"):
+            model = MoEForCausalLM(cfg)
+        assert model.num_parameters() / 1e9 == pytest.approx(total_b, abs=0.05), hf["model_type"]
+        assert model.num_parameters(active=True) / 1e9 == pytest.approx(active_b, abs=0.05)
+    ds = model_config_from_hf(DEEPSEEK_V3_CONFIG)
+    assert ds.head_dim == 64 and ds.rope_scaling is not None
+    assert ds.rope_scaling.attention_factor == 1.0 and ds.rope_scaling.mscale_all_dim == 1.0
+
+
+def test_deepseek_config_keeps_its_rope_theta_and_refuses_other_routing():
+    """Moonlight-like: plain RoPE with its own theta (no rope_scaling)."""
+    from slipstream.model import model_config_from_hf
+
+    moonlight = {**DEEPSEEK_V3_CONFIG, "rope_scaling": None, "rope_theta": 50000.0}
+    moonlight.pop("quantization_config")
+    cfg = model_config_from_hf(moonlight)
+    assert cfg.rope_theta == 50000.0 and cfg.rope_scaling is None
+    for key, value in (("scoring_func", "softmax"), ("topk_method", "greedy"),
+                       ("moe_layer_freq", 2)):  # fmt: skip
+        with pytest.raises(ValueError, match=key):
+            deepseek_v3.config_from_hf({**moonlight, key: value})

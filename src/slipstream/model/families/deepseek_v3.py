@@ -25,6 +25,7 @@ from slipstream.model.families import (
     common_to_hf,
     mtp_layers,
     register,
+    reject,
     require,
     rope_of,
 )
@@ -86,9 +87,13 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
             f"config.json num_key_value_heads={hf['num_key_value_heads']} must equal "
             f"num_attention_heads={heads}: MLA has no grouped heads"
         )
+    reject(hf, "scoring_func", "sigmoid", "DeepSeek-V3 routing scores are sigmoid")
+    reject(hf, "topk_method", "noaux_tc", "DeepSeek-V3 selects on the bias-corrected scores")
+    reject(hf, "moe_layer_freq", 1, "every layer after first_k_dense_replace is MoE")
     rope = dict(rope_of(hf))
     yarn = _yarn_from_hf(rope, hf.get("max_position_embeddings", 4096))
-    plain = {"rope_type": "default", "rope_theta": rope.get("rope_theta", 10000.0)}
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    plain = {"rope_type": "default", "rope_theta": theta}
     fields = common_from_hf({**hf, "rope_parameters": plain, "rope_scaling": None})
     moe_inter = hf["moe_intermediate_size"]
     fields.update(
