@@ -215,3 +215,16 @@ def test_an_agent_episodes_samples_share_group_rewards() -> None:
     assert all(e.reward_components == {"g": 0.5} for e in out.episodes)
     assert sorted(e.episode_index for e in out.episodes) == [0, 0, 1, 1]
     assert all(e.infra_retries in (0, 1) for e in out.episodes)
+
+
+def test_parse_tool_calls_hermes_format() -> None:
+    from slipstream.envs.agent_endpoint import parse_tool_calls
+
+    text = 'ok <tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call><tool_call>{"name": "b", "arguments": "{}"}</tool_call>'
+    content, calls = parse_tool_calls(text)
+    assert content == "ok" and [c["function"]["name"] for c in calls] == ["a", "b"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"x": 1}
+    assert calls[1]["function"]["arguments"] == "{}" and calls[0]["id"] != calls[1]["id"]
+    for bad in ["<tool_call>{not json}</tool_call>", '<tool_call>{"arguments": {}}</tool_call>',
+                "<tool_call>[1]</tool_call>", "no call"]:  # fmt: skip
+        assert parse_tool_calls(bad) == (bad, [])  # the text stays the content
