@@ -226,3 +226,40 @@ def test_calibrate_takes_a_pushing_runs_own_push_out_of_its_steps(tmp_path: Path
     with pytest.raises(ValueError, match="its own push times are used"):
         calibrate(run, job, engine_bench=bench, probes=PROBES, fit=False,
                   weights_bench=_weights_bench(tmp_path))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        ('{"benchmark": "weights", "rows": [{"engines": 1, "bytes": 8, "distributed_s": NaN}]}',
+         "NaN is not a number"),
+        ('{"benchmark": "weights", "rows": [{"engines": 1, "bytes": 8, "distributed_s": 1e400}]}',
+         "rows[0].distributed_s = inf: not a finite positive number"),
+        ('{"benchmark": "weights", "rows": [{"engines": 1.5, "bytes": 8, "distributed_s": 1}]}',
+         "rows[0].engines = 1.5: not a finite positive integer"),
+        ('{"benchmark": "weights", "rows": [7]}', "rows[0] is not an object"),
+        ('{"benchmark": "weights", "rows": [{"engines": 1, ', "not JSON"),
+        ("[" * 100_000 + "]" * 100_000, "JSON nested too deeply"),
+        ("[1, 2]", "not a `slipstream bench weights` result"),
+        (b"\xff\xfe", "not UTF-8"),
+        (None, "not a regular file"),  # a FIFO: reading it would block
+    ],
+    ids=["nan", "inf", "fractional-engines", "row-not-object", "truncated", "deep", "not-a-result",
+         "non-utf8", "fifo"],
+)  # fmt: skip
+def test_bad_weights_bench_is_one_line_before_anything_runs(body, why, tmp_path: Path, capsys):
+    """`plan calibrate --weights-bench FILE` with a file it cannot use: rc 2 and one line naming
+    the flag, the file and what is wrong; never a traceback; a FIFO is refused, not read."""
+    import os
+
+    from slipstream.cli import main
+
+    path = tmp_path / "weights.json"
+    if body is None:
+        os.mkfifo(path)
+    else:
+        path.write_bytes(body if isinstance(body, bytes) else body.encode())
+    rc = main(["plan", "calibrate", str(tmp_path), "--weights-bench", str(path)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.count("\n") == 0 and "Traceback" not in err, err
+    assert err.startswith(f"slipstream: --weights-bench {path}: ") and why in err, err

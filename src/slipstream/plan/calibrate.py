@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from slipstream.config.base import ConfigError
 from slipstream.plan.dists import Dist, dist_mean
 from slipstream.plan.rates import (
     CalibrationInfo,
@@ -90,7 +91,9 @@ def read_worker_stats(run_dir: Path) -> list[dict[str, float]]:
 def engine_curve(bench_json: Path, model: dict[str, int]) -> tuple[float, float, str]:
     """(step_fixed_s, step_per_token_s, description) fitted to a bench-engine JSON's native
     points for the model with the same hidden size, layers, experts and top-k."""
-    data = json.loads(bench_json.read_text())
+    data = read_bench_json(bench_json, "--engine-bench")
+    if not isinstance(data, dict):
+        raise PlanInputError(f"--engine-bench {bench_json}: not a `slipstream bench engine` result")
     keys = ("hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_tok")
     pts = []
     for r in data.get("results", []):
@@ -336,16 +339,84 @@ def version_bytes(weights_dir: Path) -> int:
     return total
 
 
+class PlanInputError(ConfigError):
+    """An input file of `plan calibrate` (a bench JSON) that cannot be used: one line naming the
+    file and what is wrong (the CLI prints it as a config error, rc 2)."""
+
+
+MAX_BENCH_JSON_BYTES = 64 << 20  # a bench result is kilobytes
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number")
+
+
+def read_bench_json(path: str | Path, what: str) -> Any:
+    """A bench result file: a regular file (a FIFO would block the read), at most
+    MAX_BENCH_JSON_BYTES, UTF-8 JSON without NaN/Infinity and not nested past the parser's
+    depth; else PlanInputError naming `what` and the path."""
+    path = Path(path)
+    where = f"{what} {path}"
+    if not path.exists():
+        raise PlanInputError(f"{where}: no such file")
+    if not path.is_file():
+        raise PlanInputError(f"{where}: not a regular file")
+    if path.stat().st_size > MAX_BENCH_JSON_BYTES:
+        raise PlanInputError(f"{where}: larger than {MAX_BENCH_JSON_BYTES >> 20} MiB")
+    try:
+        text = path.read_bytes().decode("utf-8")
+        return json.loads(text, parse_constant=_refuse_constant)
+    except UnicodeDecodeError as e:
+        raise PlanInputError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise PlanInputError(f"{where}: not JSON ({e.msg} at line {e.lineno} column {e.colno})"
+                             ) from None  # fmt: skip
+    except RecursionError:
+        raise PlanInputError(f"{where}: JSON nested too deeply") from None
+    except ValueError as e:  # _refuse_constant
+        raise PlanInputError(f"{where}: {e}") from None
+
+
+def read_weights_bench(bench_json: str | Path) -> list[tuple[int, float, int]]:
+    """The (engines, distributed_s, bytes) rows of a `slipstream bench weights` JSON, sorted by
+    engines; PlanInputError for anything else (engines a positive integer, seconds and bytes
+    finite and positive)."""
+    what = "--weights-bench"
+    record = read_bench_json(bench_json, what)
+    if (
+        not isinstance(record, dict)
+        or record.get("benchmark") != "weights"
+        or not record.get("rows")
+    ):
+        raise PlanInputError(
+            f"{what} {bench_json}: not a `slipstream bench weights` result (no rows)"
+        )
+    rows = record["rows"]
+    if not isinstance(rows, list):
+        raise PlanInputError(f"{what} {bench_json}: rows is not a list")
+    out = []
+    for i, r in enumerate(rows):
+        try:
+            engines, push_s, nbytes = r["engines"], r["distributed_s"], r["bytes"]
+        except (KeyError, TypeError):
+            raise PlanInputError(f"{what} {bench_json}: rows[{i}] is not an object with engines, "
+                                 "distributed_s and bytes") from None  # fmt: skip
+        for name, v, integral in (("engines", engines, True), ("distributed_s", push_s, False),
+                                  ("bytes", nbytes, True)):  # fmt: skip
+            number = isinstance(v, int | float) and not isinstance(v, bool)
+            if not (number and math.isfinite(v) and v > 0 and (not integral or v == int(v))):
+                raise PlanInputError(f"{what} {bench_json}: rows[{i}].{name} = {str(v)[:40]}: "
+                                     f"not a finite positive {'integer' if integral else 'number'}")  # fmt: skip
+        out.append((int(engines), float(push_s), int(nbytes)))
+    return sorted(out)
+
+
 def weights_from_bench(bench_json: Path, run_version_bytes: int, store_every: int) -> WeightRates:
     """`[weights]` for pushed versions from a `slipstream bench weights` JSON: its
     (engines, distributed_s) rows as the push times, scaled to the run's version bytes."""
-    record = json.loads(Path(bench_json).read_text())
-    if record.get("benchmark") != "weights" or not record.get("rows"):
-        raise ValueError(f"{bench_json}: not a `slipstream bench weights` result (no rows)")
-    rows = sorted(record["rows"], key=lambda r: int(r["engines"]))
-    return WeightRates(sync="distributed",
-                       push_s=[(int(r["engines"]), float(r["distributed_s"])) for r in rows],
-                       push_bytes=int(rows[0]["bytes"]), version_bytes=run_version_bytes,
+    rows = read_weights_bench(bench_json)
+    return WeightRates(sync="distributed", push_s=[(e, t) for e, t, _ in rows],
+                       push_bytes=rows[0][2], version_bytes=run_version_bytes,
                        store_every=store_every)  # fmt: skip
 
 
@@ -409,6 +480,8 @@ def calibrate(
     plans a store run's job with pushed weights at the bench's measured push times, scaled to
     the run's version bytes."""
     run_dir = Path(run_dir)
+    if weights_bench is not None:
+        read_weights_bench(weights_bench)  # a bad file fails first, naming itself
     records = read_metrics(run_dir / "metrics.jsonl")
     fig = figures_from_metrics(records, warmup_steps)
     steps = [r for r in records if "train_s" in r]
