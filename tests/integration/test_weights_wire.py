@@ -229,7 +229,7 @@ def test_distributed_sender_drives_vllm_protocol_to_two_engines(servers, tmp_pat
     dropped and the survivor serves the version over a new group (the bounded wait on a stalled
     one is the same code, tested with SGLang's protocol above)."""
     a, b = servers.start(0), servers.start(1)
-    sender = DistributedSender([a, b], bucket_bytes=2**16, timeout_s=5.0, api="vllm")
+    sender = DistributedSender([a, b], bucket_bytes=2**16, timeout_s=20.0, api="vllm")
     try:
         for v in (1, 2):
             state, _ = hf_weights(_new_model(seed=10 + v))
@@ -265,7 +265,7 @@ def test_distributed_sender_survives_kill_mid_transfer_and_admits_a_joining_engi
         store_catch_up(store)(url, headers)
         caught_up[url] = _model_info(url)["weight_version"]
 
-    sender = DistributedSender([a, b], bucket_bytes=2**16, timeout_s=5.0, catch_up=catch_up)
+    sender = DistributedSender([a, b], bucket_bytes=2**16, timeout_s=20.0, catch_up=catch_up)
     try:
         v1, _ = hf_weights(_new_model(seed=1))
         report = sender.send(1, v1)
@@ -292,12 +292,12 @@ def test_distributed_sender_survives_kill_mid_transfer_and_admits_a_joining_engi
         t0 = time.monotonic()
         try:
             t.start()
-            t.join(timeout=60)
+            t.join(timeout=120)
         finally:
             WeightGroup.broadcast = real_broadcast  # type: ignore[method-assign]
         assert len(sent) > 3 and sum(sent[:3]) > 0  # killed with bytes in flight, not before
         assert not t.is_alive(), "the push blocked past its bound"
-        assert time.monotonic() - t0 < 60
+        assert time.monotonic() - t0 < 120
         report = done["report"]
         assert report.dropped == [b] and report.retried, report
         assert list(report.served_s) == [a], report
