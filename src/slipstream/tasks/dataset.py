@@ -40,6 +40,7 @@ every prompt once; docs/data.md gives the cost), deduplication of identical prom
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -344,12 +345,10 @@ class Source:
             if self.blocks[bi].count(split):
                 yield from self.block_rows_of(bi, split)
 
-    @property
+    @functools.cached_property
     def count_train(self) -> int:
-        n = getattr(self, "_count_train", None)
-        if n is None:
-            n = self._count_train = self.count("train")
-        return n
+        """Training rows (the index is fixed once built)."""
+        return self.count("train")
 
 
 def completion_text(value: Any, where: str) -> str:
