@@ -25,12 +25,14 @@
 #                  quickstart (pytest -m "gpu and slow": the quickstart on CUDA learns) and
 #                  families (bench engine, bf16, 16x8, on 4 real layers of GLM-4.5-Air,
 #                  Mixtral-8x7B and OLMoE-1B-7B: bench/models.py FAMILY_PRESETS; issue 47)
+#                  and gpt-oss (bench engine, bf16, 16x8, then bench train --no-hf 2x1024, on
+#                  4 real layers of gpt-oss-20b: sinks, windows, biases, clamped SwiGLU; issue 47)
 # Each phase has a time limit; the default phases stay under 8 minutes (PHASE_LIMITS below,
 # checked by --dry-run). GPU_CHECK_PHASES="gpu-tests quickstart" (say) runs those instead.
 # A failing phase does not stop the later ones. OUT_DIR receives at most 8 files:
 # gpu-check.json (summary: phases, test counts, every test's recorded figures, provenance),
 # gpu-check.log (all output), gpu-tests.jsonl, junit-gpu.xml, engine_mid.json,
-# engine_qwen.json, train_mid.json, train_qwen3.json, and with the opt-in phases junit-quickstart.xml, engine_gpu.json, engine_families.json.
+# engine_qwen.json, train_mid.json, train_qwen3.json, and with the opt-in phases junit-quickstart.xml, engine_gpu.json, engine_families.json, engine_gpt_oss.json, train_gpt_oss.json.
 # Exit 0 when every phase passed. Provenance: set SLIPSTREAM_GIT_COMMIT to
 # the commit you sent (the machine may get the tree without .git); a hash of the tree is
 # recorded either way.
@@ -52,6 +54,7 @@ declare -A PHASE_LIMITS=([gpu-tests]=100 [bench]=75 [quickstart]=250)
 PHASE_LIMITS+=([engine-mid]=90 [engine-qwen]=60 [e2e]=120)  # issue 30: the engine at GPU scale
 PHASE_LIMITS+=([bench-train]=45)  # issue 29: the trainer at GPU scale
 PHASE_LIMITS+=([families]=150)  # issue 47 (A): glm4_moe, mixtral, olmoe at real layer shapes
+PHASE_LIMITS+=([gpt-oss]=120)  # issue 47 (B): gpt-oss-20b's layer x4, engine then trainer
 DEFAULT_PHASES="gpu-tests bench-train engine-mid engine-qwen e2e"
 PHASES=${GPU_CHECK_PHASES:-$DEFAULT_PHASES}
 KILL_AFTER_S=5
@@ -192,6 +195,21 @@ run_named_phase() {  # one phase of the full check (uses full_check's locals: py
         --workloads 4x4 --max-new-tokens 16 --repeats 1 --skip-hf)
       run_phase "$name" "$limit" "${slip[@]}" bench engine "${args[@]}" \
         --out "$out/engine_families.json" ;;
+    gpt-oss)
+      # gpt-oss-20b's decoder layer x4 (random weights): the engine (bf16, CUDA graphs, no HF
+      # baseline), then one bf16 trainer step shape (no HF copy beside it)
+      args=(--device "$device" --models gpt-oss-20b-4l --workloads 16x8 --repeats 1
+        --dtype bfloat16 --skip-hf)
+      local targs=(--device "$device" --preset gpt-oss-20b-4l --batch 2 --seq-len 1024
+        --steps 2 --warmup 1 --no-hf)
+      ((rehearse)) && args=(--device cpu --models gpt-oss-quickstart --workloads 4x4
+        --max-new-tokens 16 --repeats 1 --skip-hf) && targs=(--device cpu --preset
+        gpt-oss-tiny --batch 2 --seq-len 32 --steps 1 --warmup 1 --no-hf)
+      # half the phase's limit each
+      run_phase "$name-engine" $((limit / 2)) "${slip[@]}" bench engine "${args[@]}" \
+        --out "$out/engine_gpt_oss.json" || return 1
+      run_phase "$name-train" $((limit / 2)) "${slip[@]}" bench train "${targs[@]}" \
+        --out "$out/train_gpt_oss.json" ;;
     engine-mid|engine-qwen)
       local preset=mid json=engine_mid.json
       [[ $name == engine-qwen ]] && preset=qwen3-30b-a3b-4l json=engine_qwen.json

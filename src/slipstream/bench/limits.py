@@ -345,7 +345,8 @@ def model_configs(cfg: Any, names: str) -> dict[str, Any]:
         if name == "config":
             out[name] = base
         elif name in MODELS:
-            out[name] = base.model_copy(update=MODELS[name])
+            # validated (model_copy(update=) is not): nested keys such as rope_scaling
+            out[name] = type(base).model_validate({**base.model_dump(), **MODELS[name]})
         else:
             raise ValueError(
                 f"--models: {name!r} unknown; expected config or one of {list(MODELS)}"

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from slipstream.config.model import YarnRope
-
 MODELS = {
     "quickstart": dict(hidden_size=128, num_hidden_layers=4, num_experts=8, num_experts_per_tok=2),
     "larger": dict(
@@ -35,8 +33,7 @@ GPT_OSS = dict(
     model_type="gpt_oss", router_scheme="topk_softmax", router_bias=True, qk_norm="none",
     attention_bias=True, attention_out_bias=True, attention_sinks=True, expert_bias=True,
     expert_activation="clamped_swiglu", norm_weight_in_float32=True, rope_theta=150_000.0,
-    # an instance, not a dict: `model_copy(update=...)` (bench limits, weights) does not validate
-    rope_scaling=YarnRope(factor=32.0, original_max_position_embeddings=4096, truncate=False),
+    rope_scaling=dict(factor=32.0, original_max_position_embeddings=4096, truncate=False),
     sliding_window=128,
 )  # fmt: skip
 """The GPT-OSS architecture switches (model/families/gpt_oss.py sets the same from a config.json),
@@ -57,6 +54,10 @@ MODELS["gpt-oss-20b-4l"] = dict(
 )  # fmt: skip
 MODELS["gpt-oss-mid"] = dict(**MODELS["mid"], layer_types=gpt_oss_layers(16), **GPT_OSS)
 """The `mid` shape with GPT-OSS's architecture: the CPU op/sync proxies of the family."""
+MODELS["gpt-oss-quickstart"] = dict(
+    **MODELS["quickstart"], layer_types=gpt_oss_layers(4), **{**GPT_OSS, "sliding_window": 8}
+)
+"""The quickstart's shape with GPT-OSS's architecture (CPU rehearsals, tiny RL runs)."""
 
 VOCAB = {"mid": 32_000, "gpt-oss-mid": 32_000}
 """Vocabulary of a preset whose vocabulary is not the task tokenizer's."""
@@ -72,6 +73,13 @@ GPU_PRESETS = {
     # gpt-oss-20b's real decoder layer, 4 of them, its vocabulary
     "gpt-oss-20b-4l": {**MODELS["gpt-oss-20b-4l"], "vocab_size": 201_088,
                        "max_position_embeddings": 4096},  # fmt: skip
+    # the CPU rehearsal of the gpt-oss phase (scripts/gpu-check.sh)
+    "gpt-oss-tiny": dict(
+        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, max_position_embeddings=256, layer_types=gpt_oss_layers(2),
+        **{**GPT_OSS, "sliding_window": 8},
+    ),
     # a CPU-test scale (tests/unit/test_bench_train.py)
     "tiny": dict(
         vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -63,7 +63,9 @@ def _model(cfg: Any, shape: str) -> tuple[dict[str, Any], dict[str, Any], Any]:
     from slipstream.tasks import get_taskset
 
     vocab = VOCAB.get(shape) or get_taskset(cfg.task).tokenizer.vocab_size
-    mcfg = cfg.model.model_copy(update={**MODELS[shape], "vocab_size": vocab})
+    mcfg = type(cfg.model).model_validate(
+        {**cfg.model.model_dump(), **MODELS[shape], "vocab_size": vocab}
+    )  # validated (model_copy(update=) is not): nested keys such as rope_scaling
     torch.manual_seed(0)
     with torch.no_grad():
         # the engines serve run.dtype too
