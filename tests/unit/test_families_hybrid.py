@@ -474,14 +474,14 @@ DEEPSEEK_V3_CONFIG = {
 
 
 def test_released_configs_map_to_the_published_sizes():
-    """DeepSeek-V3 671B total / 37B active; Qwen3.5-35B-A3B and Qwen3-Next-80B-A3B (transformers'
-    default configs are those models)."""
+    """DeepSeek-V3 671B total / 37B active; Qwen3.5-35B-A3B (transformers' default config is
+    that model). (Qwen3-Next-80B-A3B, transformers' default too, maps to 79.7B / 3.87B: left out
+    here, its 48 layers of 512 experts take seconds to build even on the meta device.)"""
     from slipstream.model import MoEForCausalLM, model_config_from_hf
 
     cases = [
         (DEEPSEEK_V3_CONFIG, 671.0, 37.6),
         (transformers.Qwen3_5MoeTextConfig().to_dict(), 34.7, 3.45),
-        (transformers.Qwen3NextConfig().to_dict(), 79.7, 3.87),
     ]
     for hf, total_b, active_b in cases:
         cfg = model_config_from_hf(hf)
