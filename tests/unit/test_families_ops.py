@@ -10,7 +10,12 @@ guard; the excess is work Qwen3-MoE's default layers do not do, measured 2026-12
   (clamp and its backward) per layer.
 - glm4_moe decode 1,110 / fwd+bwd 4,033: a shared expert per layer (Qwen3-MoE with the same
   shared expert: 868 decode ops), group-limited selection (~10 ops per layer), the sigmoid
-  router's renormalisation and scaling, q/k/v biases and partial rotary."""
+  router's renormalisation and scaling, q/k/v biases and partial rotary.
+- gpt_oss decode 889 / fwd+bwd 4,239: per layer two expert biases (a gather and an add each),
+  the clamped SwiGLU (one clamp with per-column bounds, sigmoid, two multiplies, addcmul), the
+  sink logits added to the step's mask (slice + add); in training also the sinks' gradient term
+  (a second, no-grad attention for the sink's probability; the mask stays detached so SDPA keeps
+  its fused kernel), q/k/v/o biases through autograd and the window masks."""
 
 from __future__ import annotations
 
@@ -27,10 +32,10 @@ from slipstream.model import MoEForCausalLM
 from slipstream.model.families import family_for
 from slipstream.observe.op_count import count_ops
 
-FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "glm4_moe"]
-DECODE_BUDGET = {"glm4_moe": 1150}
+FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss"]
+DECODE_BUDGET = {"glm4_moe": 1150, "gpt_oss": 900}
 """Families over the Qwen3-MoE decode budget (see the module docstring); others: MAX_DECODE_OPS."""
-TRAIN_BUDGET = {"olmoe": 3600, "glm4_moe": 4100}
+TRAIN_BUDGET = {"olmoe": 3600, "glm4_moe": 4100, "gpt_oss": 4300}
 """Families over the Qwen3-MoE fwd+bwd budget (see the module docstring); others: MAX_OPS."""
 MID_LIKE = dict(
     vocab_size=512, hidden_size=64, num_hidden_layers=16, num_attention_heads=16,
@@ -45,6 +50,11 @@ def family_config(model_type: str) -> ModelConfig:
     fields = {**family.config_from_hf(family.tiny_hf_config()), **MID_LIKE}
     if model_type == "olmoe":
         fields["num_key_value_heads"] = fields["num_attention_heads"]  # OLMoE: multi-head
+    if fields.get("layer_types"):  # the tiny config's pattern over the 16 layers
+        pattern = fields["layer_types"]
+        fields["layer_types"] = [
+            pattern[i % len(pattern)] for i in range(MID_LIKE["num_hidden_layers"])
+        ]
     if fields.get("router_scheme") == "sigmoid_group_topk":
         fields.update(n_group=4, topk_group=2, shared_expert_intermediate_size=32)
     return ModelConfig(model_type=model_type, **fields)
