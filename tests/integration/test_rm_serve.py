@@ -92,6 +92,11 @@ def test_classify_endpoint_scores_as_the_model(tmp_path: Path, rm_dir: Path) -> 
         assert bad.status_code == 400 and "outside" in bad.json()["error"]["message"]
         bad = httpx.post(url + "/classify", json={"input": []})
         assert bad.status_code == 400 and bad.json()["error"]["message"] == "input is empty"
+        # docs/rlhf.md: an empty input is a 400, never the score of BOS alone
+        for empty, where in (("", 0), (["12+34=46", ""], 1), (["  "], 0), ([[]], 0)):
+            bad = httpx.post(url + "/classify", json={"input": empty})
+            assert bad.status_code == 400, (empty, bad.text)
+            assert bad.json()["error"]["message"] == f"input[{where}] is empty"
     finally:
         proc.kill()
         proc.wait()

@@ -75,6 +75,9 @@ def create_reward_app(
             raise ValueError("input is empty")
         if len(inputs) > options.max_batch_samples:
             raise ValueError(f"{len(inputs)} inputs; at most {options.max_batch_samples}")
+        for i, x in enumerate(inputs):  # "" would score BOS alone: a reward for nothing
+            if not x or (isinstance(x, str) and not x.strip()):
+                raise ValueError(f"input[{i}] is empty")
         seqs = [tokenizer.encode_prompt(x) if isinstance(x, str) else list(x) for x in inputs]
         for i, s in enumerate(seqs):
             if not s:
