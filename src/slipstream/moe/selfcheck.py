@@ -158,7 +158,7 @@ def _own_node_hit(ids_NK: torch.Tensor, t: Any, rank: int) -> torch.Tensor:
     return (t.owner_node(ids_NK) == t.node_of(rank)).any(1).long()
 
 
-FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "glm4_moe")
+FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss")
 """Model families whose MoE block `family_check` runs expert-parallel (model/families/)."""
 
 

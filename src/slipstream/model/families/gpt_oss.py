@@ -137,7 +137,7 @@ def tiny_hf_config() -> dict[str, Any]:
     return {
         "model_type": "gpt_oss", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 16,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4,
+        "head_dim": 8, "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 4,
         "layer_types": ["sliding_attention", "full_attention"], "swiglu_limit": 0.05,
         "max_position_embeddings": 4096,
         "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
