@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from slipstream.config.model import ModelConfig, YarnRope
 from slipstream.model.families import (
     Family,
@@ -178,7 +180,13 @@ class DeepseekV3WeightMap(StandardWeightMap):
 
     def from_hf(self, sd, cfg):  # type: ignore[no-untyped-def]
         if any(k.endswith(".weight_scale_inv") for k in sd):
-            sd = dequantize_state_dict(sd)
+            # into the dtype the unquantised tensors were read in (the load's dtype)
+            dtype = next(
+                (t.dtype for k, t in sd.items()
+                 if t.is_floating_point() and t.element_size() > 1 and not k.endswith("_inv")),
+                torch.float32,
+            )  # fmt: skip
+            sd = dequantize_state_dict(sd, dtype=dtype)
         return super().from_hf(sd, cfg)
 
     def rows(self, source, name, lo, hi, cfg):  # type: ignore[no-untyped-def]
