@@ -229,6 +229,11 @@ def test_deepseek_v3_checkpoint_both_ways_and_fp8_equal_to_transformers(tmp_path
     )
     ours, _ = weights.from_hf(fp8, _cfg(deepseek_v3.DEEPSEEK_V3, q_json))
     _assert_same(ours, _in_memory(theirs))
+    q_cfg = _cfg(deepseek_v3.DEEPSEEK_V3, q_json)
+    for name in ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.2.mlp.experts.down_proj",
+                 "model.layers.1.self_attn.kv_b_proj.weight"):  # fmt: skip
+        rows = weights.rows(_DictSource(fp8), name, 2, 5, q_cfg)  # expert-parallel loading
+        assert torch.equal(rows, ours[name][2:5]), name
     from slipstream.model import load_pretrained  # the whole load path: config, read, map
 
     ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(4))
