@@ -252,3 +252,38 @@ def test_engine_routing_replayed_reproduces_its_logprobs(pair):
         taken.sum().backward()
         for b in (m for m in model.modules() if isinstance(m, SparseMoeBlock)):
             assert b.gate.weight.grad is not None and b.gate.weight.grad.abs().sum() > 0
+
+
+def test_weight_push_carries_the_correction_bias(pair, tmp_path):
+    """A weight version (the family's HF layout, as the trainer publishes it) hot-swapped into a
+    running engine: the engine then routes as a fresh model on those weights, the router's
+    correction bias (a buffer, not a parameter) included."""
+    model_type, _, directory, ours = pair
+    new = load_pretrained(directory)
+    with torch.no_grad():
+        for name, t in new.state_dict().items():
+            if name.endswith("e_score_correction_bias") or name.endswith("gate.weight"):
+                t.add_(torch.randn(t.shape, generator=torch.Generator().manual_seed(9)))
+    save_pretrained(new, tmp_path)
+    g = torch.Generator().manual_seed(4)
+    prompts = [[int(t) for t in torch.randint(3, new.config.vocab_size, (n,), generator=g)]
+               for n in (4, 7)]  # fmt: skip
+
+    def run(engine: NativeEngine) -> list[torch.Tensor]:
+        reqs = [
+            GenerateRequest(
+                p, SamplingParams(temperature=0, max_new_tokens=5, return_routed_experts=True)
+            )
+            for p in prompts
+        ]
+        return [c.routed_experts for c in engine.generate(reqs)]
+
+    cfg = EngineConfig(kv_cache_tokens=4 * 64, max_seq_len=64, max_batch_size=4)
+    with NativeEngine(new, cfg) as fresh:
+        want = run(fresh)
+    with NativeEngine(load_pretrained(directory), cfg) as engine:
+        before = run(engine)
+        engine.update_weights(1, str(tmp_path))
+        got = run(engine)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(before, want, strict=True))

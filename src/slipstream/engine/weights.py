@@ -192,9 +192,10 @@ def prepare_weights(
 
 def apply_weights(model: torch.nn.Module, prepared: PreparedWeights) -> None:
     """Copy `prepare_weights` output into `model` in place (parameter identity kept)."""
-    from slipstream.model import load_hf_state_dict
+    from slipstream.model.checkpoint import load_internal_state_dict
 
-    load_hf_state_dict(model, prepared.tensors)  # type: ignore[arg-type]
+    # internal names and layout already (prepare_weights): no family mapping a second time
+    load_internal_state_dict(model, prepared.tensors)  # type: ignore[arg-type]
 
 
 def exchange_weights(model: torch.nn.Module, prepared: PreparedWeights) -> None:

@@ -94,6 +94,17 @@ def load_hf_state_dict(model: MoEForCausalLM, sd: dict[str, torch.Tensor]) -> No
     raise, naming them. The family's passthrough tensors (e.g. MTP layers) are kept in
     `model.hf_passthrough` and written back by `save_pretrained`."""
     internal, passthrough = family_of(model.config).weights.from_hf(sd, model.config)
+    load_internal_state_dict(model, internal)
+    if passthrough:
+        model.hf_passthrough = {k: v.detach().to("cpu") for k, v in passthrough.items()}
+
+
+@torch.no_grad()
+def load_internal_state_dict(model: MoEForCausalLM, internal: dict[str, torch.Tensor]) -> None:
+    """`load_hf_state_dict` for tensors already under the model's internal names and layout
+    (`hf_to_internal`'s output: the engine's prepared weight versions). No family mapping is
+    applied again (a family's on-disk names may equal internal names with another layout)."""
+    internal = dict(internal)
     if model.config.tie_word_embeddings:
         internal.pop("lm_head.weight", None)
         internal.setdefault("lm_head.weight", internal.get("model.embed_tokens.weight"))
@@ -114,8 +125,6 @@ def load_hf_state_dict(model: MoEForCausalLM, sd: dict[str, torch.Tensor]) -> No
         for name, t in internal.items():
             params[name].copy_(t)
     model.tie_weights()
-    if passthrough:
-        model.hf_passthrough = {k: v.detach().to("cpu") for k, v in passthrough.items()}
 
 
 def _shard(sd: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
