@@ -36,7 +36,9 @@ transformers-5 *in-memory* names of the family (stacked experts `mlp.experts.gat
   per-expert tensors, dequantising on load: the family's hook), plus the tensors the family keeps
   without a parameter of their own (e.g. GLM's MTP layers `model.layers.{L+}.*`), which
   `save_pretrained` writes back unchanged. Unknown names stay in `internal` (the caller's strict
-  check names them).
+  check names them). Applied once per source: internal tensors are never mapped again
+  (`load_internal_state_dict`; a family's on-disk names may equal internal ones in another
+  layout, as GPT-OSS's experts do).
 - `rows(source, name, lo, hi, cfg) -> Tensor`: rows [lo, hi) of internal parameter `name` (for
   experts: experts lo..hi-1) read from a checkpoint through `source` (`RowSource`: `has(name)`,
   `slice(name, lo, hi)` of an on-disk tensor): what expert-parallel sharded loading reads.
