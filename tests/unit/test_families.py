@@ -287,3 +287,27 @@ def test_weight_push_carries_the_correction_bias(pair, tmp_path):
         got = run(engine)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert not all(torch.equal(a, b) for a, b in zip(before, want, strict=True))
+
+
+def test_glm_mtp_layers_pass_through(tmp_path):
+    """GLM-4.5's multi-token-prediction layers (`model.layers.{num_hidden_layers}.*`) are kept
+    and written back unchanged, neither built nor refused; other unknown tensors are refused."""
+    from safetensors.torch import load_file, save_file
+
+    hf = _hf_model("glm4_moe")
+    hf.save_pretrained(tmp_path / "src")
+    sd = load_file(str(tmp_path / "src" / "model.safetensors"))
+    L = hf.config.num_hidden_layers
+    mtp = {f"model.layers.{L}.eh_proj.weight": torch.randn(32, 64),
+           f"model.layers.{L}.mlp.gate.e_score_correction_bias": torch.randn(8)}  # fmt: skip
+    save_file({**sd, **mtp}, str(tmp_path / "src" / "model.safetensors"))
+    model = load_pretrained(tmp_path / "src")
+    assert set(model.hf_passthrough) == set(mtp)
+    save_pretrained(model, tmp_path / "out")
+    out = load_file(str(tmp_path / "out" / "model.safetensors"))
+    for name, t in mtp.items():
+        assert torch.equal(out[name], t)
+    save_file({**sd, "model.layers.0.extra.weight": torch.zeros(2)},
+              str(tmp_path / "src" / "model.safetensors"))  # fmt: skip
+    with pytest.raises(ValueError, match="unexpected.*extra"):
+        load_pretrained(tmp_path / "src")
