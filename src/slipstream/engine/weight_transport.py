@@ -281,7 +281,8 @@ def _process_context() -> Any:
     with _CONTEXT_LOCK:
         if _CONTEXT is None:
             ctx = mp.get_context("forkserver")
-            ctx.set_forkserver_preload([__name__])
+            # and __main__ (the `slipstream` script): else each child re-imports it to run
+            ctx.set_forkserver_preload(["__main__", __name__])
             _CONTEXT = ctx
         return _CONTEXT
 
@@ -296,13 +297,21 @@ def warm_up_group_processes() -> None:
     def start() -> None:
         try:
             forkserver.ensure_running()
+            # the server answers once its preload (torch, this module) is imported: a first
+            # process started and ended is the sign (ensure_running returns before that)
+            proc = ctx.Process(target=_noop, name="wgroup-warmup", daemon=True)
+            proc.start()
+            proc.join()
         except Exception as e:  # noqa: BLE001 - the first group then starts it (and says why)
             log.warning("could not start the weight groups' forkserver: %s", e)
         GROUP_PROCESSES_READY.set()
 
-    del ctx
     if not GROUP_PROCESSES_READY.is_set():
         threading.Thread(target=start, daemon=True, name="wgroup-forkserver").start()
+
+
+def _noop() -> None:
+    pass
 
 
 GROUP_PROCESSES_READY = threading.Event()
