@@ -35,7 +35,9 @@ def _reference(k: int, columns: dict[str, list[Any]]) -> str | None:
     return None
 
 
-def addition_correct(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float | None]:
+def addition_correct(
+    prompts: list[Any], completions: list[Any], **columns: Any
+) -> list[float | None]:
     """1.0 when the completion is the sum (surrounding whitespace ignored), else 0.0."""
     out: list[float | None] = []
     for k, completion in enumerate(completions):
