@@ -199,6 +199,15 @@ class Router(nn.Linear):
         else:
             self.e_score_correction_bias = None
 
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        # `.to(bfloat16)` casts every floating buffer; the correction bias stays float32 (as
+        # transformers keeps it): bias values ~1e-3 apart would tie in bf16 and flip selections
+        out = super()._apply(fn, recurse)
+        bias = self.e_score_correction_bias
+        if bias is not None and bias.dtype != torch.float32:
+            self.e_score_correction_bias = bias.float()
+        return out
+
     def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
         if self.fp32 and x_ND.dtype != torch.float32:
             b = None if self.bias is None else _f32(self.bias)
