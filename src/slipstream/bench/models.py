@@ -52,10 +52,17 @@ MODELS["gpt-oss-20b-4l"] = dict(
     head_dim=64, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=2880,
     intermediate_size=2880, rms_norm_eps=1e-5, layer_types=gpt_oss_layers(4), **GPT_OSS,
 )  # fmt: skip
-MODELS["gpt-oss-mid"] = dict(**MODELS["mid"], layer_types=gpt_oss_layers(16), **GPT_OSS)
+# GPT-OSS has one FFN width (no dense layers): intermediate_size = moe_intermediate_size, as its
+# checkpoints need
+MODELS["gpt-oss-mid"] = dict(
+    **MODELS["mid"], intermediate_size=512, layer_types=gpt_oss_layers(16), **GPT_OSS
+)
 """The `mid` shape with GPT-OSS's architecture: the CPU op/sync proxies of the family."""
 MODELS["gpt-oss-quickstart"] = dict(
-    **MODELS["quickstart"], layer_types=gpt_oss_layers(4), **{**GPT_OSS, "sliding_window": 8}
+    **MODELS["quickstart"],
+    intermediate_size=128,
+    layer_types=gpt_oss_layers(4),
+    **{**GPT_OSS, "sliding_window": 8},
 )
 """The quickstart's shape with GPT-OSS's architecture (CPU rehearsals, tiny RL runs)."""
 
@@ -76,8 +83,9 @@ GPU_PRESETS = {
     # the CPU rehearsal of the gpt-oss phase (scripts/gpu-check.sh)
     "gpt-oss-tiny": dict(
         vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=8,
-        num_experts_per_tok=2, max_position_embeddings=256, layer_types=gpt_oss_layers(2),
+        num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, intermediate_size=32,
+        num_experts=8, num_experts_per_tok=2, max_position_embeddings=256,
+        layer_types=gpt_oss_layers(2),
         **{**GPT_OSS, "sliding_window": 8},
     ),
     # a CPU-test scale (tests/unit/test_bench_train.py)
