@@ -25,7 +25,7 @@
 #                  quickstart (pytest -m "gpu and slow": the quickstart on CUDA learns) and
 #                  families (bench engine, bf16, 16x8, on 4 real layers of GLM-4.5-Air,
 #                  Mixtral-8x7B and OLMoE-1B-7B: bench/models.py FAMILY_PRESETS; issue 47)
-#                  and gpt-oss (bench engine, bf16, 16x8, then bench train --no-hf 2x1024, on
+#                  and gpt-oss (bench engine, bf16, 16x8, then bench train --no-hf 2x1024, 90 s each, on
 #                  4 real layers of gpt-oss-20b: sinks, windows, biases, clamped SwiGLU; issue 47)
 # Each phase has a time limit; the default phases stay under 8 minutes (PHASE_LIMITS below,
 # checked by --dry-run). GPU_CHECK_PHASES="gpu-tests quickstart" (say) runs those instead.
@@ -54,7 +54,7 @@ declare -A PHASE_LIMITS=([gpu-tests]=100 [bench]=75 [quickstart]=250)
 PHASE_LIMITS+=([engine-mid]=90 [engine-qwen]=60 [e2e]=120)  # issue 30: the engine at GPU scale
 PHASE_LIMITS+=([bench-train]=45)  # issue 29: the trainer at GPU scale
 PHASE_LIMITS+=([families]=150)  # issue 47 (A): glm4_moe, mixtral, olmoe at real layer shapes
-PHASE_LIMITS+=([gpt-oss]=120)  # issue 47 (B): gpt-oss-20b's layer x4, engine then trainer
+PHASE_LIMITS+=([gpt-oss]=180)  # issue 47 (B): gpt-oss-20b's layer x4, engine then trainer
 DEFAULT_PHASES="gpu-tests bench-train engine-mid engine-qwen e2e"
 PHASES=${GPU_CHECK_PHASES:-$DEFAULT_PHASES}
 KILL_AFTER_S=5
