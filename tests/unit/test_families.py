@@ -311,3 +311,21 @@ def test_glm_mtp_layers_pass_through(tmp_path):
               str(tmp_path / "src" / "model.safetensors"))  # fmt: skip
     with pytest.raises(ValueError, match="unexpected.*extra"):
         load_pretrained(tmp_path / "src")
+
+
+@pytest.mark.parametrize(
+    "preset", ["glm4_moe-quickstart", "mixtral-quickstart", "olmoe-quickstart"]
+)
+def test_random_init_from_the_model_section_saves_and_reloads(preset, tmp_path):
+    """A model built from `[model]` fields (what `slipstream run` random-initialises: each
+    family's switches on the quickstart shape, other fields at their defaults) saves as its
+    family's checkpoint and reloads with the same logits."""
+    from slipstream.bench.models import build_bench_model
+
+    model = build_bench_model(preset, vocab=40, max_pos=64, device="cpu", seed=0)
+    save_pretrained(model, tmp_path)
+    back = load_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == preset.split("-")[0]
+    ids = _ids(40)
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits_BTV, model(ids).logits_BTV)

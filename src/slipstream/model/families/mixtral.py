@@ -58,7 +58,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    require(cfg, "mixtral", **_FIXED, intermediate_size=cfg.moe_intermediate_size)
+    require(cfg, "mixtral", **_FIXED)  # intermediate_size: unused (no dense layer)
     windowed = cfg.sliding_window is not None and bool(cfg.layer_types)
     if cfg.layer_types and set(cfg.layer_types) != {"sliding_attention"}:
         raise ValueError(

@@ -50,8 +50,8 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    require(cfg, "olmoe", **_FIXED, intermediate_size=cfg.moe_intermediate_size,
-            attention_out_bias=cfg.attention_bias)  # fmt: skip
+    # intermediate_size: unused (no dense layer); OLMoE's is the expert width
+    require(cfg, "olmoe", **_FIXED, attention_out_bias=cfg.attention_bias)
     out = common_to_hf(cfg, OLMOE)
     out.update(
         intermediate_size=cfg.moe_intermediate_size,
