@@ -125,6 +125,8 @@ def _push(receiver: WeightReceiver, state: dict, names: list[str], version: int,
 def _joined(engine: NativeEngine) -> tuple[WeightReceiver, WeightGroup]:
     """The engine's receiver as rank 1 and a sender as rank 0 of one gloo group "g"."""
     receiver = WeightReceiver(engine, timeout_s=30)
+    # as a server's /health does: the receiving processes fork at once from here on
+    assert GROUP_PROCESSES_READY.wait(180)
     port = free_port()
     t = threading.Thread(target=receiver.init_group, args=("127.0.0.1", port, 1, 2, "g", "gloo"))
     t.start()
