@@ -66,8 +66,10 @@ def test_combined_sum_and_gate(rm_dir, tmp_path):
     raw = InProcessScorer(rm_dir).score([task.prompt + right])[0]
     v = make_reward_source(cfg, InProcessVerifier(taskset))
     assert isinstance(v, RewardSet)  # the shorthand is a case of [[reward.functions]]
-    assert [(f.name, f.weight) for f in cfg.reward.functions] == [("verifier", 0.25),
-                                                                  ("reward_model", 0.75)]
+    assert [(f.name, f.weight) for f in cfg.reward.functions] == [
+        ("verifier", 0.25),
+        ("reward_model", 0.75),
+    ]
     verdict = taskset.verify(task, right).reward
     score = v.verify(task, right)
     reward, reason = score

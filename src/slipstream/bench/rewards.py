@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
 
     from slipstream.config import load_config
     from slipstream.config.rm import RewardConfig
-    from slipstream.engine import NativeEngine
+    from slipstream.engine import build_engine
     from slipstream.envs import EpisodeLimits, EpisodeRunner, make_env_factory
     from slipstream.model import MoEForCausalLM
     from slipstream.observe.provenance import collect_provenance, write_result
@@ -129,9 +129,9 @@ def run(args: argparse.Namespace) -> int:
     model = MoEForCausalLM(cfg.model.model_copy(update={
         "vocab_size": tok.vocab_size,
         "max_position_embeddings": max(seq, cfg.model.max_position_embeddings)})).eval()  # fmt: skip
-    engine = NativeEngine(model, cfg.engine.model_copy(update={
+    engine = build_engine(cfg.engine.model_copy(update={
         "max_batch_size": slots, "max_seq_len": seq, "kv_cache_tokens": slots * seq}),
-        tokenizer=tok)  # fmt: skip
+        model, tokenizer=tok)  # fmt: skip
     verifier = InProcessVerifier(taskset)
     rc = RewardConfig.model_validate({
         "workers": args.workers, "functions": [

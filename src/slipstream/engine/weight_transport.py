@@ -336,6 +336,7 @@ class GroupProcess:
 
     def __init__(self, name: str, master_address: str, master_port: int, rank: int,
                  world_size: int, timeout_s: float) -> None:  # fmt: skip
+        self._proc: Any = None  # close() may run on an instance whose start failed
         if not 0 < rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size} (rank 0 sends)")
         self.name, self.backend, self.device = name, "gloo", torch.device("cpu")
@@ -406,7 +407,7 @@ class GroupProcess:
         self._expect("received", budget, f"receive {len(sizes)} broadcasts")
 
     def close(self) -> None:
-        proc, self._proc = getattr(self, "_proc", None), None
+        proc, self._proc = self._proc, None
         if proc is not None and proc.is_alive():
             try:
                 self._conn.send(("close", None))
