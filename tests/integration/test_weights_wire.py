@@ -537,12 +537,39 @@ def test_rl_job_with_two_workers_and_distributed_weight_sync(tmp_path) -> None:
     def successor() -> bool:
         return any(w.startswith("w1.") and w != "w1.0" for w in controller.coord.engines())
 
+    def hold(until, what: str) -> None:
+        deadline = time.monotonic() + 180
+        while not until():
+            assert time.monotonic() < deadline, (what, controller.trainer.version,
+                                                 sorted(controller.coord.engines()),
+                                                 controller.coord.weight_served)  # fmt: skip
+            time.sleep(0.05)
+
+    def up(*urls: str) -> bool:  # answering /health (their groups' receiving side ready)
+        try:
+            return all(httpx.get(f"{u}/health", timeout=5).status_code == 200 for u in urls)
+        except httpx.HTTPError:
+            return False
+
+    def healthy() -> bool:  # both first engines registered and up
+        engines = controller.coord.engines()
+        return len(engines) >= 2 and up(*(url for url, _ in engines.values()))
+
+    def successor_url() -> list[str]:
+        return [u for w, (u, _) in controller.coord.engines().items()
+                if w.startswith("w1.") and w != "w1.0"]  # fmt: skip
+
     def step(batch):
-        if killed.is_set():  # hold the trainer until w1's successor registered its engine
-            deadline = time.monotonic() + 180
-            while not successor():
-                assert time.monotonic() < deadline, "w1's successor never registered"
-                time.sleep(0.05)
+        # Wait on conditions, not on luck: at version 3 the trainer waits until both workers'
+        # engines are up (each starts its weight groups' forkserver first; on a loaded host the
+        # whole job once ended before they were, every version reaching them by the store), and
+        # from version 8 until the kill below happened (the pushes of 4-7 reached both).
+        if not killed.is_set() and controller.trainer.version >= 3:
+            hold(lambda: killed.is_set() or healthy(), "the engines never both became healthy")
+        if not killed.is_set() and controller.trainer.version >= 8:
+            hold(killed.is_set, "both engines never served a push")
+        if killed.is_set():  # hold the trainer until w1's successor's engine is up
+            hold(lambda: successor() and up(*successor_url()), "w1's successor never came up")
         for s in batch.samples:
             assert batch.trainer_version - min(s.versions) <= 1, (batch.trainer_version, s.versions)
             versions.append((batch.trainer_version, s.versions))

@@ -116,6 +116,9 @@ class ModelConfig(Section):
     """Clamp q, k and v to [-clip_qkv, clip_qkv] after the q/k norm (OLMoE); None: no clamp."""
     partial_rotary_factor: float = Field(default=1.0, gt=0, le=1)
     """RoPE rotates the first head_dim * factor dims of each head (GLM-4.5: 0.5)."""
+    num_nextn_predict_layers: int = Field(default=0, ge=0)
+    """Multi-token-prediction layers the checkpoint carries after the decoder (GLM-4.5,
+    DeepSeek-V3): kept and written back with the checkpoint, not built or trained."""
     max_position_embeddings: int = Field(default=512, ge=8)
     """Longest sequence (prompt + completion) the model handles."""
     rope_theta: float = Field(default=10000.0, gt=0)
