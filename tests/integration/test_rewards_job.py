@@ -5,6 +5,7 @@ failing stops the job with one line naming it, and nothing of it was ever traine
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -84,8 +85,10 @@ def test_a_function_that_keeps_failing_stops_the_job_naming_it(
             controller.run()
     finally:
         launcher.stop()
-    assert str(err.value) == ("reward function 'bad' failed on 4 consecutive calls "
-                              "(reward.max_consecutive_failures); last: ZeroDivisionError: "
-                              "the user's bug")  # fmt: skip
+    # at least the bound: calls already in flight when the 4th failed may fail too and count
+    m = re.fullmatch(r"reward function 'bad' failed on (\d+) consecutive calls "
+                     r"\(reward.max_consecutive_failures\); last: ZeroDivisionError: "
+                     r"the user's bug", str(err.value))  # fmt: skip
+    assert m is not None and int(m.group(1)) >= 4, str(err.value)
     assert trained == []  # no group was ever rewarded by the failing function
     assert controller.coord.status().dropped_tasks >= 1
