@@ -171,6 +171,15 @@ def form_group(
     )
 
     timeout = datetime.timedelta(seconds=timeout_s)
+    # A group of this name closed a moment ago is torn down on a daemon thread (`_abort`), which
+    # takes it out of torch's registry of names; until then torch refuses the name ("already
+    # created": the sender re-forming its group after dropping an engine raced that thread).
+    deadline = time.monotonic() + timeout_s
+    while group_name in _world.pg_names.values():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"group {group_name!r}: the previous group of that name is still "
+                               f"being torn down after {timeout_s:g} s")  # fmt: skip
+        time.sleep(0.01)
     store, rank, world_size = next(rendezvous(f"tcp://{_host(master_address)}:{master_port}",
                                               rank, world_size, timeout=timeout))  # fmt: skip
     store.set_timeout(timeout)
