@@ -80,6 +80,24 @@ def _model_info(url: str) -> dict:
     return httpx.get(f"{url}/get_model_info", timeout=10).json()
 
 
+@pytest.fixture(autouse=True)
+def groups_released():
+    """The trainer's end of these tests lives in this pytest process: the groups a test formed
+    are destroyed after it, as its trainer process's exit would do. torch keeps one group per
+    name per process, so a client test's group left behind made a later test's sender refused
+    ('already created') under the same name."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
+
+    before = set(_world.pg_names)
+    yield
+    for pg in set(_world.pg_names) - before:
+        try:
+            dist.destroy_process_group(pg)
+        except (RuntimeError, ValueError, KeyError, AssertionError):
+            pass  # a sender's own teardown thread got there first
+
+
 def _rank0(port: int, group: str, init: Callable[[], None]) -> tuple[Any, datetime.timedelta]:
     """The trainer's end of a 2-rank gloo group, formed while `init` (the engine's init
     request) runs on a thread, with SGLang's own `init_custom_process_group` (sglang_pg.py):
