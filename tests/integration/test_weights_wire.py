@@ -59,7 +59,12 @@ class Servers:
             if p.poll() is None:
                 os.kill(p.pid, signal.SIGCONT)
                 p.terminate()
-                p.wait(timeout=30)
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:  # never leave a server behind a failed test
+                    p.kill()
+                    p.wait(timeout=30)
+                    raise
 
 
 @pytest.fixture
