@@ -531,3 +531,12 @@ def test_deepseek_config_keeps_its_rope_theta_and_refuses_other_routing():
                        ("moe_layer_freq", 2)):  # fmt: skip
         with pytest.raises(ValueError, match=key):
             deepseek_v3.config_from_hf({**moonlight, key: value})
+
+
+def test_the_native_engine_refuses_a_hybrid_model_at_start() -> None:
+    from slipstream.engine import NativeEngine
+    from slipstream.model import MoEForCausalLM, model_config_from_hf
+
+    ours = MoEForCausalLM(model_config_from_hf(qwen3_next.tiny_hf_config()))
+    with pytest.raises(ValueError, match="cannot decode 'qwen3_next' yet: layer 0"):
+        NativeEngine(ours)

@@ -100,6 +100,16 @@ class NativeEngine:
     ) -> None:
         self.config = config or EngineConfig()
         cfg = model.config
+        # Gated DeltaNet, MLA and gated-attention layers (qwen3_next, qwen3_5_moe, deepseek_v3)
+        # train and load, but the slot cache has no per-layer state for them yet (issue 48):
+        # refuse at start, naming the layer, rather than on the first request
+        unsupported = [i for i, layer in enumerate(model.model.layers) if not layer.plain_attention]
+        if unsupported:
+            raise ValueError(
+                f"the native engine cannot decode {cfg.model_type!r} yet: layer "
+                f"{unsupported[0]} is not a plain attention layer (Gated DeltaNet, MLA or gated "
+                "attention need per-layer engine state, not built; docs/model.md)"
+            )
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = torch.device(self.config.device)
