@@ -144,12 +144,21 @@ class _Proc:
                                    name=f"slipstream-reward-{index}")  # fmt: skip
         self.process.start()
         child.close()
+        self._kill_lock = threading.Lock()
+        self._killed = False
 
     def kill(self) -> None:
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join(5.0)
-        self.conn.close()
+        """Idempotent and thread-safe: `close()` and the thread whose call the kill broke both
+        come here, and a second `conn.close()` would close a descriptor number that may
+        already belong to another file."""
+        with self._kill_lock:
+            if self._killed:
+                return
+            self._killed = True
+            if self.process.is_alive():
+                self.process.kill()
+            self.process.join(5.0)
+            self.conn.close()
 
 
 class RewardPool:
