@@ -386,7 +386,7 @@ def test_model_save_round_trip_through_transformers(model_pair, tmp_path):
         torch.testing.assert_close(reloaded(ids).logits, hf(ids).logits, atol=0, rtol=0)
 
 
-def test_gdn_layers_refuse_a_kv_cache_until_the_engine_has_their_state():
+def test_gdn_layers_refuse_a_kv_cache_without_their_recurrent_state():
     from slipstream.model import MoEForCausalLM, model_config_from_hf
 
     ours = MoEForCausalLM(model_config_from_hf(qwen3_next.tiny_hf_config()))
@@ -533,10 +533,18 @@ def test_deepseek_config_keeps_its_rope_theta_and_refuses_other_routing():
             deepseek_v3.config_from_hf({**moonlight, key: value})
 
 
-def test_the_native_engine_refuses_a_hybrid_model_at_start() -> None:
-    from slipstream.engine import NativeEngine
+def test_the_native_engine_serves_a_hybrid_model_with_per_layer_state() -> None:
+    """The engine starts on a hybrid (it refused before it had per-layer state): K/V pages for
+    the full-attention layer only, a GDN state per slot for the others. Equality with
+    transformers: tests/unit/test_engine_hybrid.py."""
+    from slipstream.config.engine import EngineConfig
+    from slipstream.engine import GenerateRequest, NativeEngine, SamplingParams
     from slipstream.model import MoEForCausalLM, model_config_from_hf
 
     ours = MoEForCausalLM(model_config_from_hf(qwen3_next.tiny_hf_config()))
-    with pytest.raises(ValueError, match="cannot decode 'qwen3_next' yet: layer 0"):
-        NativeEngine(ours)
+    cfg = EngineConfig(kv_cache_tokens=2 * 32, max_seq_len=32, max_batch_size=2)
+    with NativeEngine(ours, cfg) as engine:
+        cache = engine.batch.cache
+        assert cache.attention_layers == [3] and cache.linear_layers == [0, 1, 2]
+        (c,) = engine.generate([GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=4))])
+        assert len(c.token_ids) == 4

@@ -214,21 +214,27 @@ class DecodeStep:
     def reset_padding(self, num_rows: int, rows: int) -> None:
         """Padding rows [num_rows, rows) of a bucket advance with it at every step: put them
         back at position 0 with nothing generated, so their writes stay inside their own (free)
-        slot and their indices inside the buffers."""
+        slot and their indices inside the buffers (their GDN states zeroed: a free slot's
+        recurrent state does not drift over steps)."""
         for t in self.batch.step_state():
             t[num_rows:rows] = 0
+        if rows > num_rows:
+            self.batch.cache.reset_linear_state(slice(num_rows, rows))
 
     def _capture(self, rows: int) -> tuple[Any, torch.Tensor]:
         """Capture `device_step(rows)` with the key span fixed at the slot length. The warm-up
         runs (needed before capture) really execute: the rows' small state is saved and put
         back, so the live rows see no step; what they wrote (KV at each row's next position,
-        outputs at its next index) is rewritten by the real step."""
+        outputs at its next index) is rewritten by the real step; GDN states are put back too)."""
         batch = self.batch
         max_pos = batch.cache.slot_len - 1
-        saved = [t.clone() for t in batch.step_state()]
+        # the GDN states too: a warm-up step advances them, and unlike a K/V page (rewritten
+        # at the same position by the real step) a recurrent state would carry it on
+        state = (*batch.step_state(), *batch.cache.linear_state_tensors())
+        saved = [t.clone() for t in state]
 
         def restore() -> None:  # a row one short of its slot's end must not step twice
-            for t, s in zip(batch.step_state(), saved, strict=True):
+            for t, s in zip(state, saved, strict=True):
                 t.copy_(s)
 
         stream = torch.cuda.Stream()

@@ -33,12 +33,30 @@ Attention variants (the `window` and `sinks_H` keywords of `attend`, model/atten
   before). Decode reads it with the other keys (no copy) and puts the layer's sink logits in its
   mask column: one cat per layer and step.
 
-Legend: L layers, N slots, K kv heads, H query heads, S slot length, D head dim, B rows,
-T tokens in this forward, P tokens of one prompt.
+Per-layer state (the hybrid and latent-attention families, docs/engine.md "Per-layer state"):
+- K/V pages are kept for the attention layers only (`attention_layers`; `k_LNKSD` is indexed by
+  an attention layer's rank among them, `attend` maps the model's layer index).
+- MLA layers store their expanded K and V: H heads each, K `qk_nope + qk_rope` wide and V
+  `v_head_dim` wide (`v_head_dim`: V's own width, K's by default), not the compressed latent.
+- Gated DeltaNet layers (`linear_layers`) keep per slot a fixed-size state: the conv window
+  `conv_LNCw` (the last W - 1 conv inputs, activation dtype) and the recurrent state `rec_LNHKV`
+  (float32), allocated once. `linear_mix` runs a GDN layer on them: decode rows [0, B) on the
+  first B slots' states (the recurrent form, one step), each admitted `Part` on its slot's state
+  (the chunked form). A part starting at position 0 starts from a zero state (zeroed by
+  `begin_mixed`: a reassigned slot keeps nothing of its last sequence); a part starting later
+  continues the slot's state, which must then be that of position `start` (the prefix cache
+  holds pages, not GDN states: the engine disables it for models with GDN layers).
+  `copy_prefix` and `move` copy the state with the pages. Per sequence, GDN state is constant
+  in the context length; only the attention layers' pages grow with it (`bytes_per_slot`).
+
+Legend: L layers, N slots, K kv heads, H query heads, S slot length, D head dim (Dv: V's),
+B rows, T tokens in this forward, P tokens of one prompt, C conv channels, w conv window,
+Hv/Dk/Dv of a GDN state.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -46,6 +64,8 @@ import torch.nn.functional as F
 
 from slipstream.model.attention import sdpa
 from slipstream.model.attention_variants import additive, allowed_TS, sink_sdpa
+from slipstream.model.gated_deltanet import GDNState
+from slipstream.model.mla import MLAttention
 
 
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -63,8 +83,20 @@ class Part(NamedTuple):
     start: int = 0
 
 
+class LinearStateShape(NamedTuple):
+    """One Gated DeltaNet layer's per-sequence state: conv window (conv_channels,
+    conv_kernel - 1) and recurrent state (value_heads, key_dim, value_dim), float32."""
+
+    conv_channels: int
+    conv_kernel: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+
+
 class SlotKVCache:
-    """k/v storage for `num_slots` sequences of up to `slot_len` tokens each."""
+    """k/v storage for `num_slots` sequences of up to `slot_len` tokens each (and the GDN
+    layers' fixed-size state per sequence; see the module docstring)."""
 
     length = None
     """`KVCache.length`: not tracked here (rows sit at different positions; the engine passes
@@ -80,16 +112,45 @@ class SlotKVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         sink_key: bool = False,
+        v_head_dim: int | None = None,
+        linear_layers: Sequence[int] = (),
+        linear_state: LinearStateShape | None = None,
     ) -> None:
-        """`sink_key`: keep the zero sink key in front of each slot (see the module docstring);
-        a layer that passes `sinks_H` needs it."""
+        """`num_layers`: the model's layers; those in `linear_layers` are Gated DeltaNet layers
+        with a `linear_state` each, the others attention layers with K/V pages. `v_head_dim`:
+        V's width when it differs from K's (MLA). `sink_key`: keep the zero sink key in front
+        of each slot (see the module docstring); a layer that passes `sinks_H` needs it."""
+        if linear_layers and linear_state is None:
+            raise ValueError(f"linear_layers {list(linear_layers)} need a linear_state shape")
+        linear = sorted(set(linear_layers))
+        if linear and not 0 <= linear[0] <= linear[-1] < num_layers:
+            raise ValueError(f"linear_layers {linear} outside the model's {num_layers} layers")
+        self.linear_layers = linear
+        self.attention_layers = [i for i in range(num_layers) if i not in set(linear)]
+        # model layer -> its rank among the attention (or linear) layers, -1 for the other kind
+        self._attn_rank = [-1] * num_layers
+        self._linear_rank = [-1] * num_layers
+        for r, i in enumerate(self.attention_layers):
+            self._attn_rank[i] = r
+        for r, i in enumerate(linear):
+            self._linear_rank[i] = r
         self._off = 1 if sink_key else 0
-        shape = (num_layers, num_slots, num_kv_heads, self._off + slot_len, head_dim)
+        num_attn = len(self.attention_layers)
+        shape = (num_attn, num_slots, num_kv_heads, self._off + slot_len, head_dim)
+        v_shape = (*shape[:-1], v_head_dim or head_dim)
         # `raw` holds the sink position first (when kept); k_LNKSD / v_LNKSD are positions 0.. on
         self._k_raw = torch.zeros(shape, dtype=dtype, device=device)
-        self._v_raw = torch.zeros(shape, dtype=dtype, device=device)
+        self._v_raw = torch.zeros(v_shape, dtype=dtype, device=device)
         self.k_LNKSD = self._k_raw[:, :, :, self._off :]
         self.v_LNKSD = self._v_raw[:, :, :, self._off :]
+        ls = linear_state or LinearStateShape(0, 1, 0, 0, 0)
+        n_lin = len(linear)
+        self.conv_LNCw = torch.zeros((n_lin, num_slots, ls.conv_channels, ls.conv_kernel - 1),
+                                     dtype=dtype, device=device)  # fmt: skip
+        self.rec_LNHKV = torch.zeros((n_lin, num_slots, ls.value_heads, ls.key_dim, ls.value_dim),
+                                     dtype=torch.float32, device=device)  # fmt: skip
+        self._conv_L = self.conv_LNCw.unbind(0)
+        self._rec_L = self.rec_LNHKV.unbind(0)
         self.num_slots = num_slots
         self.slot_len = slot_len
         self._mode = ""
@@ -112,15 +173,50 @@ class SlotKVCache:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, num_slots: int, slot_len: int) -> SlotKVCache:
-        """A cache sized for `model` (an MoEForCausalLM), on its device and in its dtype."""
+        """A cache sized for `model` (an MoEForCausalLM), on its device and in its dtype: K/V
+        pages for its attention layers (MLA: H heads of K `qk_nope + qk_rope` and V
+        `v_head_dim` wide), a GDN state per slot for its Gated DeltaNet layers."""
         cfg, param = model.config, next(model.parameters())
-        return cls(cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, slot_len,
-                   cfg.head_dim, dtype=param.dtype, device=param.device,
-                   sink_key=cfg.attention_sinks)  # fmt: skip
+        layers = list(model.model.layers)
+        linear = [i for i, layer in enumerate(layers) if layer.linear_attn is not None]
+        mla = [layer.self_attn for layer in layers
+               if layer.linear_attn is None and isinstance(layer.self_attn, MLAttention)]  # fmt: skip
+        heads, head_dim, v_dim = cfg.num_key_value_heads, cfg.head_dim, None
+        if mla:  # every attention layer of an MLA model is MLA
+            heads, head_dim, v_dim = mla[0].num_heads, mla[0].qk_head_dim, mla[0].v_head_dim
+        state = None
+        if linear:
+            gdn = layers[linear[0]].linear_attn
+            state = LinearStateShape(gdn.conv_dim, gdn.conv_kernel_size, gdn.num_v_heads,
+                                     gdn.head_k_dim, gdn.head_v_dim)  # fmt: skip
+        return cls(len(layers), num_slots, heads, slot_len, head_dim, dtype=param.dtype,
+                   device=param.device, sink_key=cfg.attention_sinks, v_head_dim=v_dim,
+                   linear_layers=linear, linear_state=state)  # fmt: skip
 
     @property
     def nbytes(self) -> int:
-        return self._k_raw.nbytes + self._v_raw.nbytes
+        return (self._k_raw.nbytes + self._v_raw.nbytes + self.conv_LNCw.nbytes
+                + self.rec_LNHKV.nbytes)  # fmt: skip
+
+    def bytes_per_slot(self) -> dict[str, int]:
+        """One sequence's decode state in bytes, by layer kind: "attention" (K/V pages: grows
+        with the slot length), "linear" (GDN conv window + recurrent state: constant)."""
+        n = self.num_slots
+        return {
+            "attention": (self._k_raw.nbytes + self._v_raw.nbytes) // n,
+            "linear": (self.conv_LNCw.nbytes + self.rec_LNHKV.nbytes) // n,
+        }
+
+    def linear_state_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The GDN states of every slot (a decode step advances them: a CUDA graph capture's
+        warm-up saves and restores them)."""
+        return (self.conv_LNCw, self.rec_LNHKV) if self.linear_layers else ()
+
+    def reset_linear_state(self, slots: torch.Tensor | slice) -> None:
+        """Zero the GDN states of `slots` (a sequence starting at position 0)."""
+        if self.linear_layers:
+            self.conv_LNCw[:, slots] = 0
+            self.rec_LNHKV[:, slots] = 0
 
     def begin_decode(self, pos_B: torch.Tensor, max_pos: int) -> None:
         """Rows [0, B) each write one token at pos_B[b] and read keys [0, max_pos]. `max_pos` is
@@ -183,12 +279,15 @@ class SlotKVCache:
             self._rows_B = pos_B
         self._mode = "mixed"
         self._parts = parts
+        fresh = [p.slot for p in parts if p.start == 0]
+        if fresh and self.linear_layers:  # new sequences start from a zero GDN state
+            self.reset_linear_state(torch.tensor(fresh, device=self.conv_LNCw.device))
 
-    def _decode_attend(self, layer_idx, k_NKSD, v_NKSD, q_BHTD, k_BKTD, v_BKTD, window=None,  # noqa: ANN001
+    def _decode_attend(self, rank, k_NKSD, v_NKSD, q_BHTD, k_BKTD, v_BKTD, window=None,  # noqa: ANN001
                        sinks_H=None) -> torch.Tensor:  # fmt: skip
         k_NKSD.index_put_(self._put_BK1, _as(k_BKTD, k_NKSD.dtype))
         v_NKSD.index_put_(self._put_BK1, _as(v_BKTD, v_NKSD.dtype))
-        keys_BKSD, values_BKSD = self._keys_L[layer_idx], self._values_L[layer_idx]
+        keys_BKSD, values_BKSD = self._keys_L[rank], self._values_L[rank]
         # The G = H / K query heads of a kv head as G queries of one head: SDPA then sees equal
         # head counts, which its fused kernels with a mask take (CUDA: memory-efficient/cuDNN;
         # masked enable_gqa falls back to the math kernel), and one mask serves all of them.
@@ -197,19 +296,17 @@ class SlotKVCache:
         q_BKGD = q_BHTD.reshape(B, K, -1, D)
         mask = self._mask_B11S if window is None else self._decode_mask(window)
         if self._off:  # the layer's sink logits in the sink key's column (-inf: no sinks)
-            mask = mask + self._sink_column(layer_idx, sinks_H, K)[..., : mask.shape[-1]]
+            mask = mask + self._sink_column(rank, sinks_H, K)[..., : mask.shape[-1]]
         out_BKGD = F.scaled_dot_product_attention(q_BKGD, keys_BKSD, values_BKSD, attn_mask=mask)
-        return out_BKGD.view(B, H, 1, D)
+        return out_BKGD.view(B, H, 1, values_BKSD.shape[-1])  # V's width (MLA: not K's)
 
-    def _sink_column(
-        self, layer_idx: int, sinks_H: torch.Tensor | None, num_kv: int
-    ) -> torch.Tensor:
-        """(1, K, G, 1 + S): the layer's sink logits in column 0 (-inf for a layer without
+    def _sink_column(self, rank: int, sinks_H: torch.Tensor | None, num_kv: int) -> torch.Tensor:
+        """(1, K, G, 1 + S): the layer's (`rank`: among the attention layers) sink logits in column 0 (-inf for a layer without
         sinks), zeros after; added to the step's mask (two ops per layer). Cached per layer,
         rebuilt in place when the sinks change (their version counter or storage), so a captured
         CUDA graph reads the new values."""
         key = (-1, -1) if sinks_H is None else (sinks_H._version, sinks_H.data_ptr())
-        cached = self._sink_cols.get(layer_idx)
+        cached = self._sink_cols.get(rank)
         if cached is None or cached[0] != key:
             if sinks_H is None:
                 col = self.k_LNKSD.new_full((1, 1, 1, 1), float("-inf"))
@@ -219,17 +316,17 @@ class SlotKVCache:
             new = F.pad(col, (0, self.slot_len))
             if cached is not None:
                 new = cached[1].copy_(new)
-            cached = self._sink_cols[layer_idx] = (key, new, sinks_H)
+            cached = self._sink_cols[rank] = (key, new, sinks_H)
         return cached[1]
 
     def refresh_sinks(self) -> None:
         """Bring the cached sink columns up to date after an in-place weight update (in their
         storage): a replayed CUDA graph runs no Python to notice (DecodeStep.weights_updated)."""
-        for layer_idx, (_, _, sinks_H) in list(self._sink_cols.items()):
+        for rank, (_, _, sinks_H) in list(self._sink_cols.items()):
             if sinks_H is not None:
-                self._sink_column(layer_idx, sinks_H, self.k_LNKSD.shape[2])
+                self._sink_column(rank, sinks_H, self.k_LNKSD.shape[2])
 
-    def _mixed_attend(self, layer_idx, k_NKSD, v_NKSD, q_1HTD, k_1KTD, v_1KTD, window=None,  # noqa: ANN001
+    def _mixed_attend(self, rank, k_NKSD, v_NKSD, q_1HTD, k_1KTD, v_1KTD, window=None,  # noqa: ANN001
                       sinks_H=None) -> torch.Tensor:  # fmt: skip
         num_rows = self._rows_B.shape[0]
         outs = []
@@ -239,7 +336,7 @@ class SlotKVCache:
                 return x[0, :, :num_rows].transpose(0, 1).unsqueeze(2)
 
             out_BH1D = self._decode_attend(
-                layer_idx,
+                rank,
                 k_NKSD,
                 v_NKSD,
                 rows(q_1HTD),
@@ -256,7 +353,7 @@ class SlotKVCache:
             q_1HPD = q_1HTD[:, :, offset : offset + length]
             if window is not None or sinks_H is not None:
                 if self._off:  # build the layer's sink column now, not in the first decode step
-                    self._sink_column(layer_idx, sinks_H, k_NKSD.shape[1])
+                    self._sink_column(rank, sinks_H, k_NKSD.shape[1])
                 # the variants' masks: query i at position start + i, keys [0, end) of the slot
                 q_pos_P = torch.arange(start, end, device=q_1HTD.device)
                 k_pos_S = torch.arange(end, device=q_1HTD.device)
@@ -289,21 +386,53 @@ class SlotKVCache:
         window: int | None = None,
         sinks_H: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        k_NKSD, v_NKSD = self._k_L[layer_idx], self._v_L[layer_idx]
+        j = self._attn_rank[layer_idx]  # the layer's K/V storage (attention layers only)
+        if j < 0:
+            raise ValueError(f"layer {layer_idx} is a Gated DeltaNet layer: it has no K/V pages")
+        k_NKSD, v_NKSD = self._k_L[j], self._v_L[j]
         if sinks_H is not None and not self._off:
             raise ValueError("a layer with attention sinks needs SlotKVCache(sink_key=True)")
         if self._mode == "mixed":
-            return self._mixed_attend(layer_idx, k_NKSD, v_NKSD, q_BHTD, k_BKTD, v_BKTD, window,
-                                      sinks_H)  # fmt: skip
+            return self._mixed_attend(j, k_NKSD, v_NKSD, q_BHTD, k_BKTD, v_BKTD, window, sinks_H)
         if self._mode == "decode":
             if q_BHTD.shape[2] != 1:
                 raise ValueError(f"decode takes one token per row, got {q_BHTD.shape[2]}")
-            return self._decode_attend(layer_idx, k_NKSD, v_NKSD, q_BHTD, k_BKTD, v_BKTD, window,
-                                       sinks_H)  # fmt: skip
+            return self._decode_attend(j, k_NKSD, v_NKSD, q_BHTD, k_BKTD, v_BKTD, window, sinks_H)
         raise RuntimeError("SlotKVCache.attend called before begin_decode/begin_mixed")
 
+    def linear_mix(
+        self,
+        layer_idx: int,
+        mixer: Callable[[torch.Tensor, GDNState], torch.Tensor],
+        x_BTD: torch.Tensor,
+    ) -> torch.Tensor:
+        """`RecurrentStateCache.linear_mix` (model/mixers.py): a Gated DeltaNet layer over this
+        forward's tokens, each row (decode) or part (mixed) on its slot's state, which the
+        layer advances in place. Decode: rows [0, B) are slots [0, B), one token each (a view
+        of the first B states: no gather, static shapes for a captured graph)."""
+        g = self._linear_rank[layer_idx]
+        if g < 0:
+            raise ValueError(f"layer {layer_idx} is not a Gated DeltaNet layer of this cache")
+        conv_NCw, rec_NHKV = self._conv_L[g], self._rec_L[g]
+        if self._mode == "decode":
+            B = x_BTD.shape[0]
+            return mixer(x_BTD, GDNState(conv_NCw[:B], rec_NHKV[:B]))
+        if self._mode != "mixed":
+            raise RuntimeError("SlotKVCache.linear_mix called before begin_decode/begin_mixed")
+        num_rows = self._rows_B.shape[0]
+        outs = []
+        if num_rows:  # [1, B, D] -> [B, 1, D]: each decode token on its own row's state
+            x_B1D = x_BTD[0, :num_rows, None]
+            state = GDNState(conv_NCw[:num_rows], rec_NHKV[:num_rows])
+            outs.append(mixer(x_B1D, state)[:, 0][None])
+        for slot, offset, length, _ in self._parts:
+            state = GDNState(conv_NCw[slot : slot + 1], rec_NHKV[slot : slot + 1])
+            outs.append(mixer(x_BTD[:, offset : offset + length], state))
+        return torch.cat(outs, dim=1)
+
     def copy_prefix(self, src_slot: int, dst_slots: torch.Tensor, length: int) -> None:
-        """Copy the first `length` positions of one slot into others (group prefix sharing)."""
+        """Copy the first `length` positions of one slot into others (group prefix sharing),
+        with its GDN states (which must be those of position `length`)."""
         if dst_slots.numel() == 0:
             return
         self.k_LNKSD[:, dst_slots, :, :length] = self.k_LNKSD[
@@ -312,8 +441,12 @@ class SlotKVCache:
         self.v_LNKSD[:, dst_slots, :, :length] = self.v_LNKSD[
             :, src_slot : src_slot + 1, :, :length
         ]
+        for state in self.linear_state_tensors():
+            state[:, dst_slots] = state[:, src_slot : src_slot + 1]
 
     def move(self, src_slot: int, dst_slot: int, length: int) -> None:
         """Move a sequence to another slot (compaction when a row leaves the batch)."""
         self.k_LNKSD[:, dst_slot, :, :length] = self.k_LNKSD[:, src_slot, :, :length]
         self.v_LNKSD[:, dst_slot, :, :length] = self.v_LNKSD[:, src_slot, :, :length]
+        for state in self.linear_state_tensors():
+            state[:, dst_slot] = state[:, src_slot]

@@ -33,6 +33,10 @@ handful of tensor ops (sampling, bookkeeping) and one host sync to the model for
   prefilled (a `Part` starting past 0); a finished row's sequence (and each admitted prompt) is
   stored when all its KV came from the weights now serving; cleared on every weight update.
   Requests asking for prompt logprobs or routing prefill in full (they need every position).
+  Off for models with Gated DeltaNet layers (logged at start; prefix_cache.py).
+- Per-layer state (`kv_cache.py`): K/V pages for attention layers (gated attention as plain;
+  MLA's expanded K and V of different widths), a fixed-size conv window and recurrent state per
+  slot for Gated DeltaNet layers (qwen3_next, qwen3_5_moe, deepseek_v3 serve; docs/engine.md).
 
 Not covered: chunked prefill, preemption, tensor parallelism.
 """
@@ -100,16 +104,6 @@ class NativeEngine:
     ) -> None:
         self.config = config or EngineConfig()
         cfg = model.config
-        # Gated DeltaNet, MLA and gated-attention layers (qwen3_next, qwen3_5_moe, deepseek_v3)
-        # train and load, but the slot cache has no per-layer state for them yet (issue 48):
-        # refuse at start, naming the layer, rather than on the first request
-        unsupported = [i for i, layer in enumerate(model.model.layers) if not layer.plain_attention]
-        if unsupported:
-            raise ValueError(
-                f"the native engine cannot decode {cfg.model_type!r} yet: layer "
-                f"{unsupported[0]} is not a plain attention layer (Gated DeltaNet, MLA or gated "
-                "attention need per-layer engine state, not built; docs/model.md)"
-            )
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = torch.device(self.config.device)
@@ -130,12 +124,19 @@ class NativeEngine:
                 f"{slot_len} tokens; raise it or lower engine.max_seq_len"
             )
         dtype = next(model.parameters()).dtype
-        cache = SlotKVCache(
-            cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, slot_len, cfg.head_dim,
-            dtype=dtype, device=self.device, sink_key=cfg.attention_sinks,
-        )  # fmt: skip
+        # per-layer state: K/V pages for attention layers (MLA: its expanded K/V), a fixed-size
+        # recurrent state per slot for Gated DeltaNet layers (kv_cache.py)
+        cache = SlotKVCache.for_model(self.model, num_slots, slot_len)
         self.batch = RunningBatch(cache, cfg.vocab_size, self.device)
         tokens = self.config.prefix_cache_tokens
+        if tokens and cache.linear_layers:
+            log.warning(
+                "engine.prefix_cache_tokens=%d ignored: %r has Gated DeltaNet layers %s, whose "
+                "prefix is a recurrent state the prefix cache does not hold; serving without a "
+                "prefix cache across requests (a group's n samples still share their prefill)",
+                tokens, cfg.model_type, cache.linear_layers,
+            )  # fmt: skip
+            tokens = 0
         self.prefix_cache = PrefixCache(cache, tokens) if tokens else None
         if eos_token_ids is None:
             eos_token_ids = [tokenizer.eos_id] if tokenizer is not None else []

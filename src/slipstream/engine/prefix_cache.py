@@ -24,6 +24,12 @@ a lookup leaves at least one prompt token to prefill (its logits sample the firs
 
 Only the engine thread calls lookup/load/store/clear.
 
+Models with Gated DeltaNet layers (qwen3_next, qwen3_5_moe): a GDN prefix is a state snapshot
+at the prefix end, not pages, and a block chain here ends at a block boundary where no snapshot
+was taken; a `PrefixCache` over a slot cache with GDN layers is refused (the engine then serves
+without one and logs it once; docs/engine.md). MLA models cache their expanded K/V blocks like
+any attention (V narrower than K: the pools have each their own width).
+
 Legend: L layers, B blocks, K kv heads, t block_tokens, D head dim, N slots, S slot length.
 """
 
@@ -55,11 +61,18 @@ class PrefixCache:
             raise ValueError(
                 f"engine.prefix_cache_tokens={num_tokens} holds no block of {block_tokens} tokens"
             )
+        if slots.linear_layers:
+            raise ValueError(
+                f"a prefix cache cannot serve a model with Gated DeltaNet layers (layers "
+                f"{slots.linear_layers}): their prefix is a recurrent state, not K/V blocks; set "
+                "engine.prefix_cache_tokens = 0"
+            )
         num_layers, _, heads, _, head_dim = slots.k_LNKSD.shape
         shape = (num_layers, num_blocks, heads, block_tokens, head_dim)
+        v_shape = (*shape[:-1], slots.v_LNKSD.shape[-1])  # MLA: V narrower than K
         dtype, device = slots.k_LNKSD.dtype, slots.k_LNKSD.device
         self.k_LBKtD = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_LBKtD = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_LBKtD = torch.zeros(v_shape, dtype=dtype, device=device)
         self.slots = slots
         self.block_tokens = block_tokens
         self.num_blocks = num_blocks

@@ -10,14 +10,19 @@ tokens are a prefix and every mixer is causal (attention masks the later padding
 recurrence and its conv only run forward). The RoPE tables come packed too; they are scattered
 back the same way (with rotate-half's sign taken out of sin again).
 
-Not yet: decoding a Gated DeltaNet layer through the engine's cache. The engine's per-layer
-state (a recurrent state and conv window per sequence, `GDNState`, instead of KV pages) is the
-engine part of issue 48; a GDN layer given a `KVCache` raises. The engine's `SlotKVCache`
-allocates one head width for K and V, so MLA (K wider than V) does not decode through it yet
-either; MLA works with any `KVCache` that accepts V of another width (tests/unit/test_mla.py).
+Decoding through a cache: attention-like mixers (MLA, gated attention) hand their q/k/v to
+`KVCache.attend` like `Attention`; MLA's V is narrower than its K, so its cache must take V of
+another width (the engine's `SlotKVCache` does). A Gated DeltaNet layer has no KV: it runs
+through a `RecurrentStateCache`, which holds each sequence's `GDNState` (conv window and
+recurrent state, fixed size) and calls the layer on the right states
+(`RecurrentStateCache.linear_mix`); the engine's `SlotKVCache` is one. A GDN layer given a
+`KVCache` that holds no recurrent state raises.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -25,11 +30,27 @@ from torch import nn
 from slipstream.config.model import ModelConfig
 from slipstream.model.attention import KVCache
 from slipstream.model.gated_attention import GatedAttention
-from slipstream.model.gated_deltanet import GatedDeltaNet
+from slipstream.model.gated_deltanet import GatedDeltaNet, GDNState
 from slipstream.model.layers import Packing
 from slipstream.model.mla import MLAttention, mla_softmax_scale
 
 Mixer = GatedDeltaNet | MLAttention | GatedAttention
+
+
+@runtime_checkable
+class RecurrentStateCache(Protocol):
+    """A cache that also holds the Gated DeltaNet layers' per-sequence state (see the module
+    docstring). `linear_mix(layer_idx, mixer, x_BTD)` runs `mixer(x, state)` over the new
+    tokens x (B, T, D) of this forward, each row or segment on its own sequence's state
+    (`GatedDeltaNet.forward` continues from it and writes the new state back in place), and
+    returns the outputs (B, T, D) in x's order."""
+
+    def linear_mix(
+        self,
+        layer_idx: int,
+        mixer: Callable[[torch.Tensor, GDNState], torch.Tensor],
+        x_BTD: torch.Tensor,
+    ) -> torch.Tensor: ...
 
 
 def is_linear_layer(cfg: ModelConfig, layer_idx: int) -> bool:
@@ -74,10 +95,13 @@ def run_mixer(
 ) -> torch.Tensor:
     """The mixer on x (B, T, D), or on x (M, D) with `packing` (see the module docstring)."""
     if isinstance(mixer, GatedDeltaNet) and cache is not None:
-        raise NotImplementedError(
-            f"layer {mixer.layer_idx} is a Gated DeltaNet layer: decoding it through a KVCache "
-            "needs the engine's per-layer recurrent state, which is not built yet (issue 48)"
-        )
+        if not isinstance(cache, RecurrentStateCache) or packing is not None:
+            raise NotImplementedError(
+                f"layer {mixer.layer_idx} is a Gated DeltaNet layer: decoding it needs a cache "
+                f"that holds its recurrent state (a RecurrentStateCache, e.g. the engine's "
+                f"SlotKVCache), not {type(cache).__name__}"
+            )
+        return cache.linear_mix(mixer.layer_idx, mixer, x)
     if packing is None:
         if isinstance(mixer, GatedDeltaNet):
             return mixer(x)
