@@ -102,9 +102,11 @@ def _prepare(
     """float32, heads first (B, Hv, T, ...), q/k expanded to the value heads (each key head
     serves Hv/Hk consecutive value heads), L2-normalised, q scaled by 1/sqrt(Dk)."""
     Hk, Hv = k_BTHD.shape[2], v_BTHD.shape[2]
-    if Hv != Hk:
-        q_BTHD = q_BTHD.repeat_interleave(Hv // Hk, dim=2)
-        k_BTHD = k_BTHD.repeat_interleave(Hv // Hk, dim=2)
+    if Hv != Hk:  # repeat_interleave by expand + reshape: the same copy, never a sync op
+        B, T, _, Dk = k_BTHD.shape
+        r = Hv // Hk
+        q_BTHD = q_BTHD[:, :, :, None].expand(B, T, Hk, r, Dk).reshape(B, T, Hv, Dk)
+        k_BTHD = k_BTHD[:, :, :, None].expand(B, T, Hk, r, Dk).reshape(B, T, Hv, Dk)
     q, k, v, beta, g = (
         t.transpose(1, 2).float() for t in (q_BTHD, k_BTHD, v_BTHD, beta_BTH, g_BTH)
     )
