@@ -91,3 +91,39 @@ def test_trainer_forward_backward_ops_and_syncs(model_type):
     print(f"{model_type} mid-like fwd+bwd 2x64: {counted.ops} ops, {counted.syncs} syncs")
     assert counted.syncs == 0, counted.sync_ops()
     assert counted.ops <= TRAIN_BUDGET.get(model_type, MAX_OPS), counted.top(20)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_op_lean_training_paths_keep_the_gradients(model_type):
+    """The op-lean training paths the budgets above count (the packed forward: q/k/v and o
+    projections with their biases as one `linear` Function, the masks shared by the layers, the
+    sinks' gradient Function, the clamped SwiGLU's one-mask backward) give the padded forward's
+    logits and gradients at the real tokens; that forward is checked against transformers in
+    test_families.py."""
+    family = family_for(model_type)
+    torch.manual_seed(0)
+    model = MoEForCausalLM(
+        ModelConfig(model_type=model_type, **family.config_from_hf(family.tiny_hf_config()))
+    ).train()
+    with torch.no_grad():  # biases, sinks and norm weights away from their 0 / 1 init
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.2 * torch.randn(p.shape))
+    ids = torch.randint(
+        0, model.config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(7)
+    )
+    real = torch.ones_like(ids, dtype=torch.bool)
+    real[1, 9:] = False
+
+    def run(skip: bool):
+        model.zero_grad(set_to_none=True)
+        out = model(ids, skip_padding_BT=real if skip else None)
+        (out.logits_BTV.logsumexp(-1) * real).sum().backward()
+        return out.logits_BTV.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    ref, ref_g = run(False)
+    got, got_g = run(True)
+    torch.testing.assert_close(got[real], ref[real], atol=1e-5, rtol=1e-5)
+    for name, g in ref_g.items():
+        assert g is not None and got_g[name] is not None, name
+        torch.testing.assert_close(got_g[name], g, atol=1e-5, rtol=1e-4, msg=name)

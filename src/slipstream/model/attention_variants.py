@@ -19,8 +19,16 @@ width; S1 = S + 1 (the sink key first).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from slipstream.model.attention import sdpa
+
+_MASKS: dict[tuple, torch.Tensor] = {}
+"""`variant_attend`'s additive (1, 1, T, T) masks by (T, window, device, dtype): every layer of
+a forward (and later forwards of the same length) reuses one instead of ~10 ops per layer
+(training is per-op overhead bound on a GPU). A few entries at most (cleared past
+`_MAX_MASKS`)."""
+_MAX_MASKS = 8
 
 
 def allowed_TS(q_pos_T: torch.Tensor, k_pos_S: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -51,9 +59,28 @@ def with_sink_column(mask_BHTS: torch.Tensor, sinks_H: torch.Tensor) -> torch.Te
 
 
 def zero_key_first(x_BKSD: torch.Tensor) -> torch.Tensor:
-    """k or v with the sink's zero key in front: (B, K, S1, D)."""
-    B, K, _, D = x_BKSD.shape
-    return torch.cat((x_BKSD.new_zeros(B, K, 1, D), x_BKSD), dim=2)
+    """k or v with the sink's zero key in front: (B, K, S1, D) (one pad op, not zeros + cat)."""
+    return F.pad(x_BKSD, (0, 0, 1, 0))
+
+
+class _SinkGradient(torch.autograd.Function):
+    """y as it is, with the sinks' gradient d loss / d s_h = -sum g * p_sink * y over the
+    batch, queries and head dims (the sink's value is zero: dy/ds_h = -p_sink * y). One op
+    forward and three backward, where the equivalent zero-valued autograd term
+    (s - s.detach()) * -(p_sink * y) took ~10."""
+
+    @staticmethod
+    def forward(ctx, y_BHTD: torch.Tensor, sinks_H: torch.Tensor, py_BHTD: torch.Tensor):  # type: ignore[override]
+        ctx.save_for_backward(py_BHTD)
+        return y_BHTD.view_as(y_BHTD)
+
+    @staticmethod
+    def backward(ctx, g_BHTD: torch.Tensor):  # type: ignore[override]
+        (py_BHTD,) = ctx.saved_tensors
+        g_sinks_H = None
+        if ctx.needs_input_grad[1]:
+            g_sinks_H = (g_BHTD * py_BHTD).sum((0, 2, 3)).neg()
+        return g_BHTD, g_sinks_H, None
 
 
 def sink_sdpa(
@@ -77,14 +104,14 @@ def sink_sdpa(
     # zero), p_sink = 1 - (attention of the same mask over values one for every real key and
     # zero for the sink), added as a term
     # that is zero in value: (s - s.detach()) * -(p_sink * y).detach().
+    # (`_SinkGradient`: the term as an autograd Function, fewer ops)
     mask = with_sink_column(mask_BHTS, sinks_H.detach())
     y = sdpa(q_BHTD, k_BKSD, v_BKSD, mask_TS=mask)
     with torch.no_grad():
-        ones = zero_key_first(torch.ones_like(real_BKSD[..., :1, :1]).expand(real_BKSD.shape))
+        ones = zero_key_first(torch.ones(real_BKSD.shape, dtype=y.dtype, device=y.device))
         p_sink = 1 - sdpa(q_BHTD, k_BKSD, ones, mask_TS=mask)[..., :1]
-        slope = -(p_sink * y)
-    s_1H11 = sinks_H.view(1, -1, 1, 1)
-    return y + (s_1H11 - s_1H11.detach()) * slope
+        py = p_sink * y
+    return _SinkGradient.apply(y, sinks_H, py)
 
 
 def variant_attend(
@@ -100,6 +127,14 @@ def variant_attend(
     T = q_BHTD.shape[2]
     if window is None and sinks_H is None:
         return sdpa(q_BHTD, k_BKTD, v_BKTD, is_causal=T > 1)
-    pos_T = torch.arange(T, device=q_BHTD.device)
-    mask_11TS = additive(allowed_TS(pos_T, pos_T, window), q_BHTD.dtype)[None, None]
+    key = (T, window, q_BHTD.device, q_BHTD.dtype)
+    mask_11TS = _MASKS.get(key)
+    if mask_11TS is None:
+        # made outside inference mode: a training forward may save it for backward
+        with torch.inference_mode(False), torch.no_grad():
+            pos_T = torch.arange(T, device=q_BHTD.device)
+            mask_11TS = additive(allowed_TS(pos_T, pos_T, window), q_BHTD.dtype)[None, None]
+        if len(_MASKS) >= _MAX_MASKS:
+            _MASKS.clear()
+        _MASKS[key] = mask_11TS
     return sink_sdpa(q_BHTD, k_BKTD, v_BKTD, mask_11TS, sinks_H)

@@ -152,32 +152,55 @@ def _rope_packed(x_MCD: torch.Tensor, cos_M1D: torch.Tensor, sin_signed_M1D: tor
     return x_MCD * cos_M1D + x_MCD.roll(x_MCD.shape[-1] // 2, dims=-1) * sin_signed_M1D
 
 
-def linear(x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
-    """x @ cat(weights)^T (no bias): F.linear, but with autograd a Function with 3 ops forward
-    (cat, t, mm) and 3-4 backward, where autograd through cat + F.linear takes ~10. Under
-    autocast the concatenated weight is cast once."""
+def linear(
+    x: torch.Tensor, *weights: torch.Tensor, biases: tuple[torch.Tensor, ...] | None = None
+) -> torch.Tensor:
+    """x @ cat(weights)^T (+ cat(biases), one per weight, when given): F.linear, but with
+    autograd a Function with 3-5 ops forward (cat, t, mm or addmm) and 3-6 backward, where
+    autograd through cat + F.linear takes ~10 (~15 with biases: a slice per input in cat's
+    backward). Under autocast the concatenated weight is cast once."""
+    cat = (lambda ts: torch.cat(ts) if len(ts) > 1 else ts[0])  # fmt: skip
     if not torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type) or x.dim() != 2:
-        return F.linear(x, torch.cat(weights) if len(weights) > 1 else weights[0])
-    return _Linear.apply(x, *weights)
+        return F.linear(x, cat(weights), None if biases is None else cat(biases))
+    if biases is None:
+        return _Linear.apply(x, *weights)
+    if len(biases) != len(weights):
+        raise ValueError(f"linear: {len(biases)} biases for {len(weights)} weights")
+    return _Linear.apply(x, *weights, *biases)
 
 
 class _Linear(torch.autograd.Function):
+    """x @ cat(weights)^T, plus cat(biases) when the inputs are weights then one bias each."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        n = sum(1 for p in params if p.dim() == 2)
+        weights, biases = params[:n], params[n:]
         w = torch.cat(weights) if len(weights) > 1 else weights[0]
         ctx.save_for_backward(x, w)
         ctx.rows = [wi.shape[0] for wi in weights]
+        ctx.has_bias = bool(biases)
+        if biases:
+            b = torch.cat(biases) if len(biases) > 1 else biases[0]
+            return torch.addmm(b, x, w.t())
         return torch.mm(x, w.t())
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # type: ignore[override]
         x, w = ctx.saved_tensors
+        n = len(ctx.rows)
         gx = torch.mm(g, w) if ctx.needs_input_grad[0] else None
-        if not any(ctx.needs_input_grad[1:]):
-            return (gx, *([None] * len(ctx.rows)))
-        gw = torch.mm(g.t(), x)
-        gws = gw.split(ctx.rows) if len(ctx.rows) > 1 else (gw,)
-        return (gx, *gws)
+        gws: tuple = (None,) * n
+        if any(ctx.needs_input_grad[1 : 1 + n]):
+            gw = torch.mm(g.t(), x)
+            gws = gw.split(ctx.rows) if n > 1 else (gw,)
+        if not ctx.has_bias:
+            return (gx, *gws)
+        gbs: tuple = (None,) * n
+        if any(ctx.needs_input_grad[1 + n :]):
+            gb = g.sum(0)
+            gbs = gb.split(ctx.rows) if n > 1 else (gb,)
+        return (gx, *gws, *gbs)
 
 
 def apply_rope(x_BNTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
@@ -464,11 +487,11 @@ class Attention(nn.Module):
         if not torch.is_grad_enabled() and not self.training and self.fused_inference:
             w_qkv, b_qkv = self._variant_weights()
             return F.linear(x_ND, w_qkv, b_qkv)
+        weights = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
         if self.q_proj.bias is None:
-            return linear(x_ND, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
-        w = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
-        b = torch.cat((self.q_proj.bias, self.k_proj.bias, self.v_proj.bias))  # type: ignore[arg-type]
-        return F.linear(x_ND, w, b)
+            return linear(x_ND, *weights)
+        biases = (self.q_proj.bias, self.k_proj.bias, self.v_proj.bias)
+        return linear(x_ND, *weights, biases=biases)  # type: ignore[arg-type]
 
     def _per_head_norm(self, qk: torch.Tensor) -> torch.Tensor:
         """Per-head RMSNorm of q and k heads together (..., H + K, Dh): the q and k norm
@@ -536,8 +559,10 @@ class Attention(nn.Module):
         else:
             out_BHTD = cache.attend(self.layer_idx, q_BHTD, k_BKTD, v_BKTD,
                                     window=self.sliding_window, sinks_H=self.sinks)  # fmt: skip
-        if packing is not None:
-            return self.o_proj(packing.pack(out_BHTD.transpose(1, 2).reshape(B * T, H * Dh)))
+        if packing is not None:  # `linear`: fewer autograd ops than nn.Linear's
+            out_MD = packing.pack(out_BHTD.transpose(1, 2).reshape(B * T, H * Dh))
+            o_bias = None if self.o_proj.bias is None else (self.o_proj.bias,)
+            return linear(out_MD, self.o_proj.weight, biases=o_bias)
         if T == 1:  # (B, H, 1, Dh) holds its elements in (B, 1, H, Dh) order: no transpose op
             return self.o_proj(out_BHTD.reshape(B, 1, H * Dh))
         return self.o_proj(out_BHTD.transpose(1, 2).reshape(B, T, H * Dh))

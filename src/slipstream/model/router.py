@@ -112,8 +112,10 @@ class SigmoidGroupTopK:
                 grouped_NGe = scores_NE.view(N, self.n_group, E // self.n_group)
                 group_NG = grouped_NGe.topk(2, dim=-1).values.sum(-1)
                 best_Ng = group_NG.topk(self.topk_group, dim=-1, sorted=False).indices
-                keep_NG = torch.zeros_like(group_NG, dtype=torch.bool).scatter_(1, best_Ng, True)
-                scores_NE = grouped_NGe.masked_fill(~keep_NG[:, :, None], float("-inf")).view(N, E)
+                # the groups left out, marked directly (one op fewer than keep + its negation;
+                # decode is per-op overhead bound)
+                drop_NG = torch.ones_like(group_NG, dtype=torch.bool).scatter_(1, best_Ng, False)
+                scores_NE = grouped_NGe.masked_fill(drop_NG[:, :, None], float("-inf")).view(N, E)
             return torch.topk(scores_NE, self.top_k, dim=-1, sorted=False).indices
 
     def weights(self, logits_NE: torch.Tensor, ids_Nk: torch.Tensor) -> torch.Tensor:
@@ -129,7 +131,8 @@ class SigmoidGroupTopK:
         # select and weights fused: the sigmoid computed once (decode is per-op overhead bound)
         scores_NE = _f32(logits_NE).sigmoid()
         if replay_ids_Nk is None:
-            ids_Nk = self._select_scores(scores_NE.detach(), correction_E)
+            # `_select_scores` runs under no_grad: its ops record no graph, so no detach op
+            ids_Nk = self._select_scores(scores_NE, correction_E)
         else:
             ids_Nk = replay_ids_Nk
         return self._weights_scores(scores_NE, ids_Nk), ids_Nk
