@@ -641,3 +641,72 @@ def test_rl_job_with_two_workers_and_distributed_weight_sync(tmp_path) -> None:
     assert all(s["seconds"] > 0 for s in served.values())
     records = [r for r in result["r"].records if "weight_served_s_max" in r]
     assert records and all(r["weight_served_s_max"] > 0 for r in records)
+
+
+def test_rl_job_pushes_every_version_to_an_external_server(servers, tmp_path) -> None:
+    """engine.type = http with weight_sync = distributed: the job's two rollout workers
+    generate on one `slipstream serve` process standing in for an external SGLang server (both
+    register its URL; it is pushed to once per version, under the checkpoint's per-expert
+    names). Every token was sampled with a version the server served (it tags them itself),
+    some with versions only a push carried (the store holds every 4th), and at the end the
+    server serves the trainer's last version, bit for bit."""
+    from slipstream.launch.local import LocalLauncher
+    from slipstream.rl.controller import Controller
+
+    (tmp_path / "server").mkdir()
+    # not waited for here: it starts while the trainer and the workers do (they wait for it)
+    proc, url = start_server(tmp_path / "server", tmp_path / "init")
+    servers.procs.append(proc)
+    cfg = load_config(None, [
+        f"run.output_dir={tmp_path}/run", *TINY_MODEL, "engine.type=http", f"engine.url={url}",
+        "engine.server_wait_s=60", "engine.weight_sync=distributed", "engine.weight_store_every=4",
+        "engine.weight_sync_timeout_s=10", "trainer.mode=async", "buffer.max_staleness=1",
+        "trainer.steps=6", "trainer.groups_per_step=2", "rollout.group_size=2",
+        "rollout.num_workers=2", "rollout.tasks_per_lease=1", "rollout.max_inflight_tasks=1",
+        "trainer.checkpoint_every=0", "trainer.lr=0.01", "trainer.skip_no_signal=false",
+        f"store.url={tmp_path}/store",
+    ])  # fmt: skip
+    controller = Controller(cfg, str(tmp_path / "init"), evaluate=False)
+    sync = controller.publisher
+    assert sync.fused_experts is False  # an external server is pushed the per-expert names
+    pushed: list[int] = []
+    real_submit, real_step = sync.submit, controller.trainer.step
+
+    def submit(version, state, hf_config):
+        real_submit(version, state, hf_config)
+        # what the server serves once the push returned (no engine was dropped: see below)
+        pushed.append(int(_model_info(url)["weight_version"]))
+
+    versions: list[tuple[int, list[int]]] = []
+
+    def step(batch):
+        for s in batch.samples:
+            versions.append((batch.trainer_version, s.versions))
+        return real_step(batch)
+
+    sync.submit = submit  # type: ignore[method-assign]
+    controller.trainer.step = step  # type: ignore[method-assign]
+    launcher = LocalLauncher(cfg, controller.coord)
+    launcher.start()
+    try:
+        result = controller.run()
+    finally:
+        codes = launcher.stop()
+    assert result.steps == 6 and codes == {0: 0, 1: 0} and launcher.num_restarts == 0
+    # both workers registered the one server; the trainer pushed to it, never dropped it
+    assert {u for u, _ in controller.coord.engines().values()} == {url}
+    assert sync.sender.members == [url] and sync.sender.dropped == []
+    assert {"w0.0", "w1.0"} <= set(controller.coord.weight_served)
+    tokens = {v for _, vs in versions for v in vs}
+    stored = set(WeightStore(cfg.store.url).versions())
+    assert tokens <= set(pushed) | stored, (tokens, pushed, stored)  # versions the server served
+    assert tokens - stored, f"no token was sampled with a pushed-only version: {tokens}"
+    assert all(t - min(vs) <= 1 for t, vs in versions)  # the staleness bound held
+    # the server serves the trainer's last version: the label and the tensors
+    assert pushed[-1] == controller.trainer.version == 6
+    assert _model_info(url)["weight_version"] == "6"
+    state, _ = hf_weights(controller.model)
+    name = next(n for n in state if ".experts.0." in n)
+    served = httpx.post(f"{url}/get_weights_by_name", json={"name": name, "truncate_size": 64},
+                        timeout=10).json()  # fmt: skip
+    assert served == state[name].reshape(-1)[:64].float().tolist()

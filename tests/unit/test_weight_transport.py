@@ -69,6 +69,13 @@ def test_config_keys_are_bounded_and_colocated_needs_cuda() -> None:
         EngineConfig(weight_store_every=0)
     with pytest.raises(ValidationError, match="engine.weight_sync = 'colocated'.*engine.device"):
         EngineConfig(weight_sync="colocated")
+    # an external server (issue 44) takes pushes; IPC handles reach only the trainer's GPU
+    http = {"type": "http", "url": "http://127.0.0.1:30000"}
+    assert EngineConfig(**http, weight_sync="distributed").weight_sync == "distributed"
+    with pytest.raises(ValidationError, match="'colocated' with engine.type = 'http'"):
+        EngineConfig(**http, weight_sync="colocated", device="cuda")
+    with pytest.raises(ValidationError, match="weight_sync_master_address"):
+        EngineConfig(weight_sync_master_address="")
 
 
 def test_vllm_api_is_for_distributed_per_tensor_pushes_and_reaches_the_sender(tmp_path) -> None:
@@ -483,3 +490,48 @@ def test_a_real_ipc_payload_of_host_tensors_is_refused_by_the_engines_unpickler(
         weight_routes._load_ipc_tensors([payload])
     with pytest.raises(ValueError, match="has 2 entries"):
         weight_routes._load_ipc_tensors([payload, payload])
+
+
+def test_push_sync_to_an_external_server_pushes_per_expert_names_once_per_server(
+    tmp_path,
+) -> None:
+    """engine.type = http (issue 44): the workers sharing one external server register its URL
+    each; the server is added to the pushes once, every worker's served seconds are its; the
+    trainer hands over (and stores) the checkpoint's per-expert names, what SGLang and vLLM
+    load; the rendezvous is at engine.weight_sync_master_address. With a stage dir (the server
+    cannot read the store) the trainer does not catch the server up from the store."""
+    from slipstream.config import load_config
+    from slipstream.model.checkpoint import read_safetensors_dir
+    from slipstream.rl.buffer import ExperienceBuffer
+    from slipstream.rl.coordinator import Coordinator
+    from slipstream.rl.queue import TaskQueue
+    from slipstream.rl.weight_sync import PushWeightSync, make_weight_sync
+    from slipstream.storage import WeightStore
+
+    store = WeightStore(str(tmp_path / "store"), keep_last=100)
+    coord = Coordinator(TaskQueue(10), ExperienceBuffer(groups_per_step=1, max_staleness=0))
+    http = ["engine.type=http", "engine.url=http://s:30000", "engine.weight_sync=distributed"]
+    cfg = load_config(None, [*http, "engine.weight_sync_master_address=10.0.0.7"])
+    made = make_weight_sync(cfg, store, coord)
+    try:
+        assert isinstance(made, PushWeightSync) and made.fused_experts is False
+        assert made.sender.master_address == "10.0.0.7" and made.sender.catch_up is not None
+    finally:
+        made.close()
+    staged = make_weight_sync(load_config(None, [*http, f"engine.weights_stage_dir={tmp_path}"]),
+                              store, coord)  # fmt: skip
+    try:
+        assert staged.sender.catch_up is None
+    finally:
+        staged.close()
+    sender = _Sender()
+    sync = PushWeightSync(cfg, store, coord, sender)
+    state, config = hf_weights(tiny_model(seed=0))
+    assert any(".experts.0." in n for n in state)  # per-expert names, as the trainer hands them
+    coord.register_engine("w0.0", "http://s:30000", None)
+    coord.register_engine("w1.0", "http://s:30000", None)
+    sync.submit(0, state, config)
+    assert sender.members == ["http://s:30000"] and sender.sent == [(0, ["http://s:30000"])]
+    assert sync.served_s == {"w0.0": 0.01, "w1.0": 0.01}
+    stored = read_safetensors_dir(store.location(0))
+    assert sorted(stored) == sorted(state)  # stored as handed over: a transformers checkpoint

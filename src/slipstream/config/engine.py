@@ -10,10 +10,14 @@ from slipstream.config.base import Section
 class EngineConfig(Section):
     type: Literal["native", "http"] = "native"
     """`native`: slipstream's in-process engine. `http`: a server speaking SGLang's native API
-    (`slipstream serve`, SGLang); in the RL job each rollout worker is then a client of it and
-    pushes every weight version to it by location (see docs/rl.md, "HTTP engine")."""
+    (`slipstream serve`, SGLang); in the RL job each rollout worker is then a client of it.
+    With weight_sync = "store" each worker has the server load every weight version by
+    location (see docs/rl.md, "HTTP engine"); with "distributed" the trainer pushes every
+    version to the server through its weight-transfer endpoints (docs/weights.md)."""
     url: str | None = None
-    """Base URL of the server when type = "http" (e.g. http://127.0.0.1:30000)."""
+    """Base URL of the server when type = "http" (e.g. http://127.0.0.1:30000). With
+    weight_sync = "distributed" the trainer pushes to this same URL: it must reach the server
+    there too."""
     server_wait_s: float = Field(default=600.0, ge=0)
     """type = "http" in the RL job: how long a starting rollout worker waits for the server's
     /health (a server started beside it may still be loading its model) before it fails."""
@@ -93,6 +97,12 @@ class EngineConfig(Section):
     weight_store_every: int = Field(default=10, ge=1, le=100_000)
     """weight_sync = "distributed": the store receives every N-th version (and the first and
     last), the fallback of an engine that missed a broadcast."""
+    weight_sync_master_address: str = Field(default="127.0.0.1", min_length=1, max_length=255)
+    """weight_sync = "distributed": the trainer's address every engine connects to for a push
+    group's rendezvous (SGLang's and vLLM's `master_address`; the trainer hosts it on a free
+    port of this address). The default reaches engines on the trainer's host only (the job's
+    own engines); an external fleet (engine.type = "http") on other hosts needs the trainer's
+    address on their network."""
     weight_sync_timeout_s: float = Field(default=120.0, gt=0, le=3600)
     """weight_sync = "distributed": bound on one collective (a bucket's broadcast, a group's
     rendezvous); an engine that has not received within it is dropped from the group and
@@ -105,11 +115,11 @@ class EngineConfig(Section):
                 "engine.type = 'http' needs engine.url, the server's base URL "
                 "(e.g. http://127.0.0.1:30000)"
             )
-        if self.type == "http" and self.weight_sync != "store":
+        if self.type == "http" and self.weight_sync == "colocated":
             raise ValueError(
-                f"engine.weight_sync = {self.weight_sync!r} with engine.type = 'http' is not "
-                "supported in the RL job yet (the rollout workers' native engines take pushes); "
-                "use engine.type = 'native' or engine.weight_sync = 'store'"
+                "engine.weight_sync = 'colocated' with engine.type = 'http': CUDA IPC handles "
+                "reach only an engine on the trainer's GPU, which an external server is not; "
+                "use engine.weight_sync = 'distributed' (pushes to the server) or 'store'"
             )
         if self.api == "vllm" and self.weight_sync != "distributed":
             raise ValueError(

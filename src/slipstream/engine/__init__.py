@@ -98,6 +98,8 @@ def build_engine(
         version=version,
         stage_dir=stage_dir,
         model_config=model_config,
+        # the trainer pushes to the server (weight_sync "distributed"): it says what it serves
+        served_version=config.weight_sync == "distributed",
     )
 
 

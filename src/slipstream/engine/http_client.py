@@ -75,6 +75,7 @@ class HTTPEngine:
         stage_dir: str | Path | None = None,
         api_key: str | None = None,
         model_config: Any = None,
+        served_version: bool = False,
     ) -> None:
         """`version`: what the client assumes the server holds until update_weights (-1: unknown,
         so a RolloutWorker's first weight sync loads the store's latest version into it).
@@ -83,7 +84,10 @@ class HTTPEngine:
         told to load it (the server cannot read the store: SGLang and an s3:// store). None:
         the server is given the store's own location.
         `api_key`: Bearer key (default $SLIPSTREAM_API_KEY; "" for none). `model_config`: the
-        served model's `ModelConfig`, to decode routing from servers that send no shape."""
+        served model's `ModelConfig`, to decode routing from servers that send no shape.
+        `served_version`: the server's weights change without this client (the trainer pushes
+        them: engine.weight_sync = "distributed"), so `version` is what the server reports it
+        serves (`/get_model_info`'s weight_version), not what this client last loaded."""
         if api not in ("sglang", "openai"):
             raise ValueError(f"api must be 'sglang' or 'openai', got {api!r}")
         self.url = url.rstrip("/")
@@ -96,7 +100,10 @@ class HTTPEngine:
         self._version = version
         self.stage_dir = Path(stage_dir).resolve() if stage_dir is not None else None
         key = os.environ.get(API_KEY_ENV) if api_key is None else api_key
+        self.api_key: str | None = key or None
+        """The Bearer key this client sends (None: none)."""
         self._headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.served_version = served_version
         self.model_config = model_config
         self._group_sizes: dict[str, int] = {}
         self._loop = asyncio.new_event_loop()
@@ -127,6 +134,16 @@ class HTTPEngine:
 
     @property
     def version(self) -> int:
+        """The version this client last loaded into the server, or (`served_version`) the one
+        the server reports now: a decimal `weight_version` is the integer version, a free-form
+        label (SGLang's default "default") is -1, unknown. A server that cannot be asked keeps
+        the last answer (the next weight sync asks again)."""
+        if self.served_version:
+            try:
+                self._version = served_weight_version(self.get_model_info())
+            except (EngineHTTPError, ValueError) as e:  # unreachable, or not JSON
+                log.warning("%s: weight version unknown (%s); assuming %d", self.url, e,
+                            self._version)  # fmt: skip
         return self._version
 
     def submit(self, request: GenerateRequest) -> Future:
@@ -430,6 +447,15 @@ class HTTPEngine:
                     )
                 return resp.json() if expect_json else resp.text
         raise AssertionError("unreachable")
+
+
+def served_weight_version(model_info: dict[str, Any]) -> int:
+    """The integer version of a `/get_model_info` answer's `weight_version` (SGLang's and
+    `slipstream serve`'s): decimal digits are the version; anything else (a free-form label,
+    none) is -1, not known."""
+    raw = model_info.get("weight_version") if isinstance(model_info, dict) else None
+    text = str(raw).strip() if raw is not None else ""
+    return int(text) if text.isdigit() and text.isascii() else -1
 
 
 def _pairs(alts: Any) -> list[tuple[int, float]]:

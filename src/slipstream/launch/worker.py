@@ -150,7 +150,15 @@ def build_worker(spec: WorkerSpec, worker_id: str, coord: Any = None) -> Any:
                                max_new_tokens=cfg.engine.max_new_tokens, run_seed=cfg.run.seed,
                                agent=cfg.agent)  # fmt: skip
         if cfg.engine.weight_sync == "distributed":
-            # the trainer pushes every version to this engine through SGLang's endpoints
+            # the trainer pushes every version to this engine through SGLang's (or vLLM's)
+            # weight-transfer endpoints
+            worker.pushed = True
+            if cfg.engine.type == "http":
+                # an external server: the trainer pushes to it at the URL this worker generates
+                # on, with the key this worker sends (it travels over the coordinator's
+                # channel); workers sharing the server register the same URL, pushed to once
+                coord.register_engine(worker_id, engine.url, engine.api_key)
+                return worker
             import secrets
 
             from slipstream.engine.server import EngineEndpoint

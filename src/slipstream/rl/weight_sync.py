@@ -9,7 +9,9 @@ engines, chosen by `engine.weight_sync` (docs/weights.md). One Protocol, one fac
 - `store`: `Publisher` (rl/publisher.py): every version written to the weight store in the
   background, then announced; every engine loads it from there (today's path).
 - `distributed`: every version broadcast to every registered engine (`Coordinator.engines()`:
-  each rollout worker's engine serves SGLang's weight endpoints and registers its URL) over a
+  each rollout worker's native engine serves SGLang's weight endpoints and registers its URL;
+  with `engine.type = "http"` each worker registers the external server it generates on,
+  `engine.url`, and a server several workers share is one member of the pushes) over a
   torch process group (engine/weight_transport.py `DistributedSender`, through SGLang's
   endpoints or, with `engine.api = "vllm"`, vLLM's weight-transfer API), then announced; the
   store receives the first version and every `engine.weight_store_every`-th (synchronously,
@@ -17,8 +19,12 @@ engines, chosen by `engine.weight_sync` (docs/weights.md). One Protocol, one fac
   deliver to some engine (it catches up with exactly that version) or that reached none (no
   engine registered, or TransferFailed: the store carries it), the last one pushed when an
   engine registers while the trainer waits (`idle`), and, on `flush`, the last one pushed. An engine that missed a version (dropped after `engine.weight_sync_timeout_s`) loads
-  the newest stored one and rejoins at the next push. The publish -> served seconds of each
-  engine go to `Coordinator.record_served` (metrics and /metrics).
+  the newest stored one and rejoins at the next push (an external server that cannot read the
+  store, `engine.weights_stage_dir`, is caught up by its workers from their staged copies and
+  rejoins at the next push). Native engines are handed the model's stacked expert tensors;
+  an external server gets the checkpoint's per-expert names, what SGLang's and vLLM's loaders
+  map. The publish -> served seconds of each worker's engine go to `Coordinator.record_served`
+  (metrics and /metrics).
 - `colocated`: the same pushes and store copies, the tensors sent as CUDA IPC handles to
   engines on the trainer's GPU (engine/weight_transport.py `IpcSender`, SGLang's
   /update_weights_from_tensor): refused on a machine without CUDA (the config already refuses
@@ -91,14 +97,19 @@ def make_weight_sync(cfg: SlipstreamConfig, weights: WeightStore, coordinator: A
     mode = cfg.engine.weight_sync
     if mode == "store":
         return Publisher(weights, coordinator, background=cfg.trainer.background_publish)
-    catch_up = store_catch_up(weights)
-    timeout_s = cfg.engine.weight_sync_timeout_s
+    ec = cfg.engine
+    # A server that cannot read the store (engine.weights_stage_dir: its rollout workers stage
+    # each version for it) is not told a store location: it rejoins at the next push, and its
+    # workers catch it up through their staged copies meanwhile (rl/worker.py sync_weights).
+    external_staged = ec.type == "http" and ec.weights_stage_dir is not None
+    catch_up = None if external_staged else store_catch_up(weights)
+    timeout_s = ec.weight_sync_timeout_s
     if mode == "distributed":
-        backend = "nccl" if cfg.engine.device.startswith("cuda") else "gloo"
+        backend = "nccl" if ec.device.startswith("cuda") else "gloo"
         sender: WeightSender = DistributedSender(
-            [], bucket_bytes=cfg.engine.weight_bucket_bytes,
-            bucket_format=cfg.engine.weight_bucket_format, timeout_s=timeout_s,
-            backend=backend, catch_up=catch_up, api=cfg.engine.api)  # fmt: skip
+            [], bucket_bytes=ec.weight_bucket_bytes, bucket_format=ec.weight_bucket_format,
+            timeout_s=timeout_s, backend=backend, master_address=ec.weight_sync_master_address,
+            catch_up=catch_up, api=ec.api)  # fmt: skip
         return PushWeightSync(cfg, weights, coordinator, sender)
     if not torch.cuda.is_available():
         raise ValueError("engine.weight_sync = 'colocated' passes CUDA IPC handles and needs a "
@@ -119,11 +130,12 @@ class PushWeightSync:
         # announce a version before the engines serve it (the workers would load it too)
         self.store = Publisher(weights, coordinator, background=False, announce=False)
         self.sender = sender
-        # the engines are the job's own (engine.type = http refuses a push): they take the
-        # stacked experts as they are; the store copy is split into per-expert views
-        self.fused_experts = True
+        # the job's own engines take the stacked experts as they are (the store copy is split
+        # into per-expert views); an external server (engine.type = http: SGLang, vLLM) is
+        # pushed the checkpoint's per-expert names, which is what its loader maps
+        self.fused_experts = ec.type == "native"
         self._model_config = cfg.model
-        self._known: dict[str, str] = {}  # url -> worker id
+        self._known: set[str] = set()  # engine URLs handed to the sender
         self._stored = -1
         self._last: tuple[int, dict[str, torch.Tensor], dict[str, Any]] | None = None
         self.publish_s = 0.0
@@ -139,9 +151,10 @@ class PushWeightSync:
         check_finite(state, f"refusing to push weights version {version}")
         if self._stored < 0 or version % self.every == 0:
             self._store(version, state, hf_config)
-        for worker, (url, key) in self.coord.engines().items():
-            if url not in self._known:
-                self._known[url] = worker
+        engines = self.coord.engines()
+        for url, key in engines.values():
+            if url not in self._known:  # workers sharing a server register its URL each
+                self._known.add(url)
                 self.sender.add_engine(url, key)  # caught up from the store, then in the group
         try:
             report = self.sender.send(version, state)
@@ -155,7 +168,9 @@ class PushWeightSync:
             self._store(version, state, hf_config)
         self._last = (version, state, hf_config)
         self.coord.set_version(version)
-        self.served_s = {self._known[u]: s for u, s in report.served_s.items() if u in self._known}
+        # per worker: the seconds until the engine it generates on served the version
+        self.served_s = {w: report.served_s[u] for w, (u, _) in engines.items()
+                         if u in report.served_s}  # fmt: skip
         self.coord.record_served(version, self.served_s)
         self.publish_s += time.perf_counter() - t0
 
@@ -164,9 +179,9 @@ class PushWeightSync:
     ) -> None:
         from slipstream.model.checkpoint import hf_from_internal
 
-        # views of the stacked tensors under per-expert names: a transformers checkpoint
-        split = hf_from_internal(state, self._model_config, fused_experts=False)
-        self.store.submit(version, split, hf_config)
+        if self.fused_experts:  # views of the stacked tensors under per-expert names
+            state = hf_from_internal(state, self._model_config, fused_experts=False)
+        self.store.submit(version, state, hf_config)  # a transformers checkpoint
         self._stored = version
 
     def flush(self) -> None:
@@ -178,15 +193,15 @@ class PushWeightSync:
         when its worker is the one the trainer waits on, never comes: store the last version
         for it (the trainer is between steps, so `_last`'s tensors still hold it), and add it
         to the pushes (caught up from the store first)."""
-        new = {u: (w, k) for w, (u, k) in self.coord.engines().items() if u not in self._known}
+        new = {u: k for u, k in self.coord.engines().values() if u not in self._known}
         if not new or self._last is None:
             return
         if self._last[0] != self._stored:
             log.info("weight version %d: storing it for %d engine(s) that joined after its "
                      "push", self._last[0], len(new))  # fmt: skip
             self._store(*self._last)
-        for url, (worker, key) in new.items():
-            self._known[url] = worker
+        for url, key in new.items():
+            self._known.add(url)
             self.sender.add_engine(url, key)
 
     def close(self) -> None:

@@ -19,6 +19,10 @@ Contract:
   (the worker never knows how its engine loads weights): with `partial_rollouts` the native
   engine switches mid-generation ("continue_new"; per-token versions record which weights
   produced which token), otherwise in-flight sequences finish on their weights ("finish_old").
+  With pushed weights (`engine.weight_sync = "distributed"`, `pushed`) the trainer brings the
+  engine to each version; the worker only catches up with the newest stored version when its
+  engine serves an older one. An HTTP engine's version is then the one its server reports
+  (the pushes bypass the worker), and its samples carry the versions the server tagged.
 - A heartbeat extends live leases every lease_ttl_s / 3. A lease that could not be extended is
   dead (its tasks are redelivered elsewhere): its requests are aborted and nothing of it is acked.
 - `request_stop()` (the SIGTERM handler calls it): stop leasing; in-flight work may finish within
@@ -165,9 +169,13 @@ class RolloutWorker:
         self._leases: dict[int, set[int]] = {}  # lease_id -> task ids not yet done
         self._live_rollouts = 0  # groups whose on_done has not run yet
         self._weights_lock = threading.Lock()
+        self.pushed = False
+        """engine.weight_sync = distributed: the trainer pushes every version to the engine
+        (the store holds only every N-th; launch/worker.py sets it)."""
         self.weight_endpoint: Any = None
-        """engine.weight_sync = distributed: the engine's HTTP endpoint the trainer pushes to
-        (launch/worker.py starts and closes it)."""
+        """engine.weight_sync = distributed, native engine: its HTTP endpoint the trainer pushes
+        to (launch/worker.py starts and closes it; an HTTP engine's server is pushed to at
+        engine.url)."""
         # environment steps (verification, tool runs) and episode starts run here
         self._pool = ThreadPoolExecutor(max(1, cfg.verify_threads), thread_name_prefix="verify")
         self.sandboxes = verifier.sandboxes
@@ -225,25 +233,34 @@ class RolloutWorker:
         with self._weights_lock:
             while True:
                 current = self.coord.version()
-                if current > self.engine.version:
+                # read once a round: an HTTP engine that is pushed to asks its server
+                served = self.engine.version
+                if current > served:
                     target = current
-                    if self.weight_endpoint is not None:
+                    if self.pushed:
                         # pushed versions: only every N-th is stored; a push this engine
                         # missed is caught up with the newest stored version (the next push
                         # brings the rest)
                         stored = [v for v in self.weights.versions() if v <= current]
                         target = stored[-1] if stored else -1
-                    if target > self.engine.version:
+                    if target > served:
                         try:
                             self.engine.load_version(target, self.weights)
                         except FileNotFoundError:  # retention removed it meanwhile: ask again
                             continue
+                        except RuntimeError:
+                            # a push overtook this catch-up (a server refuses a version below
+                            # the one it serves): what it serves now decides
+                            if not self.pushed or self.engine.version < target:
+                                raise
+                            continue
                         self.stats["weight_updates"] += 1
-                if self.engine.version >= min_version:
+                    served = self.engine.version
+                if served >= min_version:
                     return
                 if time.monotonic() > deadline:
                     raise TimeoutError(
-                        f"worker {self.worker_id}: engine at weight version {self.engine.version} "
+                        f"worker {self.worker_id}: engine at weight version {served} "
                         f"after {timeout_s} s; version {min_version} needed, coordinator at "
                         f"{current}"
                     )
