@@ -106,7 +106,7 @@ def test_op_lean_training_paths_keep_the_gradients(model_type):
         ModelConfig(model_type=model_type, **family.config_from_hf(family.tiny_hf_config()))
     ).train()
     with torch.no_grad():  # biases, sinks and norm weights away from their 0 / 1 init
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 1:
                 p.add_(0.2 * torch.randn(p.shape))
     ids = torch.randint(

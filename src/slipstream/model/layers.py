@@ -159,14 +159,18 @@ def linear(
     autograd a Function with 3-5 ops forward (cat, t, mm or addmm) and 3-6 backward, where
     autograd through cat + F.linear takes ~10 (~15 with biases: a slice per input in cat's
     backward). Under autocast the concatenated weight is cast once."""
-    cat = (lambda ts: torch.cat(ts) if len(ts) > 1 else ts[0])  # fmt: skip
     if not torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type) or x.dim() != 2:
-        return F.linear(x, cat(weights), None if biases is None else cat(biases))
+        return F.linear(x, _cat(weights), None if biases is None else _cat(biases))
     if biases is None:
         return _Linear.apply(x, *weights)
     if len(biases) != len(weights):
         raise ValueError(f"linear: {len(biases)} biases for {len(weights)} weights")
     return _Linear.apply(x, *weights, *biases)
+
+
+def _cat(ts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The tensors concatenated (no op for one)."""
+    return torch.cat(ts) if len(ts) > 1 else ts[0]
 
 
 class _Linear(torch.autograd.Function):
