@@ -8,8 +8,6 @@ two widths). See docs/engine.md "Per-layer state"."""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 from test_engine_ops import _prefilled_batch
@@ -88,22 +86,20 @@ def served(request, tmp_path_factory):
     return request.param, hf, load_pretrained(directory), other, other_dir
 
 
-def test_engine_greedy_equals_transformers_and_across_a_hot_swap(served, caplog):
+def test_engine_greedy_equals_transformers_and_across_a_hot_swap(served):
     name, hf, ours, other, other_dir = served
     prompts = _prompts(3)
     want = _want(hf, prompts)
     cfg = EngineConfig(kv_cache_tokens=3 * SLOT_LEN, max_seq_len=SLOT_LEN, max_batch_size=3,
                        prefix_cache_tokens=256)  # fmt: skip
-    with caplog.at_level(logging.WARNING), NativeEngine(ours, cfg) as engine:
-        hybrid = name.startswith("qwen3")
-        # GDN models serve without a cross-request prefix cache, and say so; MLA keeps it
-        assert (engine.prefix_cache is None) == hybrid
-        assert ("prefix_cache_tokens=256 ignored" in caplog.text) == hybrid
+    with NativeEngine(ours, cfg) as engine:
         assert _greedy(engine, prompts) == want
-        # second pass: MLA prompts hit the prefix cache; every row starts from a zeroed state
+        # second pass: prefix-cache hits (GDN models: up to the last block boundary before a
+        # prompt's last token, where the first pass split its prefill and saved the GDN states)
         assert _greedy(engine, prompts) == want
-        if not hybrid:
-            assert engine.stats["prefix_cache_hit_tokens"] > 0
+        pc = engine.prefix_cache
+        assert pc is not None and engine.stats["prefix_cache_hit_tokens"] >= 64 + 16
+        assert pc.needs_snapshots == name.startswith("qwen3")
         # a group of 2 samples: the prefill (GDN state included) is copied to the second slot
         assert _greedy(engine, prompts[:3], n=2) == want[:3]
         engine.update_weights(1, str(other_dir))
@@ -150,8 +146,10 @@ def test_decode_state_grows_with_context_only_on_full_attention_layers():
     assert a["linear"] == 3 * (conv + rec)
     per_token = 1 * 2 * cfg.num_key_value_heads * cfg.head_dim * 4  # 1 layer, K and V
     assert b["attention"] - a["attention"] == (1024 - 64) * per_token
-    with pytest.raises(ValueError, match="Gated DeltaNet layers"):
-        PrefixCache(short, 64)
+    # the prefix cache's GDN snapshots: as many as fit in its K/V block pool's bytes
+    pc = PrefixCache(long, 256)
+    assert pc.num_snapshots == pc.nbytes // a["linear"] >= 1
+    assert long.snap_rec_LPHKV.shape == (3, pc.num_snapshots, 4, 8, 6)
 
 
 def test_mla_cache_holds_k_and_v_of_their_own_widths():
@@ -188,3 +186,33 @@ def test_decode_step_has_no_host_sync(name):
         whole = count_ops(lambda: step(rows))
     assert fwd.syncs == 0, fwd.sync_ops()
     assert whole.sync_ops() == {"Tensor.tolist": 1}, whole.sync_ops()
+
+
+def test_prefix_cache_serves_a_gdn_prefix_only_up_to_a_state_snapshot():
+    """Bookkeeping of the GDN snapshots: a chain serves up to its block holding one, a full
+    pool evicts the least recently used, a clear during a step keeps the snapshot that step is
+    writing out of the free list."""
+    model = MoEForCausalLM(model_config_from_hf(qwen3_next.tiny_hf_config()))
+    cache = SlotKVCache.for_model(model, 2, 64)
+    pc = PrefixCache(cache, 48, block_tokens=4)
+    assert pc.num_snapshots == 2  # 12,288 B of K/V blocks // 4,320 B of GDN states
+    a, b, c = ([k] * 10 for k in (5, 6, 7))
+    assert pc.snapshot_point(a[:4], 0) == (0, -1)  # no block boundary before the last token
+    at, snap = pc.snapshot_point(a, 0)
+    assert at == 8 and snap >= 0
+    cache.snap_rec_LPHKV[:, snap] = 1.0
+    assert pc.store(a, 0, at, snap) == 2
+    assert pc.lookup(a)[0] == 8 and pc.lookup(a[:6] + [9, 9, 9])[0] == 0  # block 1: no states
+    hit, blocks = pc.lookup(a + [1])
+    pc.load(blocks, 1)
+    assert hit == 8 and bool((cache.rec_LNHKV[:, 1] == 1.0).all())
+    assert pc.store(b, 0, 8) == 0  # GDN blocks without their states are not kept
+    for p in (b, c):  # the pool holds 2: c's snapshot evicts a's chain (least recently used)
+        at, snap = pc.snapshot_point(p, 0)
+        pc.store(p, 0, at, snap)
+    assert pc.lookup(a)[0] == 0 and pc.lookup(c)[0] == 8
+    pc.clear()
+    at, snap = pc.snapshot_point(a, 0)
+    pc.request_clear()  # e.g. /flush_cache while this step's forward writes `snap`
+    pc.store(a, 0, at, snap)
+    assert sorted(pc._free_snapshots) == [i for i in range(2) if i != snap]

@@ -44,8 +44,9 @@ Per-layer state (the hybrid and latent-attention families, docs/engine.md "Per-l
   first B slots' states (the recurrent form, one step), each admitted `Part` on its slot's state
   (the chunked form). A part starting at position 0 starts from a zero state (zeroed by
   `begin_mixed`: a reassigned slot keeps nothing of its last sequence); a part starting later
-  continues the slot's state, which must then be that of position `start` (the prefix cache
-  holds pages, not GDN states: the engine disables it for models with GDN layers).
+  continues the slot's state, which must then be that of position `start` (an earlier part of
+  the same forward, or a snapshot the prefix cache loaded: a `Part` with `snapshot` set copies
+  the states at its end into the snapshot pool, `load_snapshot` puts one back into a slot).
   `copy_prefix` and `move` copy the state with the pages. Per sequence, GDN state is constant
   in the context length; only the attention layers' pages grow with it (`bytes_per_slot`).
 
@@ -75,12 +76,15 @@ def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 class Part(NamedTuple):
     """New tokens of one slot in a mixed forward: tokens [offset, offset + length) of the
-    forward go to positions [start, start + length) of `slot`."""
+    forward go to positions [start, start + length) of `slot`. `snapshot` >= 0: after this
+    part, copy the slot's GDN states (those of position start + length) into that row of the
+    snapshot pool (`allocate_snapshots`; the prefix cache's GDN prefixes)."""
 
     slot: int
     offset: int
     length: int
     start: int = 0
+    snapshot: int = -1
 
 
 class LinearStateShape(NamedTuple):
@@ -151,6 +155,7 @@ class SlotKVCache:
                                      dtype=torch.float32, device=device)  # fmt: skip
         self._conv_L = self.conv_LNCw.unbind(0)
         self._rec_L = self.rec_LNHKV.unbind(0)
+        self.allocate_snapshots(0)
         self.num_slots = num_slots
         self.slot_len = slot_len
         self._mode = ""
@@ -211,6 +216,22 @@ class SlotKVCache:
         """The GDN states of every slot (a decode step advances them: a CUDA graph capture's
         warm-up saves and restores them)."""
         return (self.conv_LNCw, self.rec_LNHKV) if self.linear_layers else ()
+
+    def allocate_snapshots(self, count: int) -> None:
+        """A pool of `count` GDN state snapshots (every GDN layer's conv window and recurrent
+        state of one sequence position), written by a `Part` with `snapshot` >= 0 and read back
+        into a slot by `load_snapshot` (the prefix cache's GDN prefixes)."""
+        n_lin = len(self.linear_layers)
+        conv, rec = self.conv_LNCw, self.rec_LNHKV
+        self.snap_conv_LPCw = conv.new_zeros((n_lin, count, *conv.shape[2:]))
+        self.snap_rec_LPHKV = rec.new_zeros((n_lin, count, *rec.shape[2:]))
+        self._snap_conv_L = self.snap_conv_LPCw.unbind(0)
+        self._snap_rec_L = self.snap_rec_LPHKV.unbind(0)
+
+    def load_snapshot(self, snapshot: int, slot: int) -> None:
+        """Put a snapshot's GDN states into `slot` (its sequence then continues from there)."""
+        self.conv_LNCw[:, slot] = self.snap_conv_LPCw[:, snapshot]
+        self.rec_LNHKV[:, slot] = self.snap_rec_LPHKV[:, snapshot]
 
     def reset_linear_state(self, slots: torch.Tensor | slice) -> None:
         """Zero the GDN states of `slots` (a sequence starting at position 0)."""
@@ -346,7 +367,7 @@ class SlotKVCache:
                 sinks_H,
             )
             outs.append(out_BH1D[:, :, 0].transpose(0, 1).unsqueeze(0))
-        for slot, offset, length, start in self._parts:
+        for slot, offset, length, start, _ in self._parts:
             end = start + length
             k_NKSD[slot, :, start:end] = k_1KTD[0, :, offset : offset + length].to(k_NKSD.dtype)
             v_NKSD[slot, :, start:end] = v_1KTD[0, :, offset : offset + length].to(v_NKSD.dtype)
@@ -425,9 +446,12 @@ class SlotKVCache:
             x_B1D = x_BTD[0, :num_rows, None]
             state = GDNState(conv_NCw[:num_rows], rec_NHKV[:num_rows])
             outs.append(mixer(x_B1D, state)[:, 0][None])
-        for slot, offset, length, _ in self._parts:
+        for slot, offset, length, _, snapshot in self._parts:
             state = GDNState(conv_NCw[slot : slot + 1], rec_NHKV[slot : slot + 1])
             outs.append(mixer(x_BTD[:, offset : offset + length], state))
+            if snapshot >= 0:  # this layer's state at the part's end, for the prefix cache
+                self._snap_conv_L[g][snapshot].copy_(conv_NCw[slot])
+                self._snap_rec_L[g][snapshot].copy_(rec_NHKV[slot])
         return torch.cat(outs, dim=1)
 
     def copy_prefix(self, src_slot: int, dst_slots: torch.Tensor, length: int) -> None:

@@ -33,7 +33,9 @@ handful of tensor ops (sampling, bookkeeping) and one host sync to the model for
   prefilled (a `Part` starting past 0); a finished row's sequence (and each admitted prompt) is
   stored when all its KV came from the weights now serving; cleared on every weight update.
   Requests asking for prompt logprobs or routing prefill in full (they need every position).
-  Off for models with Gated DeltaNet layers (logged at start; prefix_cache.py).
+  Models with Gated DeltaNet layers: a prefix serves up to a block holding a snapshot of the GDN
+  states, taken by splitting an admitted prompt's prefill at its last block boundary
+  (`PrefixCache.snapshot_point`); their finished sequences are not stored.
 - Per-layer state (`kv_cache.py`): K/V pages for attention layers (gated attention as plain;
   MLA's expanded K and V of different widths), a fixed-size conv window and recurrent state per
   slot for Gated DeltaNet layers (qwen3_next, qwen3_5_moe, deepseek_v3 serve; docs/engine.md).
@@ -129,14 +131,6 @@ class NativeEngine:
         cache = SlotKVCache.for_model(self.model, num_slots, slot_len)
         self.batch = RunningBatch(cache, cfg.vocab_size, self.device)
         tokens = self.config.prefix_cache_tokens
-        if tokens and cache.linear_layers:
-            log.warning(
-                "engine.prefix_cache_tokens=%d ignored: %r has Gated DeltaNet layers %s, whose "
-                "prefix is a recurrent state the prefix cache does not hold; serving without a "
-                "prefix cache across requests (a group's n samples still share their prefill)",
-                tokens, cfg.model_type, cache.linear_layers,
-            )  # fmt: skip
-            tokens = 0
         self.prefix_cache = PrefixCache(cache, tokens) if tokens else None
         if eos_token_ids is None:
             eos_token_ids = [tokenizer.eos_id] if tokenizer is not None else []
@@ -490,6 +484,8 @@ class NativeEngine:
         batch, dev = self.batch, self.device
         num_running = len(batch)
         parts: list[Part] = []  # each group's prompt, prefilled once into its first slot
+        # per group: (first slot, offset, new tokens, GDN snapshot point, snapshot row)
+        spans: list[tuple[int, int, int, int, int]] = []
         offset = num_running
         for g in groups:
             stop_ids = frozenset(g.params.stop_token_ids) | (
@@ -497,8 +493,16 @@ class NativeEngine:
             )
             rows = [batch.add(Row(g, i, stop_ids), len(g.prompt_ids)) for i in range(g.params.n)]
             hit = self._load_prefix(g, rows[0])
-            parts.append(Part(rows[0], offset, len(g.prompt_ids) - hit, hit))
-            offset += len(g.prompt_ids) - hit
+            at, snap = (0, -1) if self.prefix_cache is None else (
+                self.prefix_cache.snapshot_point(g.prompt_ids, hit))  # fmt: skip
+            length = len(g.prompt_ids) - hit
+            if snap >= 0:  # GDN models: split the prefill where the prefix cache keeps states
+                parts.append(Part(rows[0], offset, at - hit, hit, snap))
+                parts.append(Part(rows[0], offset + at - hit, len(g.prompt_ids) - at, at))
+            else:
+                parts.append(Part(rows[0], offset, length, hit))
+            spans.append((rows[0], offset, length, at, snap))
+            offset += length
             if g.params.top_logprobs:
                 batch.ensure_top(g.params.top_logprobs)
             if g.params.return_routed_experts:
@@ -526,12 +530,15 @@ class NativeEngine:
             batch.record_routing(route_TLk[:num_running])
         # Logits per row: running rows' own, then each new row gets its prompt's last position.
         pick = list(range(num_running))
-        for g, (first, off, length, _) in zip(groups, parts, strict=True):
+        for g, (first, off, length, at, snap) in zip(groups, spans, strict=True):
             batch.cache.copy_prefix(
                 first, torch.arange(first + 1, first + g.params.n, device=dev), len(g.prompt_ids)
             )
-            if self.prefix_cache is not None:
-                self.prefix_cache.store(g.prompt_ids, first, len(g.prompt_ids))
+            pc = self.prefix_cache
+            if pc is not None and pc.needs_snapshots:  # the blocks up to the saved states
+                pc.store(g.prompt_ids, first, at, snap)
+            elif pc is not None:
+                pc.store(g.prompt_ids, first, len(g.prompt_ids))
             pick += [off + length - 1] * g.params.n
             if g.params.return_routed_experts and route_TLk is not None:
                 g.prompt_routing_PLk = route_TLk[off : off + length].clone()
@@ -567,7 +574,7 @@ class NativeEngine:
         """Cache row i's sequence (prompt + tokens whose KV is in its slot) when all of its KV
         came from the weights now serving (versions only grow, so its tokens' versions say)."""
         pc, batch = self.prefix_cache, self.batch
-        if pc is None:
+        if pc is None or pc.needs_snapshots:  # GDN states are at the sequence end: not stored
             return
         n = int(batch.gen_N[i])
         if n == 0 or bool((batch.out_ver_NS[i, :n] != self._version).any()):

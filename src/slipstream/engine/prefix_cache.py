@@ -25,9 +25,16 @@ a lookup leaves at least one prompt token to prefill (its logits sample the firs
 Only the engine thread calls lookup/load/store/clear.
 
 Models with Gated DeltaNet layers (qwen3_next, qwen3_5_moe): a GDN prefix is a state snapshot
-at the prefix end, not pages, and a block chain here ends at a block boundary where no snapshot
-was taken; a `PrefixCache` over a slot cache with GDN layers is refused (the engine then serves
-without one and logs it once; docs/engine.md). MLA models cache their expanded K/V blocks like
+at the prefix end, not pages. A cached chain then serves only up to its deepest block that holds
+a snapshot (`_Block.snapshot`, a row of the slot cache's snapshot pool: every GDN layer's conv
+window and recurrent state at that block's end); `load` copies the pages and puts the snapshot
+into the slot. Snapshots are taken during an admission's prefill: `snapshot_point(prompt, hit)`
+gives the last block boundary b before the prompt's last token (when past the hit) and reserves
+a snapshot; the engine splits the prefill there (two `Part`s, the first with `snapshot` set) and
+stores the prompt's blocks up to b with it. Finished sequences are not stored for these models
+(their state is at the sequence end, not at a block boundary). Pool size: as many snapshots as
+fit in the bytes of the K/V block pool (at least one); a full pool evicts the least recently
+used block holding one (with its descendants). MLA models cache their expanded K/V blocks like
 any attention (V narrower than K: the pools have each their own width).
 
 Legend: L layers, B blocks, K kv heads, t block_tokens, D head dim, N slots, S slot length.
@@ -48,6 +55,7 @@ from slipstream.engine.kv_cache import SlotKVCache
 class _Block:
     key: tuple[int, tuple[int, ...]]  # (parent block id or -1, tokens)
     children: set[int] = field(default_factory=set)
+    snapshot: int = -1  # GDN models: the snapshot of the states at this block's end, or -1
 
 
 class PrefixCache:
@@ -60,12 +68,6 @@ class PrefixCache:
         if num_blocks < 1:
             raise ValueError(
                 f"engine.prefix_cache_tokens={num_tokens} holds no block of {block_tokens} tokens"
-            )
-        if slots.linear_layers:
-            raise ValueError(
-                f"a prefix cache cannot serve a model with Gated DeltaNet layers (layers "
-                f"{slots.linear_layers}): their prefix is a recurrent state, not K/V blocks; set "
-                "engine.prefix_cache_tokens = 0"
             )
         num_layers, _, heads, _, head_dim = slots.k_LNKSD.shape
         shape = (num_layers, num_blocks, heads, block_tokens, head_dim)
@@ -83,6 +85,14 @@ class PrefixCache:
         self._clear_flag = threading.Event()
         self.query_tokens = 0
         self.hit_tokens = 0
+        self.needs_snapshots = bool(slots.linear_layers)
+        """GDN layers: a prefix serves only up to a block with a state snapshot."""
+        self.num_snapshots = 0
+        if self.needs_snapshots:  # as many as fit in the K/V block pool's bytes
+            self.num_snapshots = max(1, self.nbytes // slots.bytes_per_slot()["linear"])
+            slots.allocate_snapshots(self.num_snapshots)
+        self._reserved: set[int] = set()  # snapshots handed out by snapshot_point, not stored
+        self._free_snapshots = list(range(self.num_snapshots - 1, -1, -1))
 
     @property
     def nbytes(self) -> int:
@@ -101,6 +111,10 @@ class PrefixCache:
         self._by_key.clear()
         self._lru.clear()
         self._free = list(range(self.num_blocks - 1, -1, -1))
+        # a snapshot reserved now is being written by this step's forward: not free yet
+        self._free_snapshots = [
+            i for i in range(self.num_snapshots - 1, -1, -1) if i not in self._reserved
+        ]
         self._clear_flag.clear()
 
     def _pending_clear(self) -> None:
@@ -122,6 +136,9 @@ class PrefixCache:
                 break
             found.append(block)
             parent = block
+        if self.needs_snapshots:  # a GDN prefix ends where its states were saved
+            while found and self._blocks[found[-1]].snapshot < 0:
+                found.pop()
         for block in found:
             self._lru.move_to_end(block)
         hit = len(found) * self.block_tokens
@@ -148,14 +165,43 @@ class PrefixCache:
             layers, _, heads, _, dim = pool.shape
             blocks_LKnD = pool[:, index].permute(0, 2, 1, 3, 4).reshape(layers, heads, n * t, dim)
             dst[:, slot, :, : n * t] = blocks_LKnD
+        if self.needs_snapshots:
+            self.slots.load_snapshot(self._blocks[blocks[-1]].snapshot, slot)
 
-    def store(self, tokens: list[int], slot: int, length: int) -> int:
-        """Cache the whole blocks of `tokens[:length]`, whose KV is positions [0, length) of
-        `slot`; returns the blocks newly written."""
+    def snapshot_point(self, prompt: list[int], hit: int) -> tuple[int, int]:
+        """GDN models: (b, snapshot) where b is the last block boundary before the prompt's last
+        token and `snapshot` a reserved pool row for the states there, when b is past the hit
+        (the engine then prefills [hit, b) as a `Part` with that snapshot, and `store`s the
+        prompt up to b with it); else (0, -1)."""
         self._pending_clear()
+        t = self.block_tokens
+        b = (len(prompt) - 1) // t * t
+        if not self.needs_snapshots or b <= hit:
+            return 0, -1
+        if not self._free_snapshots:
+            victim = next((k for k in self._lru if self._blocks[k].snapshot >= 0), None)
+            if victim is None:  # every snapshot reserved in this step
+                return 0, -1
+            self._evict(victim)
+        snapshot = self._free_snapshots.pop()
+        self._reserved.add(snapshot)
+        return b, snapshot
+
+    def store(self, tokens: list[int], slot: int, length: int, snapshot: int = -1) -> int:
+        """Cache the whole blocks of `tokens[:length]`, whose KV is positions [0, length) of
+        `slot`; returns the blocks newly written. GDN models: only with the `snapshot`
+        (`snapshot_point`) of the states at `length`, a block boundary, kept by the last block
+        (released when the chain could not be stored whole)."""
+        self._pending_clear()
+        self._reserved.discard(snapshot)
+        if self.needs_snapshots and (snapshot < 0 or length % self.block_tokens):
+            if snapshot >= 0:
+                self._free_snapshots.append(snapshot)
+            return 0
         parent, written = -1, 0
         t = self.block_tokens
-        for i, chunk in enumerate(self._chunks(tokens, min(length, len(tokens)))):
+        chunks = self._chunks(tokens, min(length, len(tokens)))
+        for i, chunk in enumerate(chunks):
             key = (parent, chunk)
             block = self._by_key.get(key)
             if block is None:
@@ -173,6 +219,10 @@ class PrefixCache:
             self._lru[block] = None
             self._lru.move_to_end(block)
             parent = block
+            if snapshot >= 0 and i == len(chunks) - 1 and self._blocks[block].snapshot < 0:
+                self._blocks[block].snapshot, snapshot = snapshot, -1
+        if snapshot >= 0:  # not kept (chain cut short, or the block had one): free it
+            self._free_snapshots.append(snapshot)
         return written
 
     def _allocate(self, protect: int) -> int | None:
@@ -197,6 +247,8 @@ class PrefixCache:
             self._evict(child)
         del self._by_key[meta.key]
         self._lru.pop(block, None)
+        if meta.snapshot >= 0:
+            self._free_snapshots.append(meta.snapshot)
         parent = meta.key[0]
         if parent >= 0 and parent in self._blocks:
             self._blocks[parent].children.discard(block)

@@ -126,8 +126,8 @@ QWEN3_5_MOE_TEXT = register(
         weights=StandardWeightMap(passthrough=mtp_keys),
         tiny_hf_config=tiny_hf_config,
         summary="Qwen3.5/3.6 MoE, text layout: Gated DeltaNet + gated attention as Qwen3-Next, "
-        "split GDN projections, every layer MoE; mtp.* passed through. Engine: GDN state per slot "
-        "(no cross-request prefix cache)",
+        "split GDN projections, every layer MoE; mtp.* passed through. Engine: GDN state per slot, "
+        "prefix cache through state snapshots",
     )
 )
 QWEN3_5_MOE = register(

@@ -198,7 +198,7 @@ QWEN3_NEXT = register(
         tiny_hf_config=tiny_hf_config,
         summary="Qwen3-Next: Gated DeltaNet + gated full attention (layer_types), zero-centred "
         "norms, partial rotary, softmax top-k with a gated shared expert; in_proj_qkvz/ba "
-        "split on load; mtp.* passed through. Engine: GDN state per slot (no cross-request "
-        "prefix cache)",
+        "split on load; mtp.* passed through. Engine: GDN state per slot, prefix cache "
+        "through state snapshots",
     )
 )
