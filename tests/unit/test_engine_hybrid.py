@@ -216,3 +216,7 @@ def test_prefix_cache_serves_a_gdn_prefix_only_up_to_a_state_snapshot():
     pc.request_clear()  # e.g. /flush_cache while this step's forward writes `snap`
     pc.store(a, 0, at, snap)
     assert sorted(pc._free_snapshots) == [i for i in range(2) if i != snap]
+    pc.clear()
+    pc.snapshot_point(b, 0)  # a step that fails before its store: the engine releases it
+    pc.release_reserved()
+    assert sorted(pc._free_snapshots) == [0, 1]

@@ -687,6 +687,8 @@ class NativeEngine:
 
     def _fail_all(self, error: Exception) -> None:
         """A forward failed: fail every running and waiting request, keep the engine usable."""
+        if self.prefix_cache is not None:  # GDN snapshots reserved by the failed step
+            self.prefix_cache.release_reserved()
         with self._lock:
             groups = {id(r.group): r.group for r in self.batch.rows}
             groups.update({id(g): g for g in self._waiting})

@@ -187,6 +187,12 @@ class PrefixCache:
         self._reserved.add(snapshot)
         return b, snapshot
 
+    def release_reserved(self) -> None:
+        """Free the snapshots `snapshot_point` handed out and no `store` took (a step that
+        failed between them)."""
+        self._free_snapshots.extend(sorted(self._reserved, reverse=True))
+        self._reserved.clear()
+
     def store(self, tokens: list[int], slot: int, length: int, snapshot: int = -1) -> int:
         """Cache the whole blocks of `tokens[:length]`, whose KV is positions [0, length) of
         `slot`; returns the blocks newly written. GDN models: only with the `snapshot`
