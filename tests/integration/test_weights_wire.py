@@ -8,7 +8,9 @@ versions through SGLang's distributed-update endpoints and vLLM's weight-transfe
 - `DistributedSender` pushes to two engines; one is stopped and then killed (-9) mid-transfer:
   the push returns within its bounded timeout, the dead engine is dropped, the survivor serves
   the version over a new group; a third engine joining mid-run catches up from the store and
-  receives the next version; every group name is opened once (none lost, none reused)."""
+  receives the next version; every group name is opened once (none lost, none reused).
+- An RL job whose workers generate on an external server (`engine.type = "http"`, a `slipstream
+  serve` process standing in) pushes every version to it (`engine.weight_sync = "distributed"`)."""
 
 from __future__ import annotations
 

@@ -123,3 +123,50 @@ def test_sigterm_while_waiting_for_the_coordinator_exits_0(tmp_path) -> None:
             proc.kill()
             proc.wait()
     assert "SIGTERM before the worker started: nothing leased, exiting 0" in log.read_text()
+
+
+@pytest.mark.parametrize("authkey", ["not-hex-at-all", "abc", "ab" * 8])
+def test_a_bad_authkey_is_one_line_naming_the_variable(monkeypatch, tmp_path, authkey) -> None:
+    """Issue 44: a non-hex SLIPSTREAM_COORDINATOR_AUTHKEY was a traceback (bytes.fromhex) on
+    rank 0 and in every rollout worker; a short one was taken. Now both refuse it, naming the
+    variable and never echoing the key."""
+    from slipstream.config import ConfigError
+
+    monkeypatch.setenv(COORDINATOR_PORT_ENV, str(free_port()))
+    monkeypatch.setenv(COORDINATOR_AUTHKEY_ENV, authkey)
+    cfg = load_config(None, ["run.launcher=torchx"])
+    with pytest.raises(ConfigError, match=COORDINATOR_AUTHKEY_ENV) as trainer:
+        make_launcher(cfg, _coordinator()).start()
+    (tmp_path / "empty.toml").write_text("")
+    with pytest.raises(SystemExit, match=COORDINATOR_AUTHKEY_ENV) as worker:
+        worker_main(["--coordinator", "127.0.0.1:1", "--slot", "0",
+                     "-c", str(tmp_path / "empty.toml")])  # fmt: skip
+    for e in (trainer.value, worker.value):
+        assert authkey not in str(e) and "\n" not in str(e)
+
+
+def test_rank0_binds_the_coordinator_to_one_address_never_all(monkeypatch) -> None:
+    """Issue 44: rank 0 bound 0.0.0.0 wherever SLIPSTREAM_COORDINATOR_HOST was not set (every
+    scheduler but Kubernetes). Now: that variable, else TorchX's name for rank 0's host, else
+    loopback."""
+    from slipstream.launch.scheduled import TORCHX_RANK0_HOST_ENV, coordinator_bind_host
+
+    monkeypatch.delenv(COORDINATOR_HOST_ENV, raising=False)
+    monkeypatch.delenv(TORCHX_RANK0_HOST_ENV, raising=False)
+    assert coordinator_bind_host() == "127.0.0.1"
+    monkeypatch.setenv(TORCHX_RANK0_HOST_ENV, "localhost")  # TorchX's local schedulers
+    assert coordinator_bind_host() == "localhost"
+    monkeypatch.setenv(COORDINATOR_HOST_ENV, "10.1.2.3")  # Kubernetes: the pod's IP
+    assert coordinator_bind_host() == "10.1.2.3"
+    monkeypatch.delenv(COORDINATOR_HOST_ENV)
+    monkeypatch.delenv(TORCHX_RANK0_HOST_ENV)
+    port = free_port()
+    monkeypatch.setenv(COORDINATOR_PORT_ENV, str(port))
+    monkeypatch.setenv(COORDINATOR_AUTHKEY_ENV, "ab" * 16)
+    launcher = make_launcher(load_config(None, ["run.launcher=torchx",
+                                                "rollout.drain_timeout_s=1"]), _coordinator())  # fmt: skip
+    launcher.start()
+    try:
+        assert launcher.address == ("127.0.0.1", port)
+    finally:
+        launcher.stop()

@@ -13,11 +13,15 @@ role; this module is what those processes do once they run. It does not import T
                    under any launcher.
 
 What wires the roles together, set by the component in every role's environment:
-`SLIPSTREAM_COORDINATOR_PORT` (rank 0 serves the coordinator on it, on
-`SLIPSTREAM_COORDINATOR_HOST`, default 0.0.0.0) and `SLIPSTREAM_COORDINATOR_AUTHKEY` (hex; the
-coordinator's only guard: keep the cluster network private). Workers find rank 0's host by the
-scheduler's name for trainer replica 0 (TorchX's rank-0 variable; Kubernetes: the Volcano job's
-service name).
+`SLIPSTREAM_COORDINATOR_PORT` (rank 0 serves the coordinator on it) and
+`SLIPSTREAM_COORDINATOR_AUTHKEY` (hex, at least 16 bytes; the coordinator's only guard: keep the
+cluster network private; a bad one is a one-line error naming the variable). Workers find rank
+0's host by the scheduler's name for trainer replica 0 (TorchX's rank-0 variable; Kubernetes:
+the Volcano job's service name). Rank 0 binds the coordinator to one address, never all of them
+(`coordinator_bind_host`): `SLIPSTREAM_COORDINATOR_HOST` (on Kubernetes the component sets the
+pod's IP; on another scheduler whose workers run on other hosts, set it to rank 0's address on
+the job's network), else `TORCHX_RANK0_HOST` (the name TorchX's local, Docker, LSF and Ray
+schedulers give rank 0's host), else 127.0.0.1 (workers on rank 0's host only).
 
 Trainer ranks: torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) say who is
 who; the group is joined at `env://` (torchrun's store). WORLD_SIZE must equal
@@ -47,9 +51,9 @@ from typing import Any, NoReturn
 from slipstream.config import SlipstreamConfig
 from slipstream.launch.dp import follow, join_group
 from slipstream.launch.worker import (
-    COORDINATOR_AUTHKEY_ENV,
     COORDINATOR_HOST_ENV,
     COORDINATOR_PORT_ENV,
+    authkey_from_env,
     check_sandbox_backend,
 )
 
@@ -63,6 +67,27 @@ def torchrun_rank() -> int | None:
     """This process's trainer rank when torchrun started it (RANK), else None."""
     rank = os.environ.get("RANK")
     return None if rank is None else int(rank)
+
+
+TORCHX_RANK0_HOST_ENV = "TORCHX_RANK0_HOST"
+"""Where TorchX's local, Docker, LSF and Ray schedulers put rank 0's host name ("localhost" on
+the local ones); not set by the Slurm and cloud batch schedulers (a name of their own)."""
+
+
+def coordinator_bind_host() -> str:
+    """The one address rank 0 serves the coordinator on (see the module docstring): never
+    0.0.0.0 unless asked for by name, since whoever reaches the port and holds the authkey
+    runs code in rank 0 (the transport unpickles)."""
+    explicit = os.environ.get(COORDINATOR_HOST_ENV, "").strip()
+    if explicit:
+        return explicit
+    advertised = os.environ.get(TORCHX_RANK0_HOST_ENV, "").strip()
+    if advertised:
+        return advertised
+    log.info("%s is not set: the coordinator binds 127.0.0.1 (rollout workers on this host "
+             "only; set it to this host's address on the job's network for others)",
+             COORDINATOR_HOST_ENV)  # fmt: skip
+    return "127.0.0.1"
 
 
 def _env(name: str) -> str:
@@ -178,8 +203,8 @@ class ScheduledLauncher:
 
         check_sandbox_backend(self.cfg)
         port = int(_env(COORDINATOR_PORT_ENV))
-        authkey = bytes.fromhex(_env(COORDINATOR_AUTHKEY_ENV))
-        host = os.environ.get(COORDINATOR_HOST_ENV) or "0.0.0.0"
+        authkey = authkey_from_env()
+        host = coordinator_bind_host()
         self.address = tuple(serve(self.coord, authkey, port=port, host=host))
         log.info("coordinator served on %s:%d for the scheduled rollout workers", *self.address)
 

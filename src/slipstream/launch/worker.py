@@ -40,6 +40,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import secrets
 import signal
 import socket
@@ -57,8 +58,34 @@ log = logging.getLogger(__name__)
 WEIGHTS_WAIT_S = 120.0  # a starting worker waits this long for the trainer's first publish
 # What wires a scheduled job's roles (launch/scheduled.py); the TorchX component sets them.
 COORDINATOR_PORT_ENV = "SLIPSTREAM_COORDINATOR_PORT"
-COORDINATOR_HOST_ENV = "SLIPSTREAM_COORDINATOR_HOST"  # the address rank 0 binds (0.0.0.0)
+# The address rank 0 binds (launch/scheduled.py `coordinator_bind_host`: the pod's IP on
+# Kubernetes; unset elsewhere: the host name TorchX gives rank 0, else 127.0.0.1).
+COORDINATOR_HOST_ENV = "SLIPSTREAM_COORDINATOR_HOST"
 COORDINATOR_AUTHKEY_ENV = "SLIPSTREAM_COORDINATOR_AUTHKEY"
+MIN_AUTHKEY_BYTES = 16  # what the TorchX component makes (32 hex digits)
+
+
+def authkey_from_env() -> bytes:
+    """The coordinator's authkey from `SLIPSTREAM_COORDINATOR_AUTHKEY` (hex, at least
+    MIN_AUTHKEY_BYTES bytes). ConfigError naming the variable (never its value) otherwise: the
+    key is all that guards the coordinator, whose transport unpickles what it receives."""
+    from slipstream.config import ConfigError
+
+    raw = os.environ.get(COORDINATOR_AUTHKEY_ENV, "").strip()
+    if not raw:
+        raise ConfigError(f"{COORDINATOR_AUTHKEY_ENV} is not set: the coordinator's authkey, "
+                          "hex (the TorchX component sets it in every role)")  # fmt: skip
+    try:
+        key = bytes.fromhex(raw)
+    except ValueError:
+        raise ConfigError(f"{COORDINATOR_AUTHKEY_ENV} is not hexadecimal ({len(raw)} characters): "
+                          "the coordinator's authkey is hex digits, e.g. from "
+                          "`python -c 'import secrets; print(secrets.token_hex(16))'`") from None  # fmt: skip
+    if len(key) < MIN_AUTHKEY_BYTES:
+        raise ConfigError(f"{COORDINATOR_AUTHKEY_ENV} holds {len(key)} bytes; the coordinator's "
+                          f"authkey needs at least {MIN_AUTHKEY_BYTES} "
+                          f"({2 * MIN_AUTHKEY_BYTES} hex digits)")  # fmt: skip
+    return key
 
 
 @dataclass(frozen=True)
@@ -226,19 +253,18 @@ def close_worker(worker: Any) -> None:
 def _scheduled_spec(args: argparse.Namespace, overrides: list[str]) -> tuple[WorkerSpec, Any]:
     """The spec of a scheduled role's worker, from the trainer's config and overrides and the
     environment, and a proxy of the coordinator once it answers."""
-    import os
-
     from slipstream.config import load_config
     from slipstream.rl.coordinator import connect
 
-    authkey_hex = os.environ.get(COORDINATOR_AUTHKEY_ENV)
-    if not authkey_hex:
-        raise SystemExit(f"--coordinator needs {COORDINATOR_AUTHKEY_ENV} (hex) in the environment")
+    try:
+        authkey = authkey_from_env()
+    except ValueError as e:  # one line naming the variable, not a traceback
+        raise SystemExit(f"--coordinator: {e}") from None
     host, _, port = args.coordinator.rpartition(":")
     if not host or not port.isdigit():
         raise SystemExit(f"--coordinator wants HOST:PORT, got {args.coordinator!r}")
     cfg = load_config(args.config, overrides)
-    spec = WorkerSpec((host, int(port)), bytes.fromhex(authkey_hex), cfg.model_dump(mode="json"))
+    spec = WorkerSpec((host, int(port)), authkey, cfg.model_dump(mode="json"))
     log.info("connecting to the coordinator at %s (up to %.0f s)", args.coordinator,
              args.coordinator_wait_s)  # fmt: skip
     deadline = time.monotonic() + args.coordinator_wait_s
