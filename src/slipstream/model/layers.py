@@ -51,6 +51,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
+def clamp(x: torch.Tensor, bound: float) -> torch.Tensor:
+    """x.clamp(-bound, bound); with autograd a Function whose backward is one op (autograd's
+    clamp backward: 5), the same gradient: passed where x lies within the bounds, inclusive."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _ClampFn.apply(x, bound)
+    return x.clamp(-bound, bound)
+
+
+class _ClampFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, bound: float) -> torch.Tensor:  # type: ignore[override]
+        y = x.clamp(-bound, bound)
+        ctx.save_for_backward(y == x)  # bool: where the gradient passes
+        return y
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        (inside,) = ctx.saved_tensors
+        return g * inside, None
+
+
 class _RMSNormFn(torch.autograd.Function):
     """y = w * xhat.to(dtype), xhat = x * r, r = rsqrt(mean(x^2) + eps) (float32); backward
     dx = r * (gxhat - xhat * mean(gxhat * xhat)), gxhat = g * w; dw = sum of g * xhat over the
@@ -110,16 +131,9 @@ def rope_cos_sin(
     """cos/sin tables (B, T, Dh) for the given absolute positions. Computed per call from the
     positions (no max-length table), in float32, then cast to `dtype`. `yarn`: YaRN-scaled
     frequencies and cos/sin multiplier (model/rope.py)."""
-    if yarn is not None:
-        inv_freq, scaling = rope.inv_freq(head_dim, theta, yarn, position_ids_BT.device)
-        return CosSin(rope.cos_sin(position_ids_BT, inv_freq, scaling, dtype))
-    device = position_ids_BT.device
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
-    )
-    freqs_BTd = position_ids_BT.float()[..., None] * inv_freq
-    emb_BTD = torch.cat((freqs_BTd, freqs_BTd), dim=-1)
-    return CosSin((emb_BTD.cos().to(dtype), emb_BTD.sin().to(dtype)))
+    # the frequencies are a constant of the config: made once (rope.inv_freq_cached)
+    inv_freq, scaling = rope.inv_freq_cached(head_dim, theta, yarn, position_ids_BT.device)
+    return CosSin(rope.cos_sin(position_ids_BT, inv_freq, scaling, dtype))
 
 
 def _rope_BTND(x_BTND: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -514,6 +528,13 @@ class Attention(nn.Module):
             return cached[1] * F.rms_norm(qk, (Dh,), eps=eps)
         return cached[1] * F.rms_norm(qk.float(), (Dh,), eps=eps).to(qk.dtype)
 
+    def _qk_same_width(self) -> bool:
+        """The full-width q and k norms can run as one (equal widths and eps, plain weights)."""
+        qn, kn = self.q_norm, self.k_norm
+        return (self.num_heads == self.num_kv_heads and qn is not None and kn is not None
+                and qn.eps == kn.eps and not qn.weight_in_float32
+                and not kn.weight_in_float32)  # fmt: skip
+
     def _forward_variant(
         self,
         x: torch.Tensor,
@@ -526,7 +547,18 @@ class Attention(nn.Module):
         H, K, Dh, rd = self.num_heads, self.num_kv_heads, self.head_dim, self.rotary_dim
         lead = x.shape[:-1]
         qkv = self._project_variant(x)
-        if self.qk_norm_kind == "full":
+        if self.qk_norm_kind == "full" and torch.is_grad_enabled() and self._qk_same_width():
+            # OLMoE in training: q and k (the same width: multi-head) normed by one RMSNorm
+            # over a (..., 2, H * Dh) view with the two weights as one (2, H * Dh) table, and
+            # the clips as `clamp`: ~20 ops fewer forward + backward than two norms, a cat and
+            # autograd's clamp; the same values (each row normed over its own width)
+            qk, v = qkv.split((2 * H * Dh, K * Dh), dim=-1)
+            w_qk = torch.cat((self.q_norm.weight, self.k_norm.weight)).view(2, H * Dh)  # type: ignore[union-attr]
+            qk = rms_norm(qk.view(*lead, 2, H * Dh), w_qk, self.q_norm.eps)  # type: ignore[union-attr]
+            qk, v = qk.view(*lead, H + K, Dh), v.view(*lead, K, Dh)
+            if self.clip_qkv is not None:
+                qk, v = clamp(qk, self.clip_qkv), clamp(v, self.clip_qkv)
+        elif self.qk_norm_kind == "full":
             if self.clip_qkv is not None:  # one clamp over q, k and v (OLMoE: after the norm)
                 q, k, v = qkv.split((H * Dh, K * Dh, K * Dh), dim=-1)
                 qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)  # type: ignore[misc]
@@ -544,8 +576,7 @@ class Attention(nn.Module):
             if self.qk_norm_kind == "per_head":
                 qk = self._per_head_norm(qk)
                 if self.clip_qkv is not None:
-                    qk = qk.clamp(-self.clip_qkv, self.clip_qkv)
-                    v = v.clamp(-self.clip_qkv, self.clip_qkv)
+                    qk, v = clamp(qk, self.clip_qkv), clamp(v, self.clip_qkv)
         rot, keep = (qk, None) if rd == Dh else qk.split((rd, Dh - rd), dim=-1)
         rot = _rope_packed(rot, *cos_sin) if packing is not None else _rope_BTND(rot, cos_sin)
         qk = rot if keep is None else torch.cat((rot, keep), dim=-1)

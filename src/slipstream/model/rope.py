@@ -48,14 +48,37 @@ def inv_freq(
     return inv, float(scaling)
 
 
+_INV_FREQ: dict[tuple, tuple[torch.Tensor, float]] = {}
+"""`inv_freq_cached`'s tables by (rotary_dim, theta, yarn, device)."""
+
+
+def inv_freq_cached(
+    rotary_dim: int, theta: float, yarn: YarnRope | None, device: torch.device
+) -> tuple[torch.Tensor, float]:
+    """`inv_freq`, computed once per (rotary_dim, theta, yarn, device) and shared (read only):
+    a constant of the config, which every forward would otherwise recompute (~20 ops for YaRN;
+    decode is per-op overhead bound). Made outside inference mode and autograd, so any forward
+    may use it."""
+    key = (rotary_dim, theta, None if yarn is None else yarn.model_dump_json(), str(device))
+    hit = _INV_FREQ.get(key)
+    if hit is None:
+        with torch.inference_mode(False), torch.no_grad():
+            hit = _INV_FREQ[key] = inv_freq(rotary_dim, theta, yarn, device)
+    return hit
+
+
 def cos_sin(
     position_ids_BT: torch.Tensor, inv_freq_d: torch.Tensor, scaling: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables (B, T, 2d) for the given positions, computed in float32 (times `scaling`
     when it is not 1), cast to `dtype`; the layout of model/layers.py's `rope_cos_sin`."""
-    freqs_BTd = position_ids_BT.float()[..., None] * inv_freq_d.to(position_ids_BT.device)
+    if inv_freq_d.device != position_ids_BT.device:
+        inv_freq_d = inv_freq_d.to(position_ids_BT.device)
+    freqs_BTd = position_ids_BT.float()[..., None] * inv_freq_d
     emb_BTD = torch.cat((freqs_BTd, freqs_BTd), dim=-1)
     cos, sin = emb_BTD.cos(), emb_BTD.sin()
     if scaling != 1.0:
         cos, sin = cos * scaling, sin * scaling
+    if cos.dtype == dtype:  # no no-op casts (each one is a dispatched op)
+        return cos, sin
     return cos.to(dtype), sin.to(dtype)
