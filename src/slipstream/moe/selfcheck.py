@@ -158,8 +158,14 @@ def _own_node_hit(ids_NK: torch.Tensor, t: Any, rank: int) -> torch.Tensor:
     return (t.owner_node(ids_NK) == t.node_of(rank)).any(1).long()
 
 
-FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss")
-"""Model families whose MoE block `family_check` runs expert-parallel (model/families/)."""
+FAMILIES = (
+    "qwen3_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss",
+    "qwen3_next", "qwen3_5_moe_text", "deepseek_v3",
+)  # fmt: skip
+"""Model families whose MoE block `family_check` runs expert-parallel (model/families/). The
+hybrid and latent-attention families (issue 48) differ from the others in their attention
+layers, which are data-parallel; their MoE blocks (Qwen3-Next's sigmoid-gated shared expert,
+DeepSeek-V3's grouped sigmoid router with n_group > 1 and two ungated shared experts) run here."""
 
 
 def family_check(group: EPGroup, N: int = 20, seed: int = 11) -> dict[str, Any]:
