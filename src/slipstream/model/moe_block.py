@@ -98,7 +98,7 @@ def grouped_mm_unavailable(
         return "torch._grouped_mm is not available in this torch build"
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"torch._grouped_mm takes float32, bfloat16 or float16, got {dtype}"
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize  # (not an empty tensor's element_size: an op per MoE layer)
     if any((s * itemsize) % 16 for s in inner_sizes):
         return f"row sizes {list(inner_sizes)} x {itemsize} bytes not 16-byte aligned"
     if device.type == "cuda" and dtype != torch.bfloat16:
