@@ -1,9 +1,53 @@
 """`[agent]`: the user's agent program that `task.env = "agent"` runs once per episode
 (docs/agents.md)."""
 
-from pydantic import Field, field_validator
+import re
+import shlex
+from dataclasses import dataclass
+
+from pydantic import Field, field_validator, model_validator
 
 from slipstream.config.base import Section
+
+# what `/bin/sh -c` would treat as more than words (expansions, redirections, lists, globs,
+# comments): a command holding any of them is not a plain `{python} SCRIPT ARGS...` line
+_SHELL_SYNTAX = set("|&;<>()$`\\*?[]{}~!#\n")
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+@dataclass(frozen=True)
+class PythonCommand:
+    """`agent.command` as a Python program a warm template can fork (`agent.preload`): either
+    `{python} SCRIPT ARGS...` (`module` None) or `{python} -m MODULE ARGS...` (`script` None).
+    `{cwd}` is still a placeholder in `script` and `args`."""
+
+    script: str | None
+    module: str | None
+    args: tuple[str, ...]
+
+
+def python_command(command: str) -> PythonCommand:
+    """Parse `command` as `{python} SCRIPT ARGS...` or `{python} -m MODULE ARGS...`: words only
+    (quotes allowed; no shell syntax: `$`, pipes, redirections, `;`, `&&`, globs, comments), no
+    interpreter options but `-m`, `{python}` only as the first word. ValueError otherwise."""
+    bare = command.replace("{python}", "").replace("{cwd}", "")
+    if bad := sorted(_SHELL_SYNTAX & set(bare)):
+        raise ValueError(f"holds shell syntax {''.join(bad)!r}")
+    try:
+        words = shlex.split(command)
+    except ValueError as e:
+        raise ValueError(f"does not parse as words: {e}") from None
+    if len(words) < 2 or words[0] != "{python}":
+        raise ValueError("is not `{python} SCRIPT ARGS...` or `{python} -m MODULE ARGS...`")
+    if any("{python}" in w for w in words[1:]):
+        raise ValueError("names {python} past its first word")
+    if words[1] == "-m":
+        if len(words) < 3 or not _MODULE.fullmatch(words[2]):
+            raise ValueError("`{python} -m` needs a module name")
+        return PythonCommand(None, words[2], tuple(words[3:]))
+    if words[1].startswith("-"):
+        raise ValueError(f"passes the interpreter option {words[1]!r} (only -m is supported)")
+    return PythonCommand(words[1], None, tuple(words[2:]))
 
 
 class AgentConfig(Section):
@@ -38,6 +82,32 @@ class AgentConfig(Section):
     failed_exit_is_failure: bool = True
     """An agent that exits non-zero ends its episode as a failure (re-run, never a reward).
     False: its calls are scored like those of an agent that exited 0."""
+    preload: list[str] = Field(default_factory=list)
+    """Python modules to import once, in a warm template process, instead of once per episode
+    (e.g. ["openai", "httpx"]): each episode's agent is then a fork of that template running the
+    script (`runpy`), its start-up imports already done. Needs `command` of the form
+    `{python} SCRIPT ARGS...` or `{python} -m MODULE ARGS...` (words only, no shell syntax).
+    Empty: every episode starts a fresh `/bin/sh -c COMMAND` (docs/agents.md, "Warm start")."""
+
+    @field_validator("preload")
+    @classmethod
+    def _modules(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not _MODULE.fullmatch(name):
+                raise ValueError(f"agent.preload: {name!r} is not a module name (e.g. openai)")
+        return v
+
+    @model_validator(mode="after")
+    def _preload_needs_python(self) -> "AgentConfig":
+        if self.preload:
+            try:
+                python_command(self.command)
+            except ValueError as e:
+                raise ValueError(
+                    f"agent.preload needs agent.command to be `{{python}} SCRIPT ARGS...` or "
+                    f"`{{python}} -m MODULE ARGS...`; {self.command!r} {e}"
+                ) from None
+        return self
 
     @field_validator("result_file")
     @classmethod

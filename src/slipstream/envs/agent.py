@@ -16,6 +16,10 @@ The process:
   leftover children), at `agent.timeout_s`, or when the group is aborted.
 - `ulimit`: address space `agent.memory_mib`, file size and kept output `agent.max_output_bytes`,
   no core files.
+- With `agent.preload` (a `{python} SCRIPT` / `{python} -m MODULE` command), the same process
+  (own session, the same environment, cwd, files and limits) is forked from a warm template
+  that imported those modules once, instead of a fresh interpreter (envs/agent_launch.py). Only
+  that start differs; everything here around it (bound, kill, output) is one code path.
 
 How an episode ends:
 - exit 0 with at least one sampled token: reward = the task's verifier on the last assistant
@@ -47,7 +51,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -57,6 +60,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slipstream.envs.agent_endpoint import AgentEndpoint, CallRecord, EpisodeSession
+from slipstream.envs.agent_launch import AgentProcess, make_launcher
 from slipstream.envs.agent_trajectory import segments
 from slipstream.envs.base import (
     Demonstration,
@@ -161,13 +165,20 @@ class AgentRuntime:
         self.scorer = scorer or taskset_scorer(taskset)
         self.max_calls = cfg.max_calls or limits.max_turns
         self.max_sampled_tokens = cfg.max_sampled_tokens or self.max_calls * limits.max_turn_tokens
-        self.endpoint = AgentEndpoint(
-            engine, taskset.tokenizer, temperature=temperature,
-            max_turn_tokens=limits.max_turn_tokens, context_tokens=context_tokens,
-            record_routing=record_routing,
-        )  # fmt: skip
-        self.stats = AgentStats()
         self.cwd = os.getcwd()  # `{cwd}` in agent.command: where the job was started
+        # first, before the endpoint's threads: with agent.preload this spawns the template
+        # (and fails here, naming the module, when a preload module does not import)
+        self.launcher = make_launcher(cfg, self.cwd)
+        try:
+            self.endpoint = AgentEndpoint(
+                engine, taskset.tokenizer, temperature=temperature,
+                max_turn_tokens=limits.max_turn_tokens, context_tokens=context_tokens,
+                record_routing=record_routing,
+            )  # fmt: skip
+        except BaseException:
+            self.launcher.close()
+            raise
+        self.stats = AgentStats()
         self.slots = threading.BoundedSemaphore(cfg.max_concurrent or 2 * (os.cpu_count() or 1))
 
     def factory(self) -> EnvFactory:
@@ -178,18 +189,9 @@ class AgentRuntime:
 
     def close(self) -> None:
         self.endpoint.close()
+        self.launcher.close()
 
     # ---- one run -------------------------------------------------------------------------------
-
-    def argv(self) -> list[str]:
-        kib = self.cfg.memory_mib * 1024
-        blocks = max(1, self.cfg.max_output_bytes // 512)  # sh's ulimit -f counts 512-byte blocks
-        command = self.cfg.command.replace("{python}", sys.executable).replace("{cwd}", self.cwd)
-        return [
-            "/bin/sh",
-            "-c",
-            f"ulimit -v {kib} && ulimit -f {blocks} && ulimit -c 0 || exit 126\n{command}",
-        ]
 
     def environment(self, session: EpisodeSession, home: str) -> dict[str, str]:
         return {
@@ -215,9 +217,8 @@ class AgentRuntime:
                 open(root / "stdout", "wb") as out,
                 open(root / "stderr", "wb") as err,
             ):
-                proc = subprocess.Popen(self.argv(), stdin=stdin, stdout=out, stderr=err,
-                                        cwd=work, env=self.environment(session, str(work)),
-                                        start_new_session=True)  # fmt: skip
+                proc = self.launcher.start(stdin=stdin, stdout=out, stderr=err, cwd=str(work),
+                                           env=self.environment(session, str(work)))  # fmt: skip
                 timed_out = aborted = False
                 try:
                     while True:
@@ -376,7 +377,7 @@ class AgentEnv:
         """Nothing held between runs (each run closes its session and kills its processes)."""
 
 
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+def _kill_group(proc: AgentProcess) -> None:
     """SIGKILL the agent's whole process group (it leads its own session) and reap it."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
