@@ -27,12 +27,16 @@
 #                  Mixtral-8x7B and OLMoE-1B-7B: bench/models.py FAMILY_PRESETS; issue 47)
 #                  and gpt-oss (bench engine, bf16, 16x8, then bench train --no-hf 2x1024, 90 s each, on
 #                  4 real layers of gpt-oss-20b: sinks, windows, biases, clamped SwiGLU; issue 47)
+#                  and hybrid (bench engine, bf16, 16x8, on 4 real layers of Qwen3.6-35B-A3B
+#                  (3 Gated DeltaNet + 1 gated attention) and of Moonlight-16B-A3B (MLA), then
+#                  bench train --no-hf 2x1024 on Moonlight's 4 and on Qwen3.6's GDN + attention
+#                  pair: bench/models.py HYBRID_PRESETS; issue 48)
 # Each phase has a time limit; the default phases stay under 8 minutes (PHASE_LIMITS below,
 # checked by --dry-run). GPU_CHECK_PHASES="gpu-tests quickstart" (say) runs those instead.
 # A failing phase does not stop the later ones. OUT_DIR receives at most 8 files:
 # gpu-check.json (summary: phases, test counts, every test's recorded figures, provenance),
 # gpu-check.log (all output), gpu-tests.jsonl, junit-gpu.xml, engine_mid.json,
-# engine_qwen.json, train_mid.json, train_qwen3.json, and with the opt-in phases junit-quickstart.xml, engine_gpu.json, engine_families.json, engine_gpt_oss.json, train_gpt_oss.json.
+# engine_qwen.json, train_mid.json, train_qwen3.json, and with the opt-in phases junit-quickstart.xml, engine_gpu.json, engine_families.json, engine_gpt_oss.json, train_gpt_oss.json, engine_hybrid.json, train_moonlight.json, train_qwen3_6.json.
 # Exit 0 when every phase passed. Provenance: set SLIPSTREAM_GIT_COMMIT to
 # the commit you sent (the machine may get the tree without .git); a hash of the tree is
 # recorded either way.
@@ -55,6 +59,7 @@ PHASE_LIMITS+=([engine-mid]=90 [engine-qwen]=60 [e2e]=120)  # issue 30: the engi
 PHASE_LIMITS+=([bench-train]=45)  # issue 29: the trainer at GPU scale
 PHASE_LIMITS+=([families]=150)  # issue 47 (A): glm4_moe, mixtral, olmoe at real layer shapes
 PHASE_LIMITS+=([gpt-oss]=180)  # issue 47 (B): gpt-oss-20b's layer x4, engine then trainer
+PHASE_LIMITS+=([hybrid]=240)  # issue 48: Qwen3.6-35B-A3B and Moonlight layers, engine + trainer
 DEFAULT_PHASES="gpu-tests bench-train engine-mid engine-qwen e2e"
 PHASES=${GPU_CHECK_PHASES:-$DEFAULT_PHASES}
 KILL_AFTER_S=5
@@ -210,6 +215,28 @@ run_named_phase() {  # one phase of the full check (uses full_check's locals: py
         --out "$out/engine_gpt_oss.json" || return 1
       run_phase "$name-train" $((limit / 2)) "${slip[@]}" bench train "${targs[@]}" \
         --out "$out/train_gpt_oss.json" ;;
+    hybrid)
+      # Qwen3.6-35B-A3B's and Moonlight-16B-A3B's decoder layers x4 (random weights): the engine
+      # (bf16, CUDA graphs, the quickstart's vocabulary, no HF baseline), then one bf16 trainer
+      # step shape each with the real vocabularies (Qwen3.6: its GDN + attention pair, the 4
+      # layers' float32 AdamW state being past an 80 GB GPU; bench/models.py)
+      args=(--device "$device" --models qwen3.6-35b-a3b-4l,moonlight-16b-4l --workloads 16x8
+        --repeats 1 --dtype bfloat16 --skip-hf)
+      local tm=(--device "$device" --preset moonlight-16b-4l --batch 2 --seq-len 1024 --steps 2
+        --warmup 1 --no-hf)
+      local tq=(--device "$device" --preset qwen3.6-35b-a3b-2l --batch 2 --seq-len 1024 --steps 2
+        --warmup 1 --no-hf)
+      ((rehearse)) && args=(--device cpu --models qwen3_5_moe-quickstart,deepseek_v3-quickstart
+        --workloads 4x4 --max-new-tokens 16 --repeats 1 --skip-hf) && tm=(--device cpu --preset
+        deepseek_v3-tiny --batch 2 --seq-len 32 --steps 1 --warmup 1 --no-hf) && tq=(--device
+        cpu --preset qwen3_5_moe-tiny --batch 2 --seq-len 32 --steps 1 --warmup 1 --no-hf)
+      # half the phase's limit for the engine, a quarter for each trainer run
+      run_phase "$name-engine" $((limit / 2)) "${slip[@]}" bench engine "${args[@]}" \
+        --out "$out/engine_hybrid.json" || return 1
+      run_phase "$name-train-moonlight" $((limit / 4)) "${slip[@]}" bench train "${tm[@]}" \
+        --out "$out/train_moonlight.json" || return 1
+      run_phase "$name-train-qwen3.6" $((limit / 4)) "${slip[@]}" bench train "${tq[@]}" \
+        --out "$out/train_qwen3_6.json" ;;
     engine-mid|engine-qwen)
       local preset=mid json=engine_mid.json
       [[ $name == engine-qwen ]] && preset=qwen3-30b-a3b-4l json=engine_qwen.json

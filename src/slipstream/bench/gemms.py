@@ -10,6 +10,13 @@ gradient (m, n, k) and weight gradient (n, m, k); attention's backward is three 
 p v shape and one of the q k^T shape. Causal attention counts (T + 1) / (2 T) of the full
 product (a kernel that skips masked blocks), so the step's GEMM FLOPs equal
 `train_flops_per_token(cfg, T) * N` up to the rounding of rows per expert.
+
+Other token mixers (model_flops' docstring has their FLOPs): gated attention's q projection is
+twice as wide; multi-head latent attention is its q (or q_a, q_b), kv_a, kv_b and o projections
+and attention with q/k (qk_nope + qk_rope) and v (v_head) widths over `num_attention_heads`; a
+Gated DeltaNet layer is its input and output projections, the depthwise conv (as a 1 x W @ W x 1
+product per channel) and the recurrent form's three state products per token and value head
+(1 x dk @ dk x dv), with no attention over keys.
 """
 
 from __future__ import annotations
@@ -19,7 +26,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from slipstream.bench.model_flops import is_moe_layer, mean_causal_keys
+from slipstream.bench.model_flops import (
+    gdn_dims,
+    is_linear_attention_layer,
+    is_moe_layer,
+    mean_causal_keys,
+    mixer_params,
+)
 
 
 @dataclass(frozen=True)
@@ -53,12 +66,51 @@ def _merge(gemms: list[Gemm]) -> list[Gemm]:
     return [Gemm(name, m, k, n, b, c) for (name, m, k, n, b), c in merged.items()]
 
 
-def _layer_linears(cfg: Any, i: int, rows: int, expert_rows: int, num_experts_hit: float,
-                   train: bool) -> list[Gemm]:  # fmt: skip
+def _mixer_linears(cfg: Any, i: int, rows: int, train: bool) -> list[Gemm]:
+    """Layer i's token-mixer products other than attention over keys (`_attention_dims`)."""
     D, H, K, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    out = _linear("qkv", rows, D, (H + 2 * K) * d, 1, train) + _linear(
+    passes = 3.0 if train else 1.0
+    if is_linear_attention_layer(cfg, i):
+        conv, value, Hv = gdn_dims(cfg)
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        return (_linear("gdn in_proj", rows, D, conv + value + 2 * Hv, 1, train)
+                + _linear("gdn out_proj", rows, value, D, 1, train)
+                + [Gemm("gdn conv", 1, cfg.linear_conv_kernel_dim, 1, rows * conv, passes),
+                   Gemm("gdn state", 1, dk, dv, rows * Hv, 3 * passes)])  # fmt: skip
+    if cfg.kv_lora_rank:
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        Q, L = cfg.q_lora_rank, cfg.kv_lora_rank
+        if Q is None:
+            q = _linear("mla q", rows, D, H * qk, 1, train)
+        else:
+            q = _linear("mla q_a", rows, D, Q, 1, train) + _linear(
+                "mla q_b", rows, Q, H * qk, 1, train
+            )
+        kv_b = H * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        return (q + _linear("mla kv_a", rows, D, L + cfg.qk_rope_head_dim, 1, train)
+                + _linear("mla kv_b", rows, L, kv_b, 1, train)
+                + _linear("o", rows, H * cfg.v_head_dim, D, 1, train))  # fmt: skip
+    q_heads = 2 * H if cfg.attention_output_gate else H  # the gate is q_proj's second half
+    return _linear("qkv", rows, D, (q_heads + 2 * K) * d, 1, train) + _linear(
         "o", rows, H * d, D, 1, train
     )
+
+
+def _attention_dims(cfg: Any, i: int) -> tuple[int, int, int, int] | None:
+    """(query heads, kv heads, q/k width, v width) of layer i's attention over keys; None for a
+    Gated DeltaNet layer (no keys)."""
+    if is_linear_attention_layer(cfg, i):
+        return None
+    if cfg.kv_lora_rank:
+        H = cfg.num_attention_heads
+        return H, H, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    return cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim
+
+
+def _layer_linears(cfg: Any, i: int, rows: int, expert_rows: int, num_experts_hit: float,
+                   train: bool) -> list[Gemm]:  # fmt: skip
+    D = cfg.hidden_size
+    out = _mixer_linears(cfg, i, rows, train)
     if is_moe_layer(cfg, i):
         Ie, k = cfg.moe_intermediate_size, cfg.num_experts_per_tok
         out += _linear("router", rows, D, cfg.num_experts, 1, train)
@@ -70,7 +122,8 @@ def _layer_linears(cfg: Any, i: int, rows: int, expert_rows: int, num_experts_hi
         if Is > 0:
             out += _linear("shared gate_up", rows, D, 2 * Is, 1, train)
             out += _linear("shared down", rows, Is, D, 1, train)
-            out += _linear("shared gate", rows, D, 1, 1, train)
+            if cfg.shared_expert_gated:  # DeepSeek's / GLM's shared experts have no gate
+                out += _linear("shared gate", rows, D, 1, 1, train)
     else:
         F = cfg.intermediate_size
         out += _linear("ffn gate_up", rows, D, 2 * F, 1, train)
@@ -88,12 +141,17 @@ def train_gemms(cfg: Any, num_tokens: int, seq_len: float) -> list[Gemm]:
     T = max(1, round(seq_len))
     seqs = max(1, round(num_tokens / T))
     causal = mean_causal_keys(seq_len) / seq_len
-    H, d = cfg.num_attention_heads, cfg.head_dim
     gemms: list[Gemm] = []
     for i in range(cfg.num_hidden_layers):
         gemms += _layer_linears(cfg, i, num_tokens, expert_rows, E, train=True)
-        gemms.append(Gemm("attn q k^T", T, d, T, seqs * H, 2 * causal))  # fwd + dP
-        gemms.append(Gemm("attn p v", T, T, d, seqs * H, 4 * causal))  # fwd + dQ, dK, dV
+        if (dims := _attention_dims(cfg, i)) is None:
+            continue
+        H, _, dqk, dv = dims
+        # q k^T and dP = dO V^T (the v width); p v and dV = P^T dO (v), dQ and dK (q/k width)
+        gemms.append(Gemm("attn q k^T", T, dqk, T, seqs * H, causal))
+        gemms.append(Gemm("attn q k^T", T, dv, T, seqs * H, causal))
+        gemms.append(Gemm("attn p v", T, T, dv, seqs * H, 2 * causal))
+        gemms.append(Gemm("attn p v", T, T, dqk, seqs * H, 2 * causal))
     gemms += _linear("lm_head", num_tokens, cfg.hidden_size, cfg.vocab_size, 1, train=True)
     return _merge(gemms)
 
@@ -111,30 +169,40 @@ def decode_gemms(cfg: Any, batch: int, context_len: int) -> list[Gemm]:
         raise ValueError(f"need batch >= 1 and context_len >= 1, got {batch}, {context_len}")
     hit = experts_hit(cfg, batch)
     expert_rows = max(1, math.ceil(batch * cfg.num_experts_per_tok / hit)) if hit else 0
-    H, K, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     gemms: list[Gemm] = []
     for i in range(cfg.num_hidden_layers):
         gemms += _layer_linears(cfg, i, batch, expert_rows, hit, train=False)
-        gemms.append(Gemm("attn q k^T", H // K, d, context_len, batch * K))
-        gemms.append(Gemm("attn p v", H // K, context_len, d, batch * K))
+        if (dims := _attention_dims(cfg, i)) is None:
+            continue
+        H, K, dqk, dv = dims
+        gemms.append(Gemm("attn q k^T", H // K, dqk, context_len, batch * K))
+        gemms.append(Gemm("attn p v", H // K, context_len, dv, batch * K))
     gemms += _linear("lm_head", batch, cfg.hidden_size, cfg.vocab_size, 1, train=False)
     return _merge(gemms)
 
 
 def decode_read_bytes(cfg: Any, batch: int, context_len: int, bytes_per_value: int) -> float:
     """Bytes one decode step must read at least: every weight it multiplies by (the experts a
-    batch touches in expectation) and the cached keys and values of every row."""
-    D, H, K, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    batch touches in expectation) and the cached keys and values of every row (a Gated DeltaNet
+    layer's recurrent state and conv window instead: fixed, whatever the context; an MLA
+    layer's expanded K and V, what the engine caches)."""
+    D = cfg.hidden_size
     values = 0.0
     hit = experts_hit(cfg, batch)
     for i in range(cfg.num_hidden_layers):
-        values += D * (2 * H * d + 2 * K * d)
+        values += mixer_params(cfg, i)
+        if (dims := _attention_dims(cfg, i)) is None:
+            conv, _, Hv = gdn_dims(cfg)
+            state = Hv * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+            values += batch * (state + conv * (cfg.linear_conv_kernel_dim - 1))
+        else:
+            _, K, dqk, dv = dims
+            values += batch * context_len * K * (dqk + dv)  # this layer's KV cache
         if is_moe_layer(cfg, i):
             values += D * cfg.num_experts + hit * 3 * D * cfg.moe_intermediate_size
             values += 3 * D * cfg.shared_expert_intermediate_size
         else:
             values += 3 * D * cfg.intermediate_size
-        values += batch * context_len * 2 * K * d  # this layer's KV cache
     values += cfg.vocab_size * D  # LM head
     return values * bytes_per_value
 

@@ -161,3 +161,93 @@ MODELS.update({
 })  # fmt: skip
 FAMILY_PRESETS = ("glm-4.5-air-4l", "mixtral-8x7b-4l", "olmoe-1b-7b-4l")
 """The family presets at real layer shapes (scripts/gpu-check.sh's `families` phase)."""
+
+
+# ---- the hybrid and latent-attention families of issue 48 (model/families/qwen3_next.py,
+# qwen3_5_moe.py, deepseek_v3.py): real layer shapes, 4 layers each, and each family's switches
+# on the quickstart shape (CPU rehearsals, tiny RL runs) ----------------------------------------
+QWEN3_NEXT = dict(
+    model_type="qwen3_next", attention_output_gate=True, norm_zero_centered=True,
+    partial_rotary_factor=0.25, qk_norm="per_head", shared_expert_gated=True,
+)  # fmt: skip
+"""Qwen3-Next's architecture switches (model/families/qwen3_next.py sets the same from
+config.json); Qwen3.5/3.6 MoE is the same architecture (`QWEN3_5_MOE`)."""
+QWEN3_5_MOE = dict(QWEN3_NEXT, model_type="qwen3_5_moe_text")
+"""Qwen3.5/3.6-MoE's switches: Qwen3-Next's, saved in the text layout (split GDN projections)."""
+DEEPSEEK_V3 = dict(
+    model_type="deepseek_v3", router_scheme="sigmoid_group_topk", router_correction_bias=True,
+    shared_expert_gated=False, qk_norm="none", router_aux_loss_coef=0.0, rope_interleave=True,
+)  # fmt: skip
+"""DeepSeek-V3's architecture switches (model/families/deepseek_v3.py sets the same)."""
+
+
+def hybrid_layers(num_layers: int, interval: int = 4) -> list[str]:
+    """Qwen3-Next's pattern: a full-attention layer after every `interval - 1` GDN layers."""
+    return [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+        for i in range(num_layers)
+    ]
+
+
+MODELS.update({
+    # Qwen3.6-35B-A3B's decoder layers, 4 of its 40 (3 GDN + 1 gated full attention): hidden
+    # 2048, 16 / 2 heads of 256 (rotary on 64 of them), GDN 16 key heads of 128 and 32 value
+    # heads of 128, conv 4, 256 experts top-8 of width 512 + a gated shared expert of 512
+    "qwen3.6-35b-a3b-4l": dict(
+        hidden_size=2048, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=2,
+        head_dim=256, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+        intermediate_size=512, shared_expert_intermediate_size=512, rope_theta=10_000_000.0,
+        layer_types=hybrid_layers(4), linear_num_key_heads=16, linear_num_value_heads=32,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        **QWEN3_5_MOE,
+    ),
+    # Moonlight-16B-A3B's decoder layers, 4 of its 27 (the first dense): hidden 2048, 16 MLA
+    # heads (q_lora_rank none, kv_lora_rank 512, qk_nope 128 + qk_rope 64, v 128), 64 experts
+    # top-6 of width 1408 + 2 shared, dense width 11,264, sigmoid routing over 1 group
+    "moonlight-16b-4l": dict(
+        hidden_size=2048, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=16,
+        head_dim=64, num_experts=64, num_experts_per_tok=6, moe_intermediate_size=1408,
+        intermediate_size=11264, shared_expert_intermediate_size=2 * 1408, mlp_only_layers=[0],
+        n_group=1, topk_group=1, routed_scaling_factor=2.446, rope_theta=50_000.0,
+        rms_norm_eps=1e-5, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, **DEEPSEEK_V3,
+    ),
+    # the quickstart shape with each family's switches (every feature on: GDN with grouped
+    # value heads, a shared expert; MLA with a low-rank q, n_group > 1, a dense first layer)
+    "qwen3_next-quickstart": dict(
+        **MODELS["quickstart"], layer_types=hybrid_layers(4), linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+        shared_expert_intermediate_size=128, **QWEN3_NEXT,
+    ),
+    "qwen3_5_moe-quickstart": dict(
+        **MODELS["quickstart"], layer_types=hybrid_layers(4), linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+        shared_expert_intermediate_size=128, intermediate_size=128, **QWEN3_5_MOE,
+    ),
+    "deepseek_v3-quickstart": dict(
+        **MODELS["quickstart"], num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+        kv_lora_rank=64, q_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+        v_head_dim=32, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+        shared_expert_intermediate_size=256, mlp_only_layers=[0], **DEEPSEEK_V3,
+    ),
+})  # fmt: skip
+MODELS["qwen3.6-35b-a3b-2l"] = dict(
+    MODELS["qwen3.6-35b-a3b-4l"], num_hidden_layers=2,
+    layer_types=["linear_attention", "full_attention"],
+)  # fmt: skip
+"""One GDN and one full-attention layer of Qwen3.6-35B-A3B: the trainer's run (4 layers and the
+vocabulary are 4.4B parameters, ~70 GB of float32 weights, gradients and AdamW state: past an
+80 GB GPU with activations; 2 layers are 2.7B, ~43 GB)."""
+HYBRID_PRESETS = ("qwen3.6-35b-a3b-4l", "moonlight-16b-4l")
+"""The issue-48 family presets at real layer shapes (scripts/gpu-check.sh's `hybrid` phase)."""
+VOCAB.update({"qwen3.6-35b-a3b-4l": 248_320, "qwen3.6-35b-a3b-2l": 248_320,
+              "moonlight-16b-4l": 163_840})  # fmt: skip
+GPU_PRESETS.update({
+    # the real decoder layers (above) with each model's vocabulary
+    **{name: {**MODELS[name], "vocab_size": VOCAB[name], "max_position_embeddings": 4096}
+       for name in ("qwen3.6-35b-a3b-4l", "qwen3.6-35b-a3b-2l", "moonlight-16b-4l")},
+    # the CPU rehearsals of the hybrid phase (scripts/gpu-check.sh)
+    **{f"{family}-tiny": {**MODELS[f"{family}-quickstart"], "vocab_size": 256,
+                          "max_position_embeddings": 256}
+       for family in ("qwen3_5_moe", "deepseek_v3")},
+})  # fmt: skip
