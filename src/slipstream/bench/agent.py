@@ -12,9 +12,20 @@ engine with the config's [model] (random weights):
 - also: the same through the `openai` SDK client (what an agent pays, minus its process start).
 The three ways run interleaved, call by call, in a rotating order (a shared host's load falls
 on all alike); mean and p50 latency per call, and the overhead per call as the median of the
-paired differences (endpoint - direct, same prompt, back to back), in ms. JSON with
-provenance in benchmarks/results/agent.json (or --out). Not covered: concurrent episodes, an
-agent process's start (the `openai` import: ~1 s of CPU), streaming.
+paired differences (endpoint - direct, same prompt, back to back), in ms.
+
+With --starts N: an agent process's start, the config's `agent.command` (e.g.
+examples/agents/calculator_agent.py) run as N whole episodes each way, one at a time,
+alternating, through `AgentRuntime.run_agent` against the same endpoint:
+- baseline: `agent.preload = []`, a fresh `/bin/sh -c COMMAND` per episode;
+- figure: `agent.preload` (the config's, else ["openai"]), a fork of the warm template.
+Per episode: start-up wall (the launch to the endpoint's first call) and start-up CPU (the
+agent's process group's user+system CPU at that first call, read from /proc: imports, client,
+the request), the whole episode's wall, and the template's one-time start (wall, CPU). Medians
+and means. --calls 0 skips the per-call part.
+
+JSON with provenance in benchmarks/results/agent.json (or --out). Not covered: concurrent
+episodes, streaming.
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ import argparse
 import os
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 from slipstream.config.args import add_config_args
@@ -34,6 +46,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_config_args(p)
     p.add_argument("--calls", type=int, default=100, help="calls per way")
     p.add_argument("--tokens", type=int, default=16, help="sampled tokens per call")
+    p.add_argument("--starts", type=int, default=0,
+                   help="agent episodes per way: fresh process vs forked from the warm template")  # fmt: skip
     p.add_argument("--out", default="benchmarks/results/agent.json", help="JSON output path")
     p.set_defaults(func=run)
 
@@ -49,14 +63,10 @@ def _paired(a: list[float], b: list[float]) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    import httpx
     import torch
-    from openai import OpenAI
 
     from slipstream.config import load_config
     from slipstream.engine import build_engine
-    from slipstream.engine.base import GenerateRequest, SamplingParams
-    from slipstream.envs.agent_endpoint import AgentEndpoint
     from slipstream.model import MoEForCausalLM
     from slipstream.observe.provenance import collect_provenance, write_result
     from slipstream.tasks import get_taskset
@@ -67,6 +77,33 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     model = MoEForCausalLM(cfg.model.model_copy(update={"vocab_size": tok.vocab_size})).eval()
     engine = build_engine(cfg.engine, model, tokenizer=tok)
+    load_before = os.getloadavg()
+    record: dict[str, Any] = {"benchmark": "agent"}
+    try:
+        if args.calls > 0:
+            record.update(_per_call(args, engine, ts))
+        if args.starts > 0:
+            record["agent_start"] = _starts(args, cfg, engine, ts)
+    finally:
+        engine.close()
+    record["params"] = sum(p.numel() for p in model.parameters())
+    record["provenance"] = collect_provenance(
+        {"loadavg_1_5_15": os.getloadavg(), "loadavg_before_1_5_15": load_before}
+    )
+    path = write_result(args.out, record)
+    print(f"load average (1, 5, 15 min): before {load_before}, after {os.getloadavg()}")
+    print(f"wrote {path}")
+    return 0
+
+
+def _per_call(args: argparse.Namespace, engine: Any, ts: Any) -> dict[str, Any]:
+    import httpx
+    from openai import OpenAI
+
+    from slipstream.engine.base import GenerateRequest, SamplingParams
+    from slipstream.envs.agent_endpoint import AgentEndpoint
+
+    tok = ts.tokenizer
     tasks = ts.train_batch(0, args.calls)
     messages = [[{"role": "user", "content": t.prompt}] for t in tasks]
     params = SamplingParams(temperature=1.0, max_new_tokens=args.tokens, ignore_eos=True)
@@ -110,25 +147,138 @@ def run(args: argparse.Namespace) -> int:
         session.close()
     finally:
         endpoint.close()
-        engine.close()
     d, s, o = _stats(direct), _stats(served), _stats(sdk)
-    record = {
-        "benchmark": "agent",
-        "figure": {"name": "episode endpoint (httpx, keep-alive), per call", **s},
-        "baseline": {"name": "engine.generate, per call", **d},
-        "openai_sdk": {"name": "episode endpoint through the openai SDK, per call", **o},
-        "overhead_ms": {"httpx_median_paired": _paired(served, direct),
-                        "openai_sdk_median_paired": _paired(sdk, direct)},
-        "calls": args.calls, "tokens_per_call": args.tokens, "recorded_calls": recorded,
-        "params": sum(p.numel() for p in model.parameters()),
-        "provenance": collect_provenance({"loadavg_1_5_15": os.getloadavg()}),
-    }  # fmt: skip
-    path = write_result(args.out, record)
     print(f"per call, {args.calls} calls of {args.tokens} tokens (mean / p50 ms):")
     print(f"  direct engine.generate    {d['mean_ms']:8.2f} / {d['p50_ms']:8.2f}   (baseline)")
     print(f"  endpoint, httpx           {s['mean_ms']:8.2f} / {s['p50_ms']:8.2f}   "
           f"overhead (median of paired differences) {_paired(served, direct):+.2f} ms")  # fmt: skip
     print(f"  endpoint, openai SDK      {o['mean_ms']:8.2f} / {o['p50_ms']:8.2f}   "
           f"overhead (median of paired differences) {_paired(sdk, direct):+.2f} ms")  # fmt: skip
-    print(f"wrote {path}")
-    return 0
+    return {
+        "figure": {"name": "episode endpoint (httpx, keep-alive), per call", **s},
+        "baseline": {"name": "engine.generate, per call", **d},
+        "openai_sdk": {"name": "episode endpoint through the openai SDK, per call", **o},
+        "overhead_ms": {"httpx_median_paired": _paired(served, direct),
+                        "openai_sdk_median_paired": _paired(sdk, direct)},
+        "calls": args.calls, "tokens_per_call": args.tokens, "recorded_calls": recorded,
+    }  # fmt: skip
+
+
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def _group_cpu_s(pgid: int) -> float:
+    """User + system CPU of the processes in group `pgid` (theirs and their reaped children's),
+    from /proc."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            f = stat.read_text().rsplit(") ", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(f[2]) == pgid:  # fields 5 (pgrp), 14-17 (utime stime cutime cstime)
+            total += sum(int(x) for x in f[11:15])
+    return total * _TICK_S
+
+
+def _own_cpu_s(pid: int) -> float:
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+    return sum(int(x) for x in f[11:15]) * _TICK_S
+
+
+class _FirstCall:
+    """The engine, noting the first call after `arm(pgid)`: when, and its group's CPU then."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.pgid = 0
+        self.at: tuple[float, float] | None = None
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def arm(self, pgid: int) -> None:
+        self.pgid, self.at = pgid, None
+
+    def submit(self, request: Any) -> Any:
+        if self.at is None and self.pgid:
+            self.at = (time.monotonic(), _group_cpu_s(self.pgid))
+        return self.engine.submit(request)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+
+class _Noting:
+    """A Launcher that notes each start's time and arms `_FirstCall` with the run's group."""
+
+    def __init__(self, inner: Any, first: _FirstCall) -> None:
+        self.inner, self.first = inner, first
+        self.started_at = 0.0
+
+    def start(self, **kw: Any) -> Any:
+        self.started_at = time.monotonic()
+        proc = self.inner.start(**kw)
+        self.first.arm(proc.pid)
+        return proc
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _starts(args: argparse.Namespace, cfg: Any, engine: Any, ts: Any) -> dict[str, Any]:
+    from slipstream.envs import EpisodeLimits
+    from slipstream.envs.agent import AgentRuntime
+    from slipstream.envs.agent_launch import ForkLauncher
+
+    preload = cfg.agent.preload or ["openai"]
+    agents = {"fresh process": cfg.agent.model_copy(update={"preload": []}),
+              "forked (preload)": cfg.agent.model_copy(update={"preload": preload})}  # fmt: skip
+    limits = EpisodeLimits(max_turns=cfg.rollout.max_turns,
+                           max_turn_tokens=cfg.rollout.max_new_tokens)  # fmt: skip
+    first = _FirstCall(engine)
+    runtimes: dict[str, Any] = {}
+    template: dict[str, float] = {}
+    rows: dict[str, list[tuple[float, float, float]]] = {k: [] for k in agents}
+    try:
+        for name, acfg in agents.items():
+            t0 = time.monotonic()
+            rt = AgentRuntime(first, ts, acfg, limits, context_tokens=engine.max_seq_len)  # type: ignore[arg-type]
+            runtimes[name] = rt
+            if isinstance(rt.launcher, ForkLauncher):  # its imports are done when it answers
+                template = {"wall_s": time.monotonic() - t0,
+                            "cpu_s": _own_cpu_s(rt.launcher.template_pid)}  # fmt: skip
+            rt.launcher = _Noting(rt.launcher, first)
+        tasks = ts.train_batch(0, args.starts)
+        for i, task in enumerate(tasks):
+            for name in list(agents) if i % 2 == 0 else list(agents)[::-1]:
+                rt = runtimes[name]
+                session = rt.endpoint.open(max_calls=rt.max_calls,
+                                           max_sampled_tokens=rt.max_sampled_tokens)  # fmt: skip
+                out = rt.run_agent(task, session, lambda: False)
+                if first.at is None or out.exit_code != 0:
+                    raise RuntimeError(f"{name}: the agent made no call or failed "
+                                       f"(exit {out.exit_code}): {out.stderr[-500:]}")  # fmt: skip
+                at, cpu = first.at
+                rows[name].append((at - rt.launcher.started_at, cpu, out.wall_s))
+    finally:
+        for rt in runtimes.values():
+            rt.close()
+    result: dict[str, Any] = {"command": cfg.agent.command, "preload": preload,
+                              "episodes_per_way": args.starts, "template_start": template}  # fmt: skip
+    print(f"agent start, {args.starts} episodes each way of {cfg.agent.command!r} (median / mean):")
+    for name, r in rows.items():
+        wall, cpu, episode = ([x[k] for x in r] for k in range(3))
+        result[name] = {
+            "startup_wall_s": {"p50": statistics.median(wall), "mean": statistics.fmean(wall)},
+            "startup_cpu_s": {"p50": statistics.median(cpu), "mean": statistics.fmean(cpu)},
+            "episode_wall_s": {"p50": statistics.median(episode),
+                               "mean": statistics.fmean(episode)},
+        }  # fmt: skip
+        print(f"  {name:17s} start-up wall {statistics.median(wall):6.3f} / "
+              f"{statistics.fmean(wall):6.3f} s   start-up CPU {statistics.median(cpu):6.3f} / "
+              f"{statistics.fmean(cpu):6.3f} s   episode wall {statistics.median(episode):6.3f} s")  # fmt: skip
+    print(f"  template (once): {template['wall_s']:.2f} s wall, {template['cpu_s']:.2f} s CPU "
+          f"importing {preload}")  # fmt: skip
+    return result
