@@ -11,10 +11,10 @@ emptied: `_cold_constant_caches`):
 - olmoe decode 797 -> 773 (within 800); fwd+bwd 3,545 -> 3,177: per layer q/k/v and o biases
   (four parameters more for autograd to accumulate) and clip_qkv (a clamp and its mask on q/k and
   on v), with q and k normed as one (multi-head: equal widths).
-- glm4_moe decode 1,110 -> 1,057 / fwd+bwd 4,033 -> 3,812: per MoE layer a shared expert (an
+- glm4_moe decode 1,110 -> 1,057 / fwd+bwd 4,033 -> 3,737: per MoE layer a shared expert (an
   MLP and an add: ~6 ops decode, ~20 fwd+bwd), group-limited sigmoid selection (~12 no-grad ops),
-  the weights' gather, renormalisation and scaling (5 ops and their backward), q/k/v biases and
-  partial rotary (a split and a cat).
+  the weights' gather, renormalisation and scaling (5 ops, 8 backward: `_SigmoidRoute`), q/k/v
+  biases and partial rotary (a split and a cat).
 - gpt_oss decode 889 -> 851 / fwd+bwd 4,239 -> 3,521: per layer two expert biases (a gather and
   an add each, no bias argument in `torch._grouped_mm`), the clamped SwiGLU (clamp with per-column
   bounds, sigmoid, two multiplies, addcmul), the sink logits added to the step's mask (slice +
@@ -24,7 +24,7 @@ emptied: `_cold_constant_caches`):
 - The hybrids (issue 48; decode through the engine's per-layer state, 0 syncs): qwen3_next
   2,067 / 8,798, qwen3_5_moe_text 2,091 / 8,877: 12 Gated DeltaNet layers (~94 ops per decode
   step each, of them 16 no-op `.to` casts; the chunked scan in plain-torch autograd in training)
-  and zero-centred norms (~6 ops each); deepseek_v3 1,548 / 6,226: MLA (~52 ops per decode
+  and zero-centred norms (~6 ops each); deepseek_v3 1,548 / 6,151: MLA (~52 ops per decode
   layer: the latent's norm, the expanded K/V of two widths, the interleaved YaRN RoPE of the rope
   part) and glm4_moe's router and shared expert. Their layers live in model/gated_deltanet.py,
   gated_attention.py and mla.py."""
@@ -52,8 +52,8 @@ DECODE_BUDGET = {"glm4_moe": 1080, "gpt_oss": 870,
                  "qwen3_next": 2110, "qwen3_5_moe_text": 2130, "deepseek_v3": 1580}  # fmt: skip
 """Families over the Qwen3-MoE decode budget (just above the measured counts of the module
 docstring: what their layers do beyond Qwen3-MoE's); others: MAX_DECODE_OPS."""
-TRAIN_BUDGET = {"olmoe": 3240, "glm4_moe": 3880, "gpt_oss": 3590,
-                "qwen3_next": 8950, "qwen3_5_moe_text": 9030, "deepseek_v3": 6330}  # fmt: skip
+TRAIN_BUDGET = {"olmoe": 3240, "glm4_moe": 3800, "gpt_oss": 3590,
+                "qwen3_next": 8950, "qwen3_5_moe_text": 9030, "deepseek_v3": 6250}  # fmt: skip
 """Families over the Qwen3-MoE fwd+bwd budget (as DECODE_BUDGET); others: MAX_OPS."""
 MID_LIKE = dict(
     vocab_size=512, hidden_size=64, num_hidden_layers=16, num_attention_heads=16,
