@@ -15,14 +15,14 @@ emptied: `_cold_constant_caches`):
   MLP and an add: ~6 ops decode, ~20 fwd+bwd), group-limited sigmoid selection (~12 no-grad ops),
   the weights' gather, renormalisation and scaling (5 ops, 8 backward: `_SigmoidRoute`), q/k/v
   biases and partial rotary (a split and a cat).
-- gpt_oss decode 889 -> 851 / fwd+bwd 4,239 -> 3,521: per layer two expert biases (a gather and
+- gpt_oss decode 889 -> 851 / fwd+bwd 4,239 -> 3,457: per layer two expert biases (a gather and
   an add each, no bias argument in `torch._grouped_mm`), the clamped SwiGLU (clamp with per-column
   bounds, sigmoid, two multiplies, addcmul), the sink logits added to the step's mask (slice +
   add); in training also the sinks' zero key (a pad of k and of v), their gradient (a second,
   no-grad attention for the sink's probability; the mask stays detached so SDPA keeps its fused
   kernel) and eight bias/sink parameters more for autograd.
 - The hybrids (issue 48; decode through the engine's per-layer state, 0 syncs): qwen3_next
-  2,067 / 8,798, qwen3_5_moe_text 2,091 / 8,877: 12 Gated DeltaNet layers (~94 ops per decode
+  2,067 / 8,753, qwen3_5_moe_text 2,091 / 8,829: 12 Gated DeltaNet layers (~94 ops per decode
   step each, of them 16 no-op `.to` casts; the chunked scan in plain-torch autograd in training)
   and zero-centred norms (~6 ops each); deepseek_v3 1,548 / 6,151: MLA (~52 ops per decode
   layer: the latent's norm, the expanded K/V of two widths, the interleaved YaRN RoPE of the rope
@@ -52,8 +52,8 @@ DECODE_BUDGET = {"glm4_moe": 1080, "gpt_oss": 870,
                  "qwen3_next": 2110, "qwen3_5_moe_text": 2130, "deepseek_v3": 1580}  # fmt: skip
 """Families over the Qwen3-MoE decode budget (just above the measured counts of the module
 docstring: what their layers do beyond Qwen3-MoE's); others: MAX_DECODE_OPS."""
-TRAIN_BUDGET = {"olmoe": 3240, "glm4_moe": 3800, "gpt_oss": 3590,
-                "qwen3_next": 8950, "qwen3_5_moe_text": 9030, "deepseek_v3": 6250}  # fmt: skip
+TRAIN_BUDGET = {"olmoe": 3240, "glm4_moe": 3800, "gpt_oss": 3520,
+                "qwen3_next": 8900, "qwen3_5_moe_text": 8980, "deepseek_v3": 6250}  # fmt: skip
 """Families over the Qwen3-MoE fwd+bwd budget (as DECODE_BUDGET); others: MAX_OPS."""
 MID_LIKE = dict(
     vocab_size=512, hidden_size=64, num_hidden_layers=16, num_attention_heads=16,

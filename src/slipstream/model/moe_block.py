@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from slipstream.config.model import MOE_IMPLS, ModelConfig
 from slipstream.model.expert_activation import Activation, SwiGLU, expert_activation
-from slipstream.model.layers import MLP
+from slipstream.model.layers import MLP, linear
 from slipstream.model.router import (
     Router,
     RoutingScheme,
@@ -558,9 +558,9 @@ class SparseMoeBlock(nn.Module):
         if out_ND.dtype != x_ND.dtype:
             out_ND = out_ND.to(x_ND.dtype)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out_ND = out_ND + torch.sigmoid(self.shared_expert_gate(x_ND)) * self.shared_expert(
-                x_ND
-            )
+            # `linear`: with autograd fewer ops than the nn.Linear's F.linear
+            gate_N1 = torch.sigmoid(linear(x_ND, self.shared_expert_gate.weight))
+            out_ND = out_ND + gate_N1 * self.shared_expert(x_ND)
         elif self.shared_experts is not None:
             out_ND = out_ND + self.shared_experts(x_ND)
         return out_ND, logits_NE

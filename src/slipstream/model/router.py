@@ -256,6 +256,5 @@ class Router(nn.Linear):
         if self.fp32 and x_ND.dtype != torch.float32:
             b = None if self.bias is None else _f32(self.bias)
             return F.linear(x_ND.float(), _f32(self.weight), b)
-        if self.bias is None:
-            return linear(x_ND, self.weight)
-        return F.linear(x_ND, self.weight, self.bias)
+        # `linear`: with autograd a Function of fewer ops than F.linear's (a biased one: 4)
+        return linear(x_ND, self.weight, biases=None if self.bias is None else (self.bias,))
