@@ -95,3 +95,30 @@ def flaky(prompts, completions, **columns):
         open(mark, "w").close()
         raise RuntimeError("first call fails")
     return [1.0] * len(completions)
+
+
+def agent_answer(prompts, completions, agent_output, **columns):
+    """Agent episodes (tests/unit/test_agent_rewards.py): 1.0 when the agent's own output names
+    the reference answer, 0.0 otherwise (no output included)."""
+    return [
+        float(isinstance(o, dict) and o.get("answer") == a)
+        for o, a in zip(agent_output, columns["answer"], strict=True)
+    ]
+
+
+def conversation_length(prompts, completions, messages, **columns):
+    """Agent episodes: the number of messages of the final conversation (None without one)."""
+    return [None if m is None else float(len(m)) for m in messages]
+
+
+def last_user_turn(prompts, completions, messages, **columns):
+    """Agent episodes: 1.0 when the conversation's last user turn is "sure?" and it ends with
+    the assistant's reply, the completion scored."""
+    return [
+        float(
+            m[-2] == {"role": "user", "content": "sure?"}
+            and m[-1]["role"] == "assistant"
+            and m[-1]["content"] == c
+        )
+        for m, c in zip(messages, completions, strict=True)
+    ]

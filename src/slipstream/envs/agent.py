@@ -35,12 +35,15 @@ How an episode ends:
 The reward is the worker's Verifier on the last assistant message (the `[[reward.functions]]`
 RewardSet: per-sample functions here, group functions over the group's episodes in the episode
 loop, every sample of an episode getting its episode's; without functions, the task's
-verifier).
+verifier). Per-sample functions also get the keyword arguments `messages` (the final
+conversation: the last chat call's messages plus its reply; None when the last call was a
+/v1/completions call) and `agent_output` (None when there is none), handed over on a copy of
+the task under `REWARD_INPUTS_KEY` (envs/agent_trajectory.py) and passed like columns; group
+functions get neither.
 
 Not covered: running the agent inside the episode's sandbox (sandboxes have no network, and the
-endpoint is TCP: docs/agents.md has the design), handing the final messages and the agent's
-output to reward functions (they get the last assistant message and the task's columns), the
-`tools` request field.
+endpoint is TCP: docs/agents.md has the design), `messages` / `agent_output` for group reward
+functions, the `tools` request field.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ from typing import TYPE_CHECKING, Any
 
 from slipstream.envs.agent_endpoint import AgentEndpoint, CallRecord, EpisodeSession
 from slipstream.envs.agent_launch import AgentProcess, make_launcher
-from slipstream.envs.agent_trajectory import segments
+from slipstream.envs.agent_trajectory import REWARD_INPUTS_KEY, final_messages, segments
 from slipstream.envs.base import (
     Demonstration,
     EnvFactory,
@@ -282,7 +285,13 @@ class AgentRuntime:
                                           f"(exit {run.exit_code}; {len(run.calls)} calls)")  # fmt: skip
         last = run.calls[-1]
         answer = last.reply.get("content", "") if last.kind == "chat" else last.completion.text
-        score = self.scorer(task, answer)  # the worker's Verifier: [[reward.functions]]
+        # reward functions' extra inputs ride on a copy of the task, read like its columns
+        # (rewards/rewardset.py `reward_inputs`): the Scorer seam stays (task, completion)
+        messages = final_messages(last.messages, last.reply) if last.kind == "chat" else None
+        extra = {"messages": messages, "agent_output": run.output}
+        scored = Task(task.task_id, task.prompt, task.key,
+                      {**task.meta, REWARD_INPUTS_KEY: extra})  # fmt: skip
+        score = self.scorer(scored, answer)  # the worker's Verifier: [[reward.functions]]
         reward, reason = score
         components = score_components(score)
         tok = self.taskset.tokenizer

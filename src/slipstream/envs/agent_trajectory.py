@@ -87,3 +87,16 @@ def segments(calls: Sequence[tuple[Sequence[int], Completion]]) -> list[Segment]
             out.append(cur)
         cur.add(c)
     return out
+
+
+REWARD_INPUTS_KEY = "agent_episode"
+"""The task-meta key under which an agent episode hands reward functions its extra inputs
+(`messages`, `agent_output`: envs/agent.py sets it on the copy of the task it scores;
+rewards/rewardset.py's `reward_inputs` passes them as keyword arguments, like columns)."""
+
+
+def final_messages(prompt_messages: list[dict[str, Any]],
+                   reply: dict[str, Any]) -> list[dict[str, Any]]:  # fmt: skip
+    """The episode's final conversation, OpenAI-style: the last chat call's request messages
+    (as rendered) and the assistant message it was answered with."""
+    return [dict(m) for m in prompt_messages] + [dict(reply)]

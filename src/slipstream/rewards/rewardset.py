@@ -23,8 +23,12 @@ What a user function receives (TRL's signature): `prompts` (the task's original 
 prompts; `[{"role": "assistant", "content": text}]` per completion for message prompts, as TRL
 passes them) and every column as a keyword argument holding a list (`meta["columns"]`; a
 built-in task, which has no columns, passes its problem data `meta` with `answer` = its
-reference answer). A per-sample call is a list of 1 (`batched = false`: the values themselves);
-a group call (`group = true`) lists the group's G completions.
+reference answer). An agent episode (envs/agent.py) also passes `messages` (its final
+conversation: the last chat call's messages plus the reply, OpenAI-style dicts; None when its
+last call was a /v1/completions call) and `agent_output` (the agent's parsed result file or
+stdout JSON; None when there is none), per-sample functions only; other tasks pass neither. A
+task column of either name is a ValueError. A per-sample call is a list of 1 (`batched =
+false`: the values themselves); a group call (`group = true`) lists the group's G completions.
 
 Per-function counters (`reward_stats()`): calls, failed calls, dropped samples / groups, scores,
 their sum and the share of None; the worker reports them (`reward_<name>_<counter>`).
@@ -39,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from slipstream.config.rm import POOL_KINDS, RewardConfig, RewardFunctionConfig
+from slipstream.envs.agent_trajectory import REWARD_INPUTS_KEY
 from slipstream.envs.base import RewardDropped, Score
 from slipstream.rewards.pool import CallFailed, FunctionSpec, RewardPool
 from slipstream.tasks import Task
@@ -56,9 +61,16 @@ def reward_inputs(task: Task) -> tuple[Any, dict[str, Any]]:
     prompt = meta.get("prompt", task.prompt)
     columns = meta.get("columns")
     if columns is None:  # a built-in task: its problem data, the answer under "answer"
-        columns = {k: v for k, v in meta.items() if k != "prompt"}
+        columns = {k: v for k, v in meta.items() if k not in ("prompt", REWARD_INPUTS_KEY)}
         columns.setdefault("answer", None)
-    return prompt, dict(columns)
+    columns = dict(columns)
+    episode = meta.get(REWARD_INPUTS_KEY, {})  # an agent episode's messages and agent_output
+    clash = sorted(set(episode) & set(columns))
+    if clash:  # a column would silently hide the episode's value (or the reverse)
+        raise ValueError(f"task {task.task_id}: column(s) {clash} clash with the agent "
+                         "episode's reward arguments of that name; rename the column(s)")  # fmt: skip
+    columns.update(episode)
+    return prompt, columns
 
 
 def as_completion(prompt: Any, text: str) -> Any:
