@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine_ops import _prefilled_batch
+from test_engine_ops import _model_decode_step, _prefilled_batch
 from test_families_hybrid import _random_hf
 
 from slipstream.config.engine import EngineConfig
 from slipstream.engine import GenerateRequest, NativeEngine, SamplingParams
-from slipstream.engine.decode import DecodeStep, static_moe
+from slipstream.engine.decode import DecodeStep
 from slipstream.engine.kv_cache import SlotKVCache
 from slipstream.engine.prefix_cache import PrefixCache
 from slipstream.engine.routing import RoutingRecorder
@@ -174,14 +174,7 @@ def test_decode_step_has_no_host_sync(name):
     with torch.inference_mode():
         batch = _prefilled_batch(model, prompts, SamplingParams(temperature=1.0), slot_len=16)
         routing = RoutingRecorder(model)
-        pos_B, ids_B1 = batch.pos_N[:rows], batch.last_N[:rows, None]
-
-        def forward():
-            batch.cache.begin_decode(pos_B, batch.max_pos(rows))
-            with static_moe(routing.blocks):
-                model(ids_B1, position_ids_BT=pos_B[:, None], cache=batch.cache)
-
-        fwd = count_ops(forward)
+        fwd = count_ops(_model_decode_step(model, batch, routing, rows))
         step = DecodeStep(model, batch, routing, cuda_graphs=False)
         whole = count_ops(lambda: step(rows))
     assert fwd.syncs == 0, fwd.sync_ops()

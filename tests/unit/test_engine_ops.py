@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -86,6 +87,20 @@ def _prefilled_batch(model: MoEForCausalLM, prompts: list[list[int]], params: Sa
     return batch
 
 
+def _model_decode_step(model: MoEForCausalLM, batch: RunningBatch, routing: RoutingRecorder,
+                       rows: int) -> Callable[[], None]:  # fmt: skip
+    """The model's decode step over the batch's cache for its first `rows` rows, as DecodeStep
+    runs it (without sampling and bookkeeping): what the op counts measure."""
+    pos_B, ids_B1 = batch.pos_N[:rows], batch.last_N[:rows, None]
+
+    def forward() -> None:
+        batch.cache.begin_decode(pos_B, batch.max_pos(rows))
+        with static_moe(routing.blocks):
+            model(ids_B1, position_ids_BT=pos_B[:, None], cache=batch.cache)
+
+    return forward
+
+
 def test_mid_decode_step_ops_and_syncs():
     """The model's decode step over the engine's cache at `mid` (hidden 1024, 16 layers, 16/4
     heads, 32 experts top-4), 64 rows: <= 800 aten ops, 0 host syncs. Then the engine's whole
@@ -100,14 +115,7 @@ def test_mid_decode_step_ops_and_syncs():
         batch = _prefilled_batch(model, prompts, SamplingParams(temperature=1.0, top_p=0.9),
                                  slot_len=16)  # fmt: skip
         routing = RoutingRecorder(model)
-        pos_B, ids_B1 = batch.pos_N[:rows], batch.last_N[:rows, None]
-
-        def forward():
-            batch.cache.begin_decode(pos_B, batch.max_pos(rows))
-            with static_moe(routing.blocks):
-                model(ids_B1, position_ids_BT=pos_B[:, None], cache=batch.cache)
-
-        fwd = count_ops(forward)
+        fwd = count_ops(_model_decode_step(model, batch, routing, rows))
         step = DecodeStep(model, batch, routing, cuda_graphs=False)
         out: list = []
         whole = count_ops(lambda: out.append(step(rows)))

@@ -33,12 +33,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine_ops import MAX_DECODE_OPS, _prefilled_batch
+from test_engine_ops import MAX_DECODE_OPS, _model_decode_step, _prefilled_batch
 from test_trainer_ops import MAX_OPS, trainer_step_ops
 
 from slipstream.config.model import ModelConfig
 from slipstream.engine import SamplingParams
-from slipstream.engine.decode import static_moe
 from slipstream.engine.routing import RoutingRecorder
 from slipstream.model import MoEForCausalLM, attention_variants, expert_activation, rope
 from slipstream.model.families import family_for
@@ -91,14 +90,7 @@ def test_decode_step_ops_and_syncs(model_type):
     with torch.inference_mode():
         batch = _prefilled_batch(model, prompts, SamplingParams(temperature=1.0), slot_len=16)
         routing = RoutingRecorder(model)
-        pos_B, ids_B1 = batch.pos_N[:rows], batch.last_N[:rows, None]
-
-        def forward():
-            batch.cache.begin_decode(pos_B, batch.max_pos(rows))
-            with static_moe(routing.blocks):
-                model(ids_B1, position_ids_BT=pos_B[:, None], cache=batch.cache)
-
-        fwd = count_ops(forward)
+        fwd = count_ops(_model_decode_step(model, batch, routing, rows))
     print(f"{model_type} mid-like decode step, {rows} rows: {fwd.ops} ops, {fwd.syncs} syncs")
     assert fwd.syncs == 0, fwd.sync_ops()
     assert fwd.ops <= DECODE_BUDGET.get(model_type, MAX_DECODE_OPS), fwd.top()
