@@ -89,6 +89,21 @@ class AgentConfig(Section):
     `{python} SCRIPT ARGS...` or `{python} -m MODULE ARGS...` (words only, no shell syntax).
     Empty: every episode starts a fresh `/bin/sh -c COMMAND` (docs/agents.md, "Warm start")."""
 
+    sandbox: bool = False
+    """Run each episode's agent inside a bwrap sandbox (docs/agents.md, "Sandbox"): its own
+    user, mount, pid, network, IPC and UTS namespaces, no capabilities, the seccomp filter of
+    sandbox/seccomp.py; it sees /usr (and /bin, /lib*), a minimal /etc, the Python installation
+    of `{python}` and `sandbox_binds`, all read-only, its work directory (writable, at /sandbox)
+    and a private /tmp; no network: `OPENAI_BASE_URL` (http://127.0.0.1:PORT/v1) reaches its
+    episode's endpoint alone, through a forwarder to a Unix socket. Needs bwrap and user
+    namespaces (checked when the runtime starts); not with `preload`."""
+    sandbox_binds: list[str] = Field(default_factory=list)
+    """Host paths a sandboxed agent may read, bound read-only at the same path (`{cwd}` is the
+    job's directory), e.g. ["{cwd}/examples/agents"] for the agent's script. Only with
+    `sandbox`."""
+    sandbox_tmp_mib: int = Field(default=64, ge=1, le=1 << 20)
+    """Size of a sandboxed agent's private /tmp (a tmpfs, gone with the run)."""
+
     @field_validator("preload")
     @classmethod
     def _modules(cls, v: list[str]) -> list[str]:
@@ -107,6 +122,19 @@ class AgentConfig(Section):
                     f"agent.preload needs agent.command to be `{{python}} SCRIPT ARGS...` or "
                     f"`{{python}} -m MODULE ARGS...`; {self.command!r} {e}"
                 ) from None
+        return self
+
+    @model_validator(mode="after")
+    def _sandbox_combinations(self) -> "AgentConfig":
+        if self.sandbox and self.preload:
+            raise ValueError("agent.sandbox = true does not work with agent.preload (the warm "
+                             "template runs outside any sandbox); set one of them")  # fmt: skip
+        if self.sandbox_binds and not self.sandbox:
+            raise ValueError("agent.sandbox_binds is set but agent.sandbox is false")
+        for path in self.sandbox_binds:
+            if not path.replace("{cwd}", "/").startswith("/"):
+                raise ValueError(f"agent.sandbox_binds: {path!r} is not an absolute path "
+                                 "(or one starting with {cwd})")  # fmt: skip
         return self
 
     @field_validator("result_file")

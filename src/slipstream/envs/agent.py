@@ -63,7 +63,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slipstream.envs.agent_endpoint import AgentEndpoint, CallRecord, EpisodeSession
-from slipstream.envs.agent_launch import AgentProcess, make_launcher
+from slipstream.envs.agent_launch import (
+    SANDBOX_BASE_URL,
+    SANDBOX_WORKDIR,
+    AgentProcess,
+    make_launcher,
+)
 from slipstream.envs.agent_trajectory import REWARD_INPUTS_KEY, final_messages, segments
 from slipstream.envs.base import (
     Demonstration,
@@ -197,11 +202,15 @@ class AgentRuntime:
     # ---- one run -------------------------------------------------------------------------------
 
     def environment(self, session: EpisodeSession, home: str) -> dict[str, str]:
+        """The run's environment; a sandboxed run's HOME and OPENAI_BASE_URL are as it sees
+        them inside (its work directory at SANDBOX_WORKDIR, the forwarder's URL)."""
+        sandboxed = self.launcher.sandboxed
         return {
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "HOME": home,
-            **self.cfg.env,
-            "OPENAI_BASE_URL": session.base_url, "OPENAI_API_KEY": session.api_key,
-            "OPENAI_MODEL": self.endpoint.model_name, "NO_PROXY": "127.0.0.1,localhost",
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8",
+            "HOME": SANDBOX_WORKDIR if sandboxed else home, **self.cfg.env,
+            "OPENAI_BASE_URL": SANDBOX_BASE_URL if sandboxed else session.base_url,
+            "OPENAI_API_KEY": session.api_key, "OPENAI_MODEL": self.endpoint.model_name,
+            "NO_PROXY": "127.0.0.1,localhost",
         }  # fmt: skip
 
     def run_agent(
@@ -211,7 +220,12 @@ class AgentRuntime:
         root = Path(tempfile.mkdtemp(prefix="slipstream-agent-"))
         work = root / "work"
         work.mkdir()
+        sock: str | None = None
         try:
+            if self.launcher.sandboxed:  # its episode alone, on a socket bound into the sandbox
+                (root / "endpoint").mkdir()
+                sock = str(root / "endpoint" / "sock")
+                session.serve_unix(sock)
             (root / "stdin.json").write_text(json.dumps(task.to_dict()))
             t0 = time.monotonic()
             deadline = t0 + self.cfg.timeout_s
@@ -221,7 +235,8 @@ class AgentRuntime:
                 open(root / "stderr", "wb") as err,
             ):
                 proc = self.launcher.start(stdin=stdin, stdout=out, stderr=err, cwd=str(work),
-                                           env=self.environment(session, str(work)))  # fmt: skip
+                                           env=self.environment(session, str(work)),
+                                           endpoint_socket=sock)  # fmt: skip
                 timed_out = aborted = False
                 try:
                     while True:

@@ -11,6 +11,12 @@ One HTTP server (uvicorn, on a thread of its own, 127.0.0.1 and an ephemeral por
 episode of a worker; an episode is a path prefix `/s/<id>/v1` and a bearer key of its own, so an
 agent reaches only its own episode (a wrong key is 401, another episode's path 404).
 
+A sandboxed agent (no network) gets its episode on a Unix socket of its own instead:
+`session.serve_unix(path)` starts a second uvicorn server on the same event loop, for that
+path alone, whose every request path is put under the episode's prefix (`/v1/models` there is
+`/s/<id>/v1/models`): through that socket no other episode's path exists. It stops when the
+session closes.
+
 Routes under the prefix: `GET models`, `POST chat/completions`, `POST completions`, streaming or
 not. Requests are parsed by the server's own models (engine/openai_protocol.py) and chat messages
 rendered by the tokenizer's chat template (`Tokenizer.chat_prompt`, as `slipstream serve` does);
@@ -116,6 +122,16 @@ class EpisodeSession:
         self._lock = threading.Lock()
         self._inflight: set[str] = set()
         self._reserved = 0  # calls admitted, answered or not
+        self._unix_server: Any = None
+
+    def serve_unix(self, path: str) -> None:
+        """Serve this episode alone on a Unix socket at `path` (module docstring); it stops
+        when the session closes. Connections are accepted (queued) as soon as this returns."""
+        server = self._endpoint.serve_unix(self.id, path)
+        with self._lock:
+            self._unix_server, closed = server, self.closed
+        if closed:
+            _stop(server)
 
     @property
     def sampled_tokens(self) -> int:
@@ -165,9 +181,39 @@ class EpisodeSession:
         with self._lock:
             self.closed = True
             live = list(self._inflight)
+            server, self._unix_server = self._unix_server, None
         for rid in live:
             self._endpoint.engine.abort(rid)
+        if server is not None:
+            _stop(server)
         self._endpoint._drop(self.id)
+
+
+def _log_failure(done: Any) -> None:
+    if not done.cancelled() and done.exception() is not None:
+        log.error("an episode's Unix endpoint failed: %r", done.exception())
+
+
+def _stop(server: Any) -> None:
+    """Make a uvicorn server stop at its next tick (0.1 s) without waiting for connections:
+    whatever a closed episode's agent still sends is refused or cut."""
+    server.should_exit = True
+    server.force_exit = True
+
+
+class _EpisodePaths:
+    """An ASGI app that serves `app` with every HTTP path put under `prefix` (one episode's
+    Unix socket: `/v1/...` is `/s/<id>/v1/...`)."""
+
+    def __init__(self, app: Any, prefix: str) -> None:
+        self.app = app
+        self.prefix = prefix
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            path = self.prefix + scope["path"]
+            scope = {**scope, "path": path, "raw_path": path.encode()}
+        await self.app(scope, receive, send)
 
 
 class AgentEndpoint:
@@ -200,6 +246,8 @@ class AgentEndpoint:
         self._lock = threading.Lock()
         self._server: Any = None
         self._thread: threading.Thread | None = None
+        self._app: FastAPI | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -215,12 +263,19 @@ class AgentEndpoint:
             sock.bind((self.host, 0))
             self.port = sock.getsockname()[1]
             self.url = f"http://{self.host}:{self.port}"
-            config = uvicorn.Config(self.app(), log_level="warning", access_log=False,
+            self._app = self.app()
+            config = uvicorn.Config(self._app, log_level="warning", access_log=False,
                                     timeout_keep_alive=30, lifespan="off")  # fmt: skip
             server = uvicorn.Server(config)
             self._server = server
-            self._thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
-                                            daemon=True, name="agent-endpoint")  # fmt: skip
+
+            def serve() -> None:
+                # as `server.run` does, keeping the loop: episodes' Unix servers run on it too
+                with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
+                    self._loop = runner.get_loop()
+                    runner.run(server.serve(sockets=[sock]))
+
+            self._thread = threading.Thread(target=serve, daemon=True, name="agent-endpoint")
             self._thread.start()
         deadline = time.monotonic() + 30.0
         while not server.started:
@@ -246,6 +301,27 @@ class AgentEndpoint:
         with self._lock:
             self._sessions[s.id] = s
         return s
+
+    def serve_unix(self, sid: str, path: str) -> Any:
+        """A uvicorn server for episode `sid` alone on a new Unix socket at `path`, on the
+        endpoint's event loop (`EpisodeSession.serve_unix`); -> the server (stop: `_stop`)."""
+        import uvicorn
+
+        if self._loop is None or self._app is None:
+            raise RuntimeError("the agent endpoint is not started")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(path)
+            sock.listen(64)  # connections queue from here on, before the server's first tick
+        except BaseException:
+            sock.close()
+            raise
+        config = uvicorn.Config(_EpisodePaths(self._app, f"/s/{sid}"), log_level="warning",
+                                access_log=False, timeout_keep_alive=30, lifespan="off")  # fmt: skip
+        server = uvicorn.Server(config)
+        done = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), self._loop)
+        done.add_done_callback(_log_failure)
+        return server
 
     def _drop(self, sid: str) -> None:
         with self._lock:

@@ -22,6 +22,15 @@ Two ways, one `Launcher` protocol:
   sees a pid, an exit code and `subprocess.TimeoutExpired` just as with Popen. A template that
   died is started again (logged) on the next run; runs in flight when it dies end with exit
   code `TEMPLATE_LOST` (their process groups killed by the parent as ever).
+- `SandboxLauncher` (`agent.sandbox = true`): the same `/bin/sh -c` inside a bwrap sandbox
+  (sandbox/bwrap.py's namespaces, read-only system dirs, minimal /etc and seccomp filter) that
+  sees the Python installation and `agent.sandbox_binds` read-only, the run's work directory
+  at /sandbox (writable), a private /tmp, and no network but its own loopback. Its first
+  process is envs/agent_forward.py: it listens on 127.0.0.1:`SANDBOX_PORT` there, starts the
+  agent, and forwards each connection to the episode's Unix socket (`endpoint_socket`, served
+  by the endpoint for that episode alone), bind-mounted at `SANDBOX_SOCKET`. The process the
+  runtime holds is bwrap's, the leader of a new session: killing its group kills the sandbox
+  (`--die-with-parent`; the pid namespace ends with its first process).
 
 The template's module is this file, run by path (`runpy.run_path`): everything the template
 executes is standard library, so neither slipstream nor torch is imported there.
@@ -43,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, NoReturn, Protocol
 
 if TYPE_CHECKING:
@@ -57,6 +67,16 @@ TEMPLATE_LOST = -1000
 those are 0..255 or -signal)."""
 MAX_MESSAGE_BYTES = 1 << 20
 """Largest request (argv + environment as JSON) or reply on the template's sockets."""
+SANDBOX_WORKDIR = "/sandbox"
+"""A sandboxed run's work directory (and HOME) as the agent sees it."""
+SANDBOX_PORT = 8000
+"""The forwarder's port on the sandbox's own loopback (nothing else listens there)."""
+SANDBOX_BASE_URL = f"http://127.0.0.1:{SANDBOX_PORT}/v1"
+"""`OPENAI_BASE_URL` inside the sandbox: the episode's endpoint, through the forwarder."""
+SANDBOX_SOCKET_DIR = "/run/slipstream"
+"""Where the directory of the episode's endpoint socket is bound (read-only)."""
+FORWARDER_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "agent_forward.py")
+FORWARDER_IN_SANDBOX = "/opt/slipstream/agent_forward.py"
 
 
 class AgentProcess(Protocol):
@@ -74,17 +94,24 @@ class AgentProcess(Protocol):
 
 
 class Launcher(Protocol):
+    sandboxed: bool
+    """True: the run sees its work directory at `SANDBOX_WORKDIR` and its endpoint at
+    `SANDBOX_BASE_URL` through `endpoint_socket` (`SandboxLauncher`)."""
+
     def start(self, *, stdin: IO[bytes], stdout: IO[bytes], stderr: IO[bytes], cwd: str,
-              env: dict[str, str]) -> AgentProcess:  # fmt: skip
-        """Start one run of the agent as the leader of a new session."""
+              env: dict[str, str], endpoint_socket: str | None = None) -> AgentProcess:  # fmt: skip
+        """Start one run of the agent as the leader of a new session (`endpoint_socket`: the
+        episode endpoint's Unix socket, for a sandboxed run)."""
         ...
 
     def close(self) -> None: ...
 
 
 def make_launcher(cfg: AgentConfig, cwd: str) -> Launcher:
-    """`ForkLauncher` when `cfg.preload` names modules, else `PopenLauncher`. `cwd` replaces
-    `{cwd}` in the command."""
+    """`SandboxLauncher` with `cfg.sandbox`, `ForkLauncher` when `cfg.preload` names modules,
+    else `PopenLauncher`. `cwd` replaces `{cwd}` in the command."""
+    if cfg.sandbox:
+        return SandboxLauncher(cfg, cwd)
     if cfg.preload:
         return ForkLauncher(cfg, cwd)
     return PopenLauncher(cfg, cwd)
@@ -103,6 +130,8 @@ def _fill(text: str, cwd: str) -> str:
 class PopenLauncher:
     """One `/bin/sh -c` per run (the command as written, shell syntax and all)."""
 
+    sandboxed = False
+
     def __init__(self, cfg: AgentConfig, cwd: str) -> None:
         as_bytes, fsize_bytes = _limits(cfg)
         self.argv = [
@@ -113,7 +142,8 @@ class PopenLauncher:
         ]
 
     def start(self, *, stdin: IO[bytes], stdout: IO[bytes], stderr: IO[bytes], cwd: str,
-              env: dict[str, str]) -> subprocess.Popen[bytes]:  # fmt: skip
+              env: dict[str, str], endpoint_socket: str | None = None,
+              ) -> subprocess.Popen[bytes]:  # fmt: skip
         return subprocess.Popen(self.argv, stdin=stdin, stdout=stdout, stderr=stderr, cwd=cwd,
                                 env=env, start_new_session=True)  # fmt: skip
 
@@ -170,6 +200,8 @@ class ForkedProcess:
 
 class ForkLauncher:
     """Runs forked from a warm template that imported `agent.preload` once (module docstring)."""
+
+    sandboxed = False
 
     def __init__(self, cfg: AgentConfig, cwd: str) -> None:
         from slipstream.config.agent import python_command
@@ -234,7 +266,8 @@ class ForkLauncher:
         self._proc, self._ctl = proc, parent
 
     def start(self, *, stdin: IO[bytes], stdout: IO[bytes], stderr: IO[bytes], cwd: str,
-              env: dict[str, str]) -> ForkedProcess:  # fmt: skip
+              env: dict[str, str], endpoint_socket: str | None = None,
+              ) -> ForkedProcess:  # fmt: skip
         body = json.dumps({**self._request, "cwd": cwd, "env": env}).encode()
         if len(body) > MAX_MESSAGE_BYTES:
             raise ValueError(f"agent run request of {len(body)} bytes (agent.env too large?)")
@@ -282,6 +315,141 @@ class ForkLauncher:
             if self._proc is not None:
                 _end(self._proc)
             shutil.rmtree(self._home, ignore_errors=True)
+
+
+class SandboxLauncher:
+    """One `/bin/sh -c` per run inside a bwrap sandbox with no network but its episode's
+    endpoint (module docstring; docs/agents.md, "Sandbox"). Built once per runtime: it stages
+    the sandbox's /etc, checks the agent's script is reachable, and starts one sandbox to see
+    that bwrap works here (ValueError naming `agent.sandbox` when it does not)."""
+
+    sandboxed = True
+
+    def __init__(self, cfg: AgentConfig, cwd: str) -> None:
+        from slipstream.sandbox.bwrap import isolation_args, stage_etc
+        from slipstream.sandbox.seccomp import build_filter
+
+        self.bwrap = shutil.which("bwrap") or "/usr/bin/bwrap"
+        if not os.access(self.bwrap, os.X_OK):
+            raise ValueError("agent.sandbox = true needs bwrap (bubblewrap), which is not "
+                             "installed (no bwrap on PATH or at /usr/bin/bwrap)")  # fmt: skip
+        try:
+            self._seccomp = build_filter()
+        except NotImplementedError as e:
+            raise ValueError(f"agent.sandbox = true: {e}") from None
+        binds = [_fill(b, cwd) for b in cfg.sandbox_binds]
+        for b in binds:
+            if not os.path.exists(b):
+                raise ValueError(f"agent.sandbox_binds: {b} does not exist")
+        readable = _interpreter_dirs() + [os.path.realpath(b) for b in binds]
+        _check_script(cfg.command, cwd, readable)
+        self._dir = tempfile.mkdtemp(prefix="slipstream-agent-sandbox-")
+        try:
+            # the private /tmp first: a bind below /tmp (a job under /tmp) lands on top of it
+            args = [self.bwrap, *isolation_args(stage_etc(Path(self._dir))),
+                    "--size", str(cfg.sandbox_tmp_mib << 20), "--tmpfs", "/tmp"]  # fmt: skip
+            for host in _interpreter_dirs(names=True) + binds:
+                args += ["--ro-bind", os.path.realpath(host), host]
+            self._args = args
+            self._agent_argv = PopenLauncher(cfg, cwd).argv
+            self._probe()
+        except BaseException:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
+
+    def argv(self, work: str, endpoint_socket: str, seccomp_fd: int,
+             command: list[str]) -> list[str]:  # fmt: skip
+        """bwrap's argv for one run: `work` at SANDBOX_WORKDIR (writable), the directory of
+        `endpoint_socket` at SANDBOX_SOCKET_DIR (read-only: the socket connects, nothing else
+        is created there), the forwarder's file; then `command`."""
+        return [
+            *self._args,
+            "--bind", work, SANDBOX_WORKDIR,
+            "--ro-bind", os.path.dirname(endpoint_socket), SANDBOX_SOCKET_DIR,
+            "--ro-bind", FORWARDER_SOURCE, FORWARDER_IN_SANDBOX,
+            "--remount-ro", "/",
+            "--chdir", SANDBOX_WORKDIR,
+            "--seccomp", str(seccomp_fd),
+            "--",
+            *command,
+        ]  # fmt: skip
+
+    def _forwarded(self, endpoint_socket: str) -> list[str]:
+        inside = f"{SANDBOX_SOCKET_DIR}/{os.path.basename(endpoint_socket)}"
+        return [sys.executable, "-I", "-S", FORWARDER_IN_SANDBOX, str(SANDBOX_PORT), inside,
+                *self._agent_argv]  # fmt: skip
+
+    def _probe(self) -> None:
+        """Start one sandbox as a run would, with the interpreter's `pass` for the forwarder
+        and the agent; a one-line ValueError naming `agent.sandbox` (with bwrap's own
+        complaint) when it fails."""
+        from slipstream.sandbox.seccomp import filter_fd
+
+        with tempfile.TemporaryDirectory(prefix="probe-", dir=self._dir) as d:
+            for sub in ("work", "endpoint"):
+                os.mkdir(os.path.join(d, sub))
+            fd = filter_fd(self._seccomp)
+            try:
+                argv = self.argv(os.path.join(d, "work"), os.path.join(d, "endpoint", "sock"),
+                                 fd, [sys.executable, "-I", "-S", "-c", "pass"])  # fmt: skip
+                r = subprocess.run(argv, capture_output=True, pass_fds=(fd,), env={},
+                                   timeout=TEMPLATE_START_TIMEOUT_S, check=False)  # fmt: skip
+            finally:
+                os.close(fd)
+        if r.returncode != 0:
+            why = (r.stderr.decode(errors="replace").strip().splitlines() or [""])[-1]
+            raise ValueError(f"agent.sandbox = true: bwrap cannot start a sandbox here (exit "
+                             f"{r.returncode}: {why[:300]})")  # fmt: skip
+
+    def start(self, *, stdin: IO[bytes], stdout: IO[bytes], stderr: IO[bytes], cwd: str,
+              env: dict[str, str], endpoint_socket: str | None = None,
+              ) -> subprocess.Popen[bytes]:  # fmt: skip
+        from slipstream.sandbox.seccomp import filter_fd
+
+        if endpoint_socket is None:
+            raise ValueError("a sandboxed agent run needs its episode's endpoint socket")
+        fd = filter_fd(self._seccomp)
+        try:
+            return subprocess.Popen(
+                self.argv(cwd, endpoint_socket, fd, self._forwarded(endpoint_socket)), stdin=stdin,
+                stdout=stdout, stderr=stderr, cwd=cwd, env=env, pass_fds=(fd,),
+                start_new_session=True,
+            )  # fmt: skip
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _interpreter_dirs(*, names: bool = False) -> list[str]:
+    """The Python installation `{python}` runs from (the virtualenv and its base interpreter),
+    outside /usr (bound anyway): resolved paths, or with `names` the paths as this process
+    names them (each bound at that name, from its resolved path)."""
+    out: list[str] = []
+    for p in (sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(sys.executable))):
+        for q in (p, os.path.realpath(p)) if names else (os.path.realpath(p),):
+            if q not in out and q != "/" and q != "/usr" and not q.startswith("/usr/"):
+                out.append(q)
+    return out
+
+
+def _check_script(command: str, cwd: str, readable: list[str]) -> None:
+    """ValueError naming `agent.sandbox_binds` when `command` is `{python} SCRIPT ...` and
+    SCRIPT is in none of the directories a sandboxed agent can read."""
+    from slipstream.config.agent import python_command
+
+    try:
+        script = python_command(command).script
+    except ValueError:  # a shell command: what it runs is its own business
+        return
+    if script is None:
+        return
+    real = os.path.realpath(_fill(script, cwd))
+    if not any(real == d or real.startswith(d.rstrip("/") + "/") for d in readable):
+        raise ValueError(f"agent.sandbox_binds: the agent's script {real} is in none of the "
+                         f"paths a sandboxed agent can read; add its directory "
+                         f"(now {readable})")  # fmt: skip
 
 
 def _end(proc: subprocess.Popen[bytes]) -> None:

@@ -165,37 +165,12 @@ class BwrapBackend(Backend):
         return root
 
     def _static_args(self) -> list[str]:
-        args = [
-            "--unshare-all",
-            "--die-with-parent",
-            "--new-session",
-            "--cap-drop",
-            "ALL",
-            "--hostname",
-            "sandbox",
-            "--ro-bind",
-            "/usr",
-            "/usr",
-        ]
-        for name in TOP_LEVEL:
-            p = Path("/") / name
-            if p.is_symlink():
-                args += ["--symlink", os.readlink(p), str(p)]
-            elif p.is_dir():
-                args += ["--ro-bind", str(p), str(p)]
-        args += [
-            "--ro-bind",
-            str(self.rootfs / "etc"),
-            "/etc",
+        return [
+            *isolation_args(self.rootfs / "etc"),
             "--ro-bind",
             str(self.rootfs / "agent.py"),
             AGENT_IN_SANDBOX,
-            "--proc",
-            "/proc",
-            "--dev",
-            "/dev",
         ]
-        return args
 
     def argv(self, template: SandboxTemplate, seccomp_fd: int) -> list[str]:
         size = str(template.workdir_mib << 20)
@@ -287,6 +262,41 @@ class BwrapBackend(Backend):
         if self.journal:
             self.journal.write(sb.record())
         return sb
+
+
+def isolation_args(etc: Path) -> list[str]:
+    """bwrap's arguments for what every sandbox of this module starts with (module docstring):
+    every namespace unshared (the network namespace holds only its own loopback), dies with its
+    parent, a new session, no capabilities; /usr and the top-level system dirs read-only, `etc`
+    (a minimal /etc: `stage_etc`) as /etc, a fresh /proc and a minimal /dev. The backend's
+    sandboxes and sandboxed agent runs (envs/agent_launch.py) both build on it."""
+    args = [
+        "--unshare-all",
+        "--die-with-parent",
+        "--new-session",
+        "--cap-drop",
+        "ALL",
+        "--hostname",
+        "sandbox",
+        "--ro-bind",
+        "/usr",
+        "/usr",
+    ]
+    for name in TOP_LEVEL:
+        p = Path("/") / name
+        if p.is_symlink():
+            args += ["--symlink", os.readlink(p), str(p)]
+        elif p.is_dir():
+            args += ["--ro-bind", str(p), str(p)]
+    return [*args, "--ro-bind", str(etc), "/etc", "--proc", "/proc", "--dev", "/dev"]
+
+
+def stage_etc(root: Path) -> Path:
+    """Write the minimal /etc a sandbox gets (generated passwd, group, hosts; the host's loader
+    config and timezone; never its shadow) as `root`/etc, a directory that must not exist yet;
+    -> that directory."""
+    write_tree(root, {k: v for k, v in rootfs_entries(b"").items() if k.split("/")[0] == "etc"})
+    return root / "etc"
 
 
 # A tree as {relative path: (kind, mode, data)}: kind "d" (dir, data b""), "f" (file, its bytes)
