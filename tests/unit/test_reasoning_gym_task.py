@@ -67,3 +67,26 @@ def test_bad_gym_entries_are_one_line_errors(tmp_path) -> None:
                       'options = {bogus = 1}\n')  # fmt: skip
     with pytest.raises(ConfigError, match="needs at least one"):
         load_config(None, ["task.name=reasoning_gym"])
+
+
+def test_demo_reversed_is_a_keyed_share_and_leaves_scoring_exact(tmp_path) -> None:
+    """`task.demo_reversed`: the teacher writes a keyed share of the answers backwards (palindromes
+    stay); the verifier still scores by score_answer, so those demonstrations score 0."""
+    exact = gym(tmp_path)
+    weak = gym(tmp_path, GYM, "task.demo_reversed=0.6")
+    train = [weak.train(i) for i in range(400)]
+    flipped = 0
+    for t in train:
+        answer, demo = t.meta["answer"], weak.demonstration(t)
+        assert exact.demonstration(t) == answer
+        if answer == answer[::-1]:
+            assert demo == answer
+            continue
+        if demo != answer:
+            assert demo == answer[::-1] and weak.verify(t, demo).reward < 1.0
+            flipped += 1
+        assert weak.verify(t, answer).reward == 1.0
+    asymmetric = sum(t.meta["answer"] != t.meta["answer"][::-1] for t in train)
+    assert 0.5 < flipped / asymmetric < 0.7
+    # Keyed by the problem: the same task gets the same demonstration every time.
+    assert [weak.demonstration(t) for t in train[:50]] == [weak.demonstration(t) for t in train[:50]]

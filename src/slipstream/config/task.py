@@ -69,6 +69,12 @@ class TaskConfig(Section):
     """Arithmetic: share of `+`/`-` problems needing a carry or borrow whose SFT demonstration drops
     it (digit-wise, as a weak teacher does: 57+68 -> "15"). Simulates demonstrations from an
     imperfect teacher; the verifier, rewards and evaluation stay exact. 0 = perfect demonstrations."""
+    demo_reversed: float = Field(default=0.0, ge=0, le=1)
+    """reasoning_gym: share of problems (a keyed hash of the problem) whose SFT demonstration writes
+    the answer backwards ("105" -> "501", "ognib" -> "bingo"), a systematic mistake as a weak
+    teacher makes; answers that read the same both ways stay. Simulates demonstrations from an
+    imperfect teacher, as `demo_drop_carry` does for arithmetic; the verifier (score_answer),
+    rewards and evaluation stay exact. 0 = the datasets' own answers."""
     demo_tool_use: float = Field(default=0.0, ge=0, le=1)
     """tool_arithmetic: share of problems (a keyed hash of the problem) whose SFT demonstration
     runs the answer through the `<py>` tool (`<py>a*b</py>`, its output, the answer); the rest

@@ -28,7 +28,7 @@ import random
 from typing import TYPE_CHECKING, Any
 
 from slipstream.config.base import ConfigError
-from slipstream.tasks.base import GeneratedTaskSet, Task, Verdict
+from slipstream.tasks.base import GeneratedTaskSet, Task, Verdict, keyed_uniform
 
 if TYPE_CHECKING:
     from slipstream.config.task import TaskConfig
@@ -94,7 +94,14 @@ class ReasoningGymTaskSet(GeneratedTaskSet):
         return Verdict(score, "correct" if score == 1.0 else f"{name}: score {score:.2f}")
 
     def demonstration(self, task: Task) -> str:
-        return task.meta["answer"]
+        """The dataset's answer, or (task.demo_reversed) the answer written backwards for a keyed
+        share of the problems whose answer does not read the same both ways."""
+        answer = task.meta["answer"]
+        rate = self.cfg.demo_reversed
+        if rate > 0 and answer != answer[::-1]:
+            if keyed_uniform(self.cfg.seed, "gym-teacher", task.key) < rate:
+                return answer[::-1]
+        return answer
 
 
 def make_taskset(cfg: TaskConfig, tokenizer: Tokenizer) -> ReasoningGymTaskSet:
