@@ -78,7 +78,7 @@ def test_demo_reversed_is_a_keyed_share_and_leaves_scoring_exact(tmp_path) -> No
     flipped = 0
     for t in train:
         answer, demo = t.meta["answer"], weak.demonstration(t)
-        assert exact.demonstration(t) == answer
+        assert exact.demonstration(t) == answer == weak.reference(t)
         if answer == answer[::-1]:
             assert demo == answer
             continue

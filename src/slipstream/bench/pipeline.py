@@ -218,7 +218,7 @@ def _sandbox_limit(cfg: Any, num_pools: int) -> dict[str, Any]:
         with ThreadPoolExecutor(threads * num_pools) as ex:
             t0 = time.perf_counter()
             rewards = list(
-                ex.map(lambda j: verifiers[j[0]].verify(j[1], ts.demonstration(j[1]))[0], jobs)
+                ex.map(lambda j: verifiers[j[0]].verify(j[1], ts.reference(j[1]))[0], jobs)
             )
             wall_s = time.perf_counter() - t0
         summaries = [v.summary() for v in verifiers]

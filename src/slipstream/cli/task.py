@@ -138,7 +138,7 @@ def show_prompts(
 
 def _reference(taskset: TaskSet, task: Task) -> str | None:
     try:
-        return taskset.demonstration(task)
+        return taskset.reference(task)
     except (ValueError, KeyError):
         return None
 

@@ -67,6 +67,9 @@ class ArithmeticTaskSet(GeneratedTaskSet):
         prompt = f"{a}{op}{b}="
         return prompt, prompt, {"a": a, "b": b, "op": op, "answer": _apply(a, op, b)}
 
+    def reference(self, task: Task) -> str:
+        return str(task.meta["answer"])
+
     def demonstration(self, task: Task) -> str:
         """The answer, or (task.demo_drop_carry) the carry-less answer for a keyed share of the
         `+`/`-` problems that need a carry or borrow."""
@@ -76,7 +79,7 @@ class ArithmeticTaskSet(GeneratedTaskSet):
             wrong = _carryless(meta["a"], meta["op"], meta["b"])
             if wrong != meta["answer"] and keyed_uniform(self.cfg.seed, "teacher", task.key) < rate:
                 return str(wrong)
-        return str(meta["answer"])
+        return self.reference(task)
 
     def verify(self, task: Task, completion: str) -> Verdict:
         if len(completion) > MAX_ANSWER_CHARS:

@@ -105,7 +105,14 @@ class TaskSet(ABC):
 
     @abstractmethod
     def demonstration(self, task: Task) -> str:
-        """A completion that verify() scores 1.0."""
+        """The SFT target: a completion that verify() scores 1.0, unless the task set simulates an
+        imperfect teacher (arithmetic's `task.demo_drop_carry`, reasoning_gym's
+        `task.demo_reversed`)."""
+
+    def reference(self, task: Task) -> str:
+        """A completion that verify() scores 1.0, whatever the teacher (what `slipstream task
+        check` scores). Task sets with an imperfect teacher override it."""
+        return self.demonstration(task)
 
     def train_batch(self, start: int, n: int) -> list[Task]:
         return [self.train(start + i) for i in range(n)]

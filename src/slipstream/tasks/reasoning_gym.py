@@ -93,10 +93,13 @@ class ReasoningGymTaskSet(GeneratedTaskSet):
             return Verdict(0.0, f"{name}: score_answer returned {score}")
         return Verdict(score, "correct" if score == 1.0 else f"{name}: score {score:.2f}")
 
+    def reference(self, task: Task) -> str:
+        return task.meta["answer"]
+
     def demonstration(self, task: Task) -> str:
         """The dataset's answer, or (task.demo_reversed) the answer written backwards for a keyed
         share of the problems whose answer does not read the same both ways."""
-        answer = task.meta["answer"]
+        answer = self.reference(task)
         rate = self.cfg.demo_reversed
         if rate > 0 and answer != answer[::-1]:
             if keyed_uniform(self.cfg.seed, "gym-teacher", task.key) < rate:
