@@ -22,7 +22,10 @@ alternating, through `AgentRuntime.run_agent` against the same endpoint:
 Per episode: start-up wall (the launch to the endpoint's first call) and start-up CPU (the
 agent's process group's user+system CPU at that first call, read from /proc: imports, client,
 the request), the whole episode's wall, and the template's one-time start (wall, CPU). Medians
-and means. --calls 0 skips the per-call part.
+and means. --calls 0 skips the per-call part. With --sandbox, a third way: the fresh process
+inside the agent sandbox (`agent.sandbox = true`, docs/agents.md "Sandbox"; `sandbox_binds` the
+config's, else the script's directory); its start-up CPU is its whole process tree's (bwrap,
+the forwarder, the agent: the sandbox's processes lead sessions of their own).
 
 JSON with provenance in benchmarks/results/agent.json (or --out). Not covered: concurrent
 episodes, streaming.
@@ -48,6 +51,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", type=int, default=16, help="sampled tokens per call")
     p.add_argument("--starts", type=int, default=0,
                    help="agent episodes per way: fresh process vs forked from the warm template")  # fmt: skip
+    p.add_argument("--sandbox", action="store_true",
+                   help="with --starts: also a fresh process inside the agent sandbox (bwrap)")  # fmt: skip
     p.add_argument("--out", default="benchmarks/results/agent.json", help="JSON output path")
     p.set_defaults(func=run)
 
@@ -181,6 +186,25 @@ def _group_cpu_s(pgid: int) -> float:
     return total * _TICK_S
 
 
+def _tree_cpu_s(pid: int) -> float:
+    """User + system CPU of `pid` and its descendants (theirs and their reaped children's)."""
+    stats: dict[int, tuple[int, int]] = {}  # pid -> (parent, ticks)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            f = stat.read_text().rsplit(") ", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        stats[int(stat.parent.name)] = (int(f[1]), sum(int(x) for x in f[11:15]))
+    total = 0
+    for p, (_, ticks) in stats.items():
+        q = p
+        while q in stats and q != pid:
+            q = stats[q][0]
+        if q == pid:
+            total += ticks
+    return total * _TICK_S
+
+
 def _own_cpu_s(pid: int) -> float:
     f = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
     return sum(int(x) for x in f[11:15]) * _TICK_S
@@ -192,18 +216,21 @@ class _FirstCall:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.pgid = 0
+        self.tree = False
         self.at: tuple[float, float] | None = None
 
     @property
     def version(self) -> int:
         return self.engine.version
 
-    def arm(self, pgid: int) -> None:
-        self.pgid, self.at = pgid, None
+    def arm(self, pgid: int, tree: bool = False) -> None:
+        """`tree`: count the CPU of the process tree under `pgid`'s leader, not the group's."""
+        self.pgid, self.tree, self.at = pgid, tree, None
 
     def submit(self, request: Any) -> Any:
         if self.at is None and self.pgid:
-            self.at = (time.monotonic(), _group_cpu_s(self.pgid))
+            cpu = _tree_cpu_s(self.pgid) if self.tree else _group_cpu_s(self.pgid)
+            self.at = (time.monotonic(), cpu)
         return self.engine.submit(request)
 
     def abort(self, request_id: str) -> None:
@@ -213,14 +240,14 @@ class _FirstCall:
 class _Noting:
     """A Launcher that notes each start's time and arms `_FirstCall` with the run's group."""
 
-    def __init__(self, inner: Any, first: _FirstCall) -> None:
-        self.inner, self.first = inner, first
+    def __init__(self, inner: Any, first: _FirstCall, tree: bool = False) -> None:
+        self.inner, self.first, self.tree = inner, first, tree
         self.started_at = 0.0
 
     def start(self, **kw: Any) -> Any:
         self.started_at = time.monotonic()
         proc = self.inner.start(**kw)
-        self.first.arm(proc.pid)
+        self.first.arm(proc.pid, self.tree)
         return proc
 
     def close(self) -> None:
@@ -233,8 +260,26 @@ def _starts(args: argparse.Namespace, cfg: Any, engine: Any, ts: Any) -> dict[st
     from slipstream.envs.agent_launch import ForkLauncher
 
     preload = cfg.agent.preload or ["openai"]
-    agents = {"fresh process": cfg.agent.model_copy(update={"preload": []}),
-              "forked (preload)": cfg.agent.model_copy(update={"preload": preload})}  # fmt: skip
+    plain = cfg.agent.model_copy(update={"sandbox": False, "sandbox_binds": []})
+    agents = {"fresh process": plain.model_copy(update={"preload": []})}
+    from slipstream.config.agent import AgentConfig, python_command
+
+    try:  # a warm start only for a `{python} SCRIPT` command (a shell agent has none)
+        python_command(cfg.agent.command)
+        agents["forked (preload)"] = plain.model_copy(update={"preload": preload})
+    except ValueError:
+        preload = []
+    if args.sandbox:
+        binds = cfg.agent.sandbox_binds
+        if not binds:  # the script's directory (a `{python} SCRIPT` command)
+            try:
+                binds = [os.path.dirname(python_command(cfg.agent.command).script or "")]
+            except ValueError:
+                raise SystemExit("bench agent --sandbox: set agent.sandbox_binds (and "
+                                 "agent.sandbox = true) for this command") from None  # fmt: skip
+        agents["sandboxed (bwrap)"] = AgentConfig.model_validate(
+            {**cfg.agent.model_dump(), "preload": [], "sandbox": True, "sandbox_binds": binds}
+        )
     limits = EpisodeLimits(max_turns=cfg.rollout.max_turns,
                            max_turn_tokens=cfg.rollout.max_new_tokens)  # fmt: skip
     first = _FirstCall(engine)
@@ -249,7 +294,7 @@ def _starts(args: argparse.Namespace, cfg: Any, engine: Any, ts: Any) -> dict[st
             if isinstance(rt.launcher, ForkLauncher):  # its imports are done when it answers
                 template = {"wall_s": time.monotonic() - t0,
                             "cpu_s": _own_cpu_s(rt.launcher.template_pid)}  # fmt: skip
-            rt.launcher = _Noting(rt.launcher, first)
+            rt.launcher = _Noting(rt.launcher, first, tree=acfg.sandbox)
         tasks = ts.train_batch(0, args.starts)
         for i, task in enumerate(tasks):
             for name in list(agents) if i % 2 == 0 else list(agents)[::-1]:
@@ -279,6 +324,7 @@ def _starts(args: argparse.Namespace, cfg: Any, engine: Any, ts: Any) -> dict[st
         print(f"  {name:17s} start-up wall {statistics.median(wall):6.3f} / "
               f"{statistics.fmean(wall):6.3f} s   start-up CPU {statistics.median(cpu):6.3f} / "
               f"{statistics.fmean(cpu):6.3f} s   episode wall {statistics.median(episode):6.3f} s")  # fmt: skip
-    print(f"  template (once): {template['wall_s']:.2f} s wall, {template['cpu_s']:.2f} s CPU "
-          f"importing {preload}")  # fmt: skip
+    if template:
+        print(f"  template (once): {template['wall_s']:.2f} s wall, {template['cpu_s']:.2f} s CPU "
+              f"importing {preload}")  # fmt: skip
     return result

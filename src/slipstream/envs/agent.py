@@ -204,7 +204,7 @@ class AgentRuntime:
     def environment(self, session: EpisodeSession, home: str) -> dict[str, str]:
         """The run's environment; a sandboxed run's HOME and OPENAI_BASE_URL are as it sees
         them inside (its work directory at SANDBOX_WORKDIR, the forwarder's URL)."""
-        sandboxed = self.launcher.sandboxed
+        sandboxed = self.cfg.sandbox
         return {
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8",
             "HOME": SANDBOX_WORKDIR if sandboxed else home, **self.cfg.env,
@@ -222,7 +222,7 @@ class AgentRuntime:
         work.mkdir()
         sock: str | None = None
         try:
-            if self.launcher.sandboxed:  # its episode alone, on a socket bound into the sandbox
+            if self.cfg.sandbox:  # its episode alone, on a socket bound into the sandbox
                 (root / "endpoint").mkdir()
                 sock = str(root / "endpoint" / "sock")
                 session.serve_unix(sock)

@@ -94,14 +94,11 @@ class AgentProcess(Protocol):
 
 
 class Launcher(Protocol):
-    sandboxed: bool
-    """True: the run sees its work directory at `SANDBOX_WORKDIR` and its endpoint at
-    `SANDBOX_BASE_URL` through `endpoint_socket` (`SandboxLauncher`)."""
-
     def start(self, *, stdin: IO[bytes], stdout: IO[bytes], stderr: IO[bytes], cwd: str,
               env: dict[str, str], endpoint_socket: str | None = None) -> AgentProcess:  # fmt: skip
         """Start one run of the agent as the leader of a new session (`endpoint_socket`: the
-        episode endpoint's Unix socket, for a sandboxed run)."""
+        episode endpoint's Unix socket, which a sandboxed run needs; it then sees its work
+        directory at `SANDBOX_WORKDIR` and its endpoint at `SANDBOX_BASE_URL`)."""
         ...
 
     def close(self) -> None: ...
@@ -129,8 +126,6 @@ def _fill(text: str, cwd: str) -> str:
 
 class PopenLauncher:
     """One `/bin/sh -c` per run (the command as written, shell syntax and all)."""
-
-    sandboxed = False
 
     def __init__(self, cfg: AgentConfig, cwd: str) -> None:
         as_bytes, fsize_bytes = _limits(cfg)
@@ -200,8 +195,6 @@ class ForkedProcess:
 
 class ForkLauncher:
     """Runs forked from a warm template that imported `agent.preload` once (module docstring)."""
-
-    sandboxed = False
 
     def __init__(self, cfg: AgentConfig, cwd: str) -> None:
         from slipstream.config.agent import python_command
@@ -322,8 +315,6 @@ class SandboxLauncher:
     endpoint (module docstring; docs/agents.md, "Sandbox"). Built once per runtime: it stages
     the sandbox's /etc, checks the agent's script is reachable, and starts one sandbox to see
     that bwrap works here (ValueError naming `agent.sandbox` when it does not)."""
-
-    sandboxed = True
 
     def __init__(self, cfg: AgentConfig, cwd: str) -> None:
         from slipstream.sandbox.bwrap import isolation_args, stage_etc
