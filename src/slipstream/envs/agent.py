@@ -41,9 +41,12 @@ conversation: the last chat call's messages plus its reply; None when the last c
 the task under `REWARD_INPUTS_KEY` (envs/agent_trajectory.py) and passed like columns; group
 functions get neither.
 
-Not covered: running the agent inside the episode's sandbox (sandboxes have no network, and the
-endpoint is TCP: docs/agents.md has the design), `messages` / `agent_output` for group reward
-functions, the `tools` request field.
+With `agent.sandbox` the same `/bin/sh -c` runs inside bwrap with no network
+(envs/agent_launch.py `SandboxLauncher`): the run's endpoint is a Unix socket serving its
+session alone (`EpisodeSession.serve_unix`), reached inside at `SANDBOX_BASE_URL` through a
+forwarder, and its work directory is seen at `SANDBOX_WORKDIR`.
+
+Not covered: `messages` / `agent_output` for group reward functions.
 """
 
 from __future__ import annotations

@@ -338,7 +338,9 @@ class SandboxLauncher:
         try:
             # the private /tmp first: a bind below /tmp (a job under /tmp) lands on top of it
             args = [self.bwrap, *isolation_args(stage_etc(Path(self._dir))),
-                    "--size", str(cfg.sandbox_tmp_mib << 20), "--tmpfs", "/tmp"]  # fmt: skip
+                    "--size", str(cfg.sandbox_tmp_mib << 20), "--tmpfs", "/tmp",
+                    # bwrap's /dev/shm is on its unbounded /dev tmpfs: bound it like /tmp
+                    "--size", str(cfg.sandbox_tmp_mib << 20), "--tmpfs", "/dev/shm"]  # fmt: skip
             for host in _interpreter_dirs(names=True) + binds:
                 args += ["--ro-bind", os.path.realpath(host), host]
             self._args = args
