@@ -354,7 +354,7 @@ class Attention(nn.Module):
             and sliding_window is None
         )
         """True when some variant is on: the forward then runs `_forward_variant`."""
-        self._fused: tuple[tuple[tuple[int, int], ...], torch.Tensor, torch.Tensor] | None = None
+        self._fused: tuple[tuple[tuple[int, int], ...], torch.Tensor, ...] | None = None
         self.fused_inference = True
         """Use the fused q/k/v weights cached by (version, pointer) in no-grad forwards. Off for
         FSDP-sharded models, whose unsharded weights are rewritten in place by collectives
@@ -364,8 +364,9 @@ class Attention(nn.Module):
         self._fused = None  # see the class docstring: weights may change between modes
         return super().train(mode)
 
-    def _fused_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(qkv weight ((H + 2K) * Dh, D), q/k norm weight (H + K, Dh)), rebuilt on change."""
+    def _fused_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(qkv weight ((H + 2K) * Dh, D), q/k norm weight (H + K, Dh), its (H + K, 1, Dh)
+        view), rebuilt on change."""
         params = (
             self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
             self.q_norm.weight, self.k_norm.weight,
@@ -381,8 +382,8 @@ class Attention(nn.Module):
                     # that reads these copies then computes with the new weights.
                     w_qkv = self._fused[1].copy_(w_qkv)
                     w_norm = self._fused[2].copy_(w_norm)
-            self._fused = (key, w_qkv, w_norm)
-        return self._fused[1], self._fused[2]
+            self._fused = (key, w_qkv, w_norm, w_norm[:, None])
+        return self._fused[1], self._fused[2], self._fused[3]
 
     def refresh_inference_weights(self) -> None:
         """Bring the fused q/k/v copies up to date after an in-place weight update (in their
@@ -397,17 +398,24 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, T, _ = x_BTD.shape
         H, K, Dh = self.num_heads, self.num_kv_heads, self.head_dim
-        w_qkv, w_norm = self._fused_weights()
-        qkv_BTND = F.linear(x_BTD, w_qkv).view(B, T, H + 2 * K, Dh)
-        qk_BTND, v_BTKD = qkv_BTND.split((H + K, K), dim=2)
-        if x_BTD.dtype == torch.float32:  # no cast ops (decode is per-op overhead bound)
-            qk_BTND = w_norm * F.rms_norm(qk_BTND, (Dh,), eps=self.q_norm.eps)
+        w_qkv, w_norm, w_norm_C1D = self._fused_weights()
+        qkv = F.linear(x_BTD, w_qkv)
+        if T == 1:
+            # one token per row (decode): (B, heads, 1, Dh) is the order the projection holds,
+            # so no transposes (decode is per-op overhead bound); the (H + K, Dh) norm table
+            # and the (B, 1, 1, Dh) RoPE tables broadcast over it through size-1 dims
+            qk, v_BKTD = qkv.view(B, H + 2 * K, 1, Dh).split((H + K, K), dim=1)
+            w_norm = w_norm_C1D
         else:
-            qk_BTND = w_norm * F.rms_norm(qk_BTND.float(), (Dh,), eps=self.q_norm.eps).to(
-                x_BTD.dtype
-            )
-        q_BHTD, k_BKTD = _rope_BTND(qk_BTND, cos_sin).transpose(1, 2).split((H, K), dim=1)
-        return q_BHTD, k_BKTD, v_BTKD.transpose(1, 2)
+            qk, v_BTKD = qkv.view(B, T, H + 2 * K, Dh).split((H + K, K), dim=2)
+            v_BKTD = v_BTKD.transpose(1, 2)
+        if x_BTD.dtype == torch.float32:  # no cast ops (decode is per-op overhead bound)
+            qk = w_norm * F.rms_norm(qk, (Dh,), eps=self.q_norm.eps)
+        else:
+            qk = w_norm * F.rms_norm(qk.float(), (Dh,), eps=self.q_norm.eps).to(x_BTD.dtype)
+        qk = _rope_BTND(qk, cos_sin)
+        q_BHTD, k_BKTD = (qk if T == 1 else qk.transpose(1, 2)).split((H, K), dim=1)
+        return q_BHTD, k_BKTD, v_BKTD
 
     def forward(
         self,
@@ -511,22 +519,26 @@ class Attention(nn.Module):
         biases = (self.q_proj.bias, self.k_proj.bias, self.v_proj.bias)
         return linear(x_ND, *weights, biases=biases)  # type: ignore[arg-type]
 
-    def _per_head_norm(self, qk: torch.Tensor) -> torch.Tensor:
-        """Per-head RMSNorm of q and k heads together (..., H + K, Dh): the q and k norm
-        weights as one (H + K, Dh) table, cached by version in no-grad forwards."""
+    def _per_head_norm(self, qk: torch.Tensor, one: bool = False) -> torch.Tensor:
+        """Per-head RMSNorm of q and k heads together (..., H + K, Dh), or with `one`
+        (..., H + K, 1, Dh): the q and k norm weights as one (H + K, Dh) table (or its
+        (H + K, 1, Dh) view), cached by version in no-grad forwards."""
         H, K, Dh = self.num_heads, self.num_kv_heads, self.head_dim
         wq, wk = self.q_norm.weight, self.k_norm.weight  # type: ignore[union-attr]
         eps = self.q_norm.eps  # type: ignore[union-attr]
         if torch.is_grad_enabled():
-            return rms_norm(qk, torch.cat((wq.expand(H, Dh), wk.expand(K, Dh))), eps)
+            table = torch.cat((wq.expand(H, Dh), wk.expand(K, Dh)))
+            return rms_norm(qk, table.view(H + K, 1, Dh) if one else table, eps)
         key = (wq._version, wq.data_ptr(), wk._version, wk.data_ptr())
         cached = self.__dict__.get("_norm_table")
         if cached is None or cached[0] != key:
-            cached = (key, torch.cat((wq.expand(H, Dh), wk.expand(K, Dh))))
+            table = torch.cat((wq.expand(H, Dh), wk.expand(K, Dh)))
+            cached = (key, table, table.view(H + K, 1, Dh))
             self.__dict__["_norm_table"] = cached
+        w = cached[2] if one else cached[1]
         if qk.dtype == torch.float32:
-            return cached[1] * F.rms_norm(qk, (Dh,), eps=eps)
-        return cached[1] * F.rms_norm(qk.float(), (Dh,), eps=eps).to(qk.dtype)
+            return w * F.rms_norm(qk, (Dh,), eps=eps)
+        return w * F.rms_norm(qk.float(), (Dh,), eps=eps).to(qk.dtype)
 
     def _qk_same_width(self) -> bool:
         """The full-width q and k norms can run as one (equal widths and eps, plain weights)."""
@@ -545,7 +557,15 @@ class Attention(nn.Module):
         """The forward for every variant (biases, q/k norm full or none, clip_qkv, partial
         rotary): x (B, T, D), or (M, D) with `packing`; same contract as `forward`."""
         H, K, Dh, rd = self.num_heads, self.num_kv_heads, self.head_dim, self.rotary_dim
-        lead = x.shape[:-1]
+        # One new token per row (decode): heads laid out (B, heads, 1, Dh), the order a
+        # (B, 1, heads * Dh) projection already holds, so attention needs no transposes (decode
+        # is per-op overhead bound); the RoPE tables (B, 1, 1, Dh) broadcast over it as well.
+        one = packing is None and x.dim() == 3 and x.shape[1] == 1
+        lead, head_dim = (x.shape[:1], -3) if one else (x.shape[:-1], -2)
+
+        def heads(t: torch.Tensor, n: int) -> torch.Tensor:
+            return t.view(*lead, n, 1, Dh) if one else t.view(*lead, n, Dh)
+
         qkv = self._project_variant(x)
         if self.qk_norm_kind == "full" and torch.is_grad_enabled() and self._qk_same_width():
             # OLMoE in training: q and k (the same width: multi-head) normed by one RMSNorm
@@ -554,8 +574,8 @@ class Attention(nn.Module):
             # autograd's clamp; the same values (each row normed over its own width)
             qk, v = qkv.split((2 * H * Dh, K * Dh), dim=-1)
             w_qk = torch.cat((self.q_norm.weight, self.k_norm.weight)).view(2, H * Dh)  # type: ignore[union-attr]
-            qk = rms_norm(qk.view(*lead, 2, H * Dh), w_qk, self.q_norm.eps)  # type: ignore[union-attr]
-            qk, v = qk.view(*lead, H + K, Dh), v.view(*lead, K, Dh)
+            qk = rms_norm(qk.view(*x.shape[:-1], 2, H * Dh), w_qk, self.q_norm.eps)  # type: ignore[union-attr]
+            qk, v = heads(qk, H + K), heads(v, K)
             if self.clip_qkv is not None:
                 qk, v = clamp(qk, self.clip_qkv), clamp(v, self.clip_qkv)
         elif self.qk_norm_kind == "full":
@@ -563,18 +583,17 @@ class Attention(nn.Module):
                 q, k, v = qkv.split((H * Dh, K * Dh, K * Dh), dim=-1)
                 qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)  # type: ignore[misc]
                 qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
-                qk, v = qkv.view(*lead, H + 2 * K, Dh).split((H + K, K), dim=-2)
+                qk, v = heads(qkv, H + 2 * K).split((H + K, K), dim=head_dim)
             else:
                 q, k, v = qkv.split((H * Dh, K * Dh, K * Dh), dim=-1)
                 q, k = self.q_norm(q), self.k_norm(k)  # type: ignore[misc]
-                qk = torch.cat((q, k), dim=-1).view(*lead, H + K, Dh)
-                v = v.view(*lead, K, Dh)
+                qk, v = heads(torch.cat((q, k), dim=-1), H + K), heads(v, K)
         else:
             if self.clip_qkv is not None and self.qk_norm_kind == "none":
                 qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
-            qk, v = qkv.view(*lead, H + 2 * K, Dh).split((H + K, K), dim=-2)
+            qk, v = heads(qkv, H + 2 * K).split((H + K, K), dim=head_dim)
             if self.qk_norm_kind == "per_head":
-                qk = self._per_head_norm(qk)
+                qk = self._per_head_norm(qk, one)
                 if self.clip_qkv is not None:
                     qk, v = clamp(qk, self.clip_qkv), clamp(v, self.clip_qkv)
         rot, keep = (qk, None) if rd == Dh else qk.split((rd, Dh - rd), dim=-1)
@@ -585,6 +604,10 @@ class Attention(nn.Module):
             B, T = packing.batch_size, packing.num_tokens
             qkv = packing.unpack(qkv).view(B, T, H + 2 * K, Dh)
             q_BHTD, k_BKTD, v_BKTD = (t.transpose(1, 2) for t in qkv.split((H, K, K), dim=2))
+        elif one:  # already (B, heads, 1, Dh)
+            B, T = qk.shape[0], 1
+            q_BHTD, k_BKTD = qk.split((H, K), dim=1)
+            v_BKTD = v
         else:  # no cat and split again (decode is per-op overhead bound)
             B, T = qk.shape[:2]
             q_BHTD, k_BKTD = qk.transpose(1, 2).split((H, K), dim=1)

@@ -285,10 +285,17 @@ class Experts(nn.Module):
         return cached[1]
 
     def forward(
-        self, x_ND: torch.Tensor, ids_Nk: torch.Tensor, w_Nk: torch.Tensor, impl: str = "grouped"
+        self,
+        x_ND: torch.Tensor,
+        ids_Nk: torch.Tensor,
+        w_Nk: torch.Tensor,
+        impl: str = "grouped",
+        keepdim: bool = False,
     ) -> torch.Tensor:
         """sum_j w[n, j] * expert_{ids[n, j]}(x[n]) for every token n (ids index this module's
-        experts)."""
+        experts): (N, D), or with `keepdim` (N, 1, D) (on the static path without a view op)."""
+        if keepdim and impl != STATIC_IMPL:
+            return self(x_ND, ids_Nk, w_Nk, impl)[:, None]
         gate_up_w_E, down_w_E = self.weights()
         gate_up_b_E, down_b_E = self.biases()
         act = self.activation
@@ -299,9 +306,10 @@ class Experts(nn.Module):
             )
             if reason is None:
                 return static_experts(x_ND, ids_Nk, w_Nk, *self._static_weights(), act=act,
-                                      gate_up_b_E=gate_up_b_E, down_b_E=down_b_E)  # fmt: skip
+                                      gate_up_b_E=gate_up_b_E, down_b_E=down_b_E,
+                                      keepdim=keepdim)  # fmt: skip
             _fallback_once(f"static:{reason}", f"moe_impl='static' -> 'grouped': {reason}")
-            impl = "grouped"
+            return self(x_ND, ids_Nk, w_Nk, "grouped", keepdim)
         if impl == "loop":
             return self._loop(x_ND, ids_Nk, w_Nk, gate_up_w_E, down_w_E, act, gate_up_b_E,
                               down_b_E)  # fmt: skip
@@ -411,6 +419,7 @@ def static_experts(
     act: Activation | None = None,
     gate_up_b_E: torch.Tensor | None = None,
     down_b_E: torch.Tensor | None = None,
+    keepdim: bool = False,
 ) -> torch.Tensor:
     """The experts for inference with static shapes and no host sync: assignments sorted by
     expert, one `torch._grouped_mm` per projection over device-side offsets (searchsorted over
@@ -418,9 +427,11 @@ def static_experts(
     (`Experts._static_weights`). ~20 ops whatever E, capturable in a CUDA graph. The same function as the other
     paths (tests/unit/test_engine_ops.py). On CPU `_grouped_mm` measured as fast as "grouped" or
     faster (1 thread: E=32 top-4 D=1024 I=512 N=64: 23.9 vs 25.3 ms; E=8 top-2 D=I=128 N=64: 245
-    vs 308 us). Caller checks `grouped_mm_unavailable` (Experts.forward with impl "static")."""
+    vs 308 us). Caller checks `grouped_mm_unavailable` (Experts.forward with impl "static").
+    `keepdim`: (N, 1, D) out (a decode step's (B, 1, D) with no view op), else (N, D)."""
     N, k = ids_Nk.shape
-    sorted_ids_A, order_A = ids_Nk.reshape(-1).sort(stable=True)
+    ids_A = ids_Nk.reshape(-1)
+    sorted_ids_A, order_A = ids_A.sort(stable=True)
     x_AD = x_ND.index_select(0, order_A // k)
     # offs_E[e] = end of expert e's segment; bincount would read its maximum on the host on CUDA
     offs_E = torch.searchsorted(sorted_ids_A, experts_E, right=True, out_int32=True)
@@ -433,11 +444,15 @@ def static_experts(
     else:
         act_AI = act(h_A2I)
     y_AD = torch._grouped_mm(act_AI, down_w_EID, offs=offs_E)
-    if down_b_E is not None:
-        y_AD = y_AD + down_b_E.index_select(0, sorted_ids_A)
-    y_NkD = y_AD.index_copy(0, order_A, y_AD).view(N, k, -1)  # unsort (a permutation: all rows)
+    # unsort (a permutation: all rows)
+    if down_b_E is None:
+        y_AD = y_AD.index_copy(0, order_A, y_AD)
+    else:  # added while unsorting: each row gets its expert's bias plus its output, the same
+        # sum as y + b (one add per element: exact), one op fewer than add + index_copy
+        y_AD = down_b_E.index_select(0, ids_A).index_add_(0, order_A, y_AD)
+    y_NkD = y_AD.view(N, k, -1)
     w_Nk = w_Nk if w_Nk.dtype == y_NkD.dtype else w_Nk.to(y_NkD.dtype)
-    return (y_NkD * w_Nk[:, :, None]).sum(dim=1)  # combine_topk without a no-op cast
+    return (y_NkD * w_Nk[:, :, None]).sum(dim=1, keepdim=keepdim)  # combine_topk, no no-op cast
 
 
 class SparseMoeBlock(nn.Module):
@@ -545,24 +560,32 @@ class SparseMoeBlock(nn.Module):
         if x_D.dim() == 2:  # already (N, D): no view ops (each one is dispatched, and again in
             return self._tokens(x_D, replay_ids_Nk)  # backward)
         x_ND = x_D.reshape(-1, x_D.shape[-1])
+        if x_D.dim() == 3 and x_D.shape[1] == 1:  # (B, 1, D), decode: the experts' output
+            return self._tokens(x_ND, replay_ids_Nk, x_D)  # comes in this shape (no view op)
         out_ND, logits_NE = self._tokens(x_ND, replay_ids_Nk)
         return out_ND.view_as(x_D), logits_NE
 
     def _tokens(
-        self, x_ND: torch.Tensor, replay_ids_Nk: torch.Tensor | None
+        self,
+        x_ND: torch.Tensor,
+        replay_ids_Nk: torch.Tensor | None,
+        x_N1D: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out, router logits (N, E)); `x_N1D`: x_ND's (N, 1, D) view, given to get the output
+        in that shape."""
         logits_NE, w_Nk, ids_Nk = self.route(x_ND, replay_ids_Nk)
         if self.routing_sink is not None:
             self.routing_sink(ids_Nk)
-        out_ND = self.experts(x_ND, ids_Nk, w_Nk, impl=self.impl)
+        out_ND = self.experts(x_ND, ids_Nk, w_Nk, impl=self.impl, keepdim=x_N1D is not None)
         if out_ND.dtype != x_ND.dtype:
             out_ND = out_ND.to(x_ND.dtype)
+        x_sh = x_ND if x_N1D is None else x_N1D  # the shared expert's input, out's shape
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             # `linear`: with autograd fewer ops than the nn.Linear's F.linear
-            gate_N1 = torch.sigmoid(linear(x_ND, self.shared_expert_gate.weight))
-            out_ND = out_ND + gate_N1 * self.shared_expert(x_ND)
+            gate_N1 = torch.sigmoid(linear(x_sh, self.shared_expert_gate.weight))
+            out_ND = out_ND + gate_N1 * self.shared_expert(x_sh)
         elif self.shared_experts is not None:
-            out_ND = out_ND + self.shared_experts(x_ND)
+            out_ND = out_ND + self.shared_experts(x_sh)
         return out_ND, logits_NE
 
 
