@@ -387,6 +387,9 @@ class SandboxLauncher:
                                  fd, [sys.executable, "-I", "-S", "-c", "pass"])  # fmt: skip
                 r = subprocess.run(argv, capture_output=True, pass_fds=(fd,), env={},
                                    timeout=TEMPLATE_START_TIMEOUT_S, check=False)  # fmt: skip
+            except subprocess.TimeoutExpired:
+                raise ValueError(f"agent.sandbox = true: bwrap's probe sandbox did not end "
+                                 f"within {TEMPLATE_START_TIMEOUT_S:g} s") from None  # fmt: skip
             finally:
                 os.close(fd)
         if r.returncode != 0:
