@@ -151,3 +151,13 @@ def test_example_config_loads() -> None:
     assert [f.function for f in cfg.reward.functions] == [
         "slipstream.envs.verifiers_env:episode_reward"
     ]
+
+
+def test_episode_reward_is_the_reported_one_and_refuses_none() -> None:
+    """Runs without verifiers: the reward function reads the agent's report, never makes one up."""
+    from slipstream.envs.verifiers_env import episode_reward
+
+    assert episode_reward("p", "c", agent_output={"reward": 0.2, "rewards": {}}) == 0.2
+    for bad in (None, {}, {"reward": "1"}, [0.2]):
+        with pytest.raises(ValueError, match="no verifiers reward"):
+            episode_reward("p", "c", agent_output=bad)
