@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 from typing import Any
 
 from pydantic import BaseModel
@@ -19,16 +21,37 @@ def register(sub: argparse._SubParsersAction) -> None:
         "show", help="print the fully resolved config (file + overrides + defaults)"
     )
     add_config_args(show)
-    show.add_argument("--json", action="store_true", help="print JSON instead of TOML-like text")
+    show.add_argument("--json", action="store_true", help="print JSON instead of TOML")
     show.set_defaults(func=cmd_show)
     schema = csub.add_parser("schema", help="list every key with type, default and meaning")
     schema.set_defaults(func=cmd_schema)
 
 
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _toml_key(k: str) -> str:
+    return k if _BARE_KEY.match(k) else json.dumps(k)
+
+
 def _toml_value(v: Any) -> str:
-    if v is None:
-        return '""  # unset'
-    return json.dumps(v)
+    """`v` (JSON-mode data: str, bool, int, float, list, dict) as a TOML value, so the printed
+    config loads back as it is (`slipstream run -c` of it resolves to the same config)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        return repr(v)
+    if isinstance(v, int | str):
+        return json.dumps(v)  # a JSON string is a TOML basic string (same escapes)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    raise TypeError(f"no TOML form for {type(v).__name__}: {v!r}")
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -40,7 +63,8 @@ def cmd_show(args: argparse.Namespace) -> int:
     for section, values in data.items():
         print(f"[{section}]")
         for k, v in values.items():
-            print(f"{k} = {_toml_value(v)}")
+            # TOML has no null: an unset key is left out (its default, None, is what loads).
+            print(f"# {k}: unset" if v is None else f"{_toml_key(k)} = {_toml_value(v)}")
         print()
     return 0
 
