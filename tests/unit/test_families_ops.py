@@ -39,7 +39,13 @@ from test_trainer_ops import MAX_OPS, trainer_step_ops
 from slipstream.config.model import ModelConfig
 from slipstream.engine import SamplingParams
 from slipstream.engine.routing import RoutingRecorder
-from slipstream.model import MoEForCausalLM, attention_variants, expert_activation, rope
+from slipstream.model import (
+    MoEForCausalLM,
+    attention_variants,
+    expert_activation,
+    moe_block,
+    rope,
+)
 from slipstream.model.families import family_for
 from slipstream.observe.op_count import count_ops
 
@@ -98,11 +104,14 @@ def test_decode_step_ops_and_syncs(model_type):
 
 def _cold_constant_caches() -> None:
     """Empty the process-wide caches of config constants (RoPE frequencies, window masks, the
-    clamped SwiGLU's bounds) so a count is that of a first step whatever ran before it in this
-    process (deterministic; later steps reuse them, a few to ~30 ops fewer)."""
+    clamped SwiGLU's bounds, the experts' arange and zero tables) so a count is that of a first
+    step whatever ran before it in this process (deterministic; later steps reuse them, a few to
+    ~30 ops fewer)."""
     rope._INV_FREQ.clear()
     attention_variants._MASKS.clear()
     expert_activation._BOUNDS.clear()
+    moe_block._ARANGE.clear()
+    moe_block._ZEROS.clear()
 
 
 @pytest.mark.parametrize("model_type", FAMILIES + HYBRIDS)

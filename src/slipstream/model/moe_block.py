@@ -109,11 +109,26 @@ def grouped_mm_unavailable(
     return None
 
 
+_ARANGE: dict[tuple[int, torch.device], torch.Tensor] = {}
+"""`_arange`'s tensors by (E, device)."""
+
+
+def _arange(num_experts: int, device: torch.device) -> torch.Tensor:
+    """arange(E) (int64), made once per E and device and shared by every layer (read only;
+    outside inference mode, so training forwards may use it)."""
+    key = (num_experts, device)
+    t = _ARANGE.get(key)
+    if t is None:
+        with torch.inference_mode(False), torch.no_grad():
+            t = _ARANGE[key] = torch.arange(num_experts, device=device)
+    return t
+
+
 def _expert_offsets(sorted_ids_A: torch.Tensor, num_experts: int) -> torch.Tensor:
     """offs[e] = assignments to experts 0..e (the end of expert e's segment), int32, computed on
     the device by a binary search of the sorted ids (bincount on CUDA reads its max on the
     host)."""
-    experts_E = torch.arange(num_experts, device=sorted_ids_A.device, dtype=sorted_ids_A.dtype)
+    experts_E = _arange(num_experts, sorted_ids_A.device)
     return torch.searchsorted(sorted_ids_A, experts_E, right=True, out_int32=True)
 
 
@@ -128,44 +143,56 @@ class _GroupedExperts(torch.autograd.Function):
     SwiGLU product is recomputed in backward)."""
 
     @staticmethod
-    def forward(ctx, x_ND, w_Nk, gate_up_w_E, down_w_E, ids_Nk, dtype, act, gate_up_b_E, down_b_E):  # type: ignore[override]
+    def forward(ctx, x_ND, w_Nk, gate_up_w_E, down_w_E, ids_Nk, dtype, act, gate_up_b_E, down_b_E,  # type: ignore[override]
+                static=None):  # fmt: skip
+        """`static`: `Experts._static_weights` (the weights' transposed views and arange(E),
+        made once, not per forward) when the weights are in `dtype` already."""
         N, k = ids_Nk.shape
-        sorted_ids_A, order_A = torch.sort(ids_Nk.reshape(-1), stable=True)
+        ids_A = ids_Nk.reshape(-1)
+        sorted_ids_A, order_A = torch.sort(ids_A, stable=True)
         tok_A = order_A // k
-        offs_E = _expert_offsets(sorted_ids_A, gate_up_w_E.shape[0])
         x_AD = x_ND.to(dtype).index_select(0, tok_A)
         gate_up_c, down_c = gate_up_w_E.to(dtype), down_w_E.to(dtype)
-        h_A2I = torch._grouped_mm(x_AD, gate_up_c.transpose(1, 2), offs=offs_E)
+        if static is None:
+            offs_E = _expert_offsets(sorted_ids_A, gate_up_w_E.shape[0])
+            gate_up_t, down_t = gate_up_c.transpose(1, 2), down_c.transpose(1, 2)
+        else:
+            gate_up_t, down_t, experts_E = static
+            offs_E = torch.searchsorted(sorted_ids_A, experts_E, right=True, out_int32=True)
+        h_A2I = torch._grouped_mm(x_AD, gate_up_t, offs=offs_E)
         if gate_up_b_E is not None:  # per-assignment bias rows of its expert
             h_A2I = h_A2I + gate_up_b_E.to(dtype).index_select(0, sorted_ids_A)
-        y_AD = torch._grouped_mm(act(h_A2I), down_c.transpose(1, 2), offs=offs_E)
-        if down_b_E is not None:
-            y_AD = y_AD + down_b_E.to(dtype).index_select(0, sorted_ids_A)
-        # unsort: row order_A[a] of the (N*k) assignments is sorted row a
-        y_NkD = y_AD.new_empty(y_AD.shape).index_copy_(0, order_A, y_AD).view(N, k, y_AD.shape[-1])
-        ctx.save_for_backward(x_AD, h_A2I, y_NkD, w_Nk, order_A, tok_A, offs_E, gate_up_c, down_c,
+        y_AD = torch._grouped_mm(act(h_A2I), down_t, offs=offs_E)
+        # unsort: row order_A[a] of the (N*k) assignments is sorted row a (one out-of-place
+        # index_copy, a permutation: every row written); a bias is added while unsorting
+        # (index_add onto the bias rows in token order: b + y, the same sum as y + b)
+        if down_b_E is None:
+            y_AD = y_AD.index_copy(0, order_A, y_AD)
+        else:
+            y_AD = down_b_E.to(dtype).index_select(0, ids_A).index_add_(0, order_A, y_AD)
+        y_NkD = y_AD.view(N, k, y_AD.shape[-1])
+        w_Nk1 = w_Nk.to(dtype).unsqueeze(-1)
+        ctx.save_for_backward(x_AD, h_A2I, y_NkD, w_Nk1, order_A, tok_A, offs_E, gate_up_c, down_c,
                               sorted_ids_A)  # fmt: skip
-        ctx.dtypes = (x_ND.dtype, gate_up_w_E.dtype, down_w_E.dtype)
+        ctx.dtypes = (x_ND.dtype, w_Nk.dtype, gate_up_w_E.dtype, down_w_E.dtype)
         ctx.act = act
         ctx.bias_dtypes = (
             None if gate_up_b_E is None else gate_up_b_E.dtype,
             None if down_b_E is None else down_b_E.dtype,
         )
-        return combine_topk(w_Nk, y_NkD)
+        return (y_NkD * w_Nk1).sum(dim=1)  # combine_topk
 
     @staticmethod
     def backward(ctx, g_ND):  # type: ignore[override]
-        (x_AD, h_A2I, y_NkD, w_Nk, order_A, tok_A, offs_E, gate_up_c, down_c,
+        (x_AD, h_A2I, y_NkD, w_Nk1, order_A, tok_A, offs_E, gate_up_c, down_c,
          sorted_ids_A) = ctx.saved_tensors  # fmt: skip
-        x_dtype, gate_up_dtype, down_dtype = ctx.dtypes
+        x_dtype, w_dtype, gate_up_dtype, down_dtype = ctx.dtypes
         N, k, D = y_NkD.shape
         E = gate_up_c.shape[0]
         g_N1D = g_ND.to(y_NkD.dtype).unsqueeze(1)
-        g_w = (y_NkD * g_N1D).sum(-1).to(w_Nk.dtype) if ctx.needs_input_grad[1] else None
+        g_w = (y_NkD * g_N1D).sum(-1).to(w_dtype) if ctx.needs_input_grad[1] else None
         # gradient of each assignment's expert output, in sorted order
-        g_y_AD = (
-            (g_N1D * w_Nk.to(y_NkD.dtype).unsqueeze(-1)).view(N * k, D).index_select(0, order_A)
-        )
+        g_y_AD = (g_N1D * w_Nk1).view(N * k, D).index_select(0, order_A)
         g_act_AI = torch._grouped_mm(g_y_AD, down_c, offs=offs_E)
         g_h_A2I, act_AI = ctx.act.backward(g_act_AI, h_A2I)
         g_down = None
@@ -180,12 +207,28 @@ class _GroupedExperts(torch.autograd.Function):
             g_x = g_x_AD.new_zeros(N, D).index_add_(0, tok_A, g_x_AD).to(x_dtype)
         gate_up_b_dtype, down_b_dtype = ctx.bias_dtypes
         g_gate_up_b = g_down_b = None
-        if ctx.needs_input_grad[7]:
-            g_gate_up_b = g_h_A2I.new_zeros(E, g_h_A2I.shape[1]).index_add_(
-                0, sorted_ids_A, g_h_A2I).to(gate_up_b_dtype)  # fmt: skip
+        if ctx.needs_input_grad[7]:  # out-of-place onto shared zeros: one op, not two
+            g_gate_up_b = torch.index_add(_zeros((E, g_h_A2I.shape[1]), g_h_A2I), 0,
+                                          sorted_ids_A, g_h_A2I).to(gate_up_b_dtype)  # fmt: skip
         if ctx.needs_input_grad[8]:
-            g_down_b = g_y_AD.new_zeros(E, D).index_add_(0, sorted_ids_A, g_y_AD).to(down_b_dtype)
-        return g_x, g_w, g_gate_up, g_down, None, None, None, g_gate_up_b, g_down_b
+            g_down_b = torch.index_add(_zeros((E, D), g_y_AD), 0, sorted_ids_A,
+                                       g_y_AD).to(down_b_dtype)  # fmt: skip
+        return g_x, g_w, g_gate_up, g_down, None, None, None, g_gate_up_b, g_down_b, None
+
+
+_ZEROS: dict[tuple, torch.Tensor] = {}
+"""`_zeros`' tensors by (shape, dtype, device): small constants shared by every layer."""
+
+
+def _zeros(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A zero tensor of `shape` in `like`'s dtype and device, made once and shared (read only:
+    out-of-place ops start from it, e.g. a per-expert bias gradient's index_add)."""
+    key = (shape, like.dtype, like.device)
+    z = _ZEROS.get(key)
+    if z is None:
+        with torch.inference_mode(False), torch.no_grad():
+            z = _ZEROS[key] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+    return z
 
 
 def _segment_loop_swiglu(
@@ -271,7 +314,8 @@ class Experts(nn.Module):
         return _local(self.gate_up_proj), _local(self.down_proj)
 
     def _static_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(gate_up_proj^T (E, D, 2I), down_proj^T (E, I, D), arange(E)) for `static_experts`:
+        """(gate_up_proj^T (E, D, 2I), down_proj^T (E, I, D), arange(E)) for `static_experts`
+        and `_GroupedExperts`:
         views made once, not per forward (decode is per-op overhead bound), remade when a
         parameter's storage moves (`.to`, a new Parameter). Views of the storage, so in-place
         weight updates show through."""
@@ -279,8 +323,11 @@ class Experts(nn.Module):
         key = (gate_up_w_E.data_ptr(), down_w_E.data_ptr(), gate_up_w_E.device)
         cached = self.__dict__.get("_static")
         if cached is None or cached[0] != key:
-            experts_E = torch.arange(gate_up_w_E.shape[0], device=gate_up_w_E.device)
-            cached = (key, (gate_up_w_E.transpose(1, 2), down_w_E.transpose(1, 2), experts_E))
+            # outside inference mode and autograd: the training forward uses them too
+            with torch.inference_mode(False), torch.no_grad():
+                experts_E = _arange(gate_up_w_E.shape[0], gate_up_w_E.device)
+                views = (gate_up_w_E.transpose(1, 2), down_w_E.transpose(1, 2), experts_E)
+            cached = (key, views)
             self.__dict__["_static"] = cached
         return cached[1]
 
@@ -335,8 +382,14 @@ class Experts(nn.Module):
                 "to a per-expert loop)"
             )
         if reason is None:
+            # the cached transposes when no cast is due; not for a DTensor (FSDP2 frees and
+            # re-gathers its storage between forwards)
+            same = gate_up_w_E.dtype == dtype == down_w_E.dtype and not isinstance(
+                self.gate_up_proj, DTensor
+            )
             return _GroupedExperts.apply(x_ND, w_Nk, gate_up_w_E, down_w_E, ids_Nk, dtype, act,
-                                         gate_up_b_E, down_b_E)  # fmt: skip
+                                         gate_up_b_E, down_b_E,
+                                         self._static_weights() if same else None)  # fmt: skip
         _fallback_once(reason, f"moe_impl='grouped': per-expert loop: {reason}")
         sorted_ids_A, order_A = torch.sort(ids_Nk.reshape(-1), stable=True)
         x_AD = x_ND.index_select(0, order_A // k)

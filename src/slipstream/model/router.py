@@ -68,6 +68,8 @@ class SoftmaxTopK:
 
     def route(self, logits_NE, correction_E, replay_ids_Nk):  # type: ignore[no-untyped-def]
         logits32_NE = _f32(logits_NE)
+        if torch.is_grad_enabled() and logits32_NE.requires_grad:
+            return _TopK.apply(logits32_NE, replay_ids_Nk, self.top_k, not self.renormalize)
         if self.renormalize:
             # softmax over all E, top-k, renormalised == softmax over the k selected logits (the
             # same function, ~10 fewer ops forward and backward; top-k of the logits is top-k of
@@ -83,6 +85,54 @@ class SoftmaxTopK:
             w_Nk, ids_Nk = torch.topk(probs_NE, self.top_k, dim=-1)
             return w_Nk, ids_Nk
         return probs_NE.gather(-1, replay_ids_Nk), replay_ids_Nk
+
+
+class _TopK(torch.autograd.Function):
+    """The softmax routers with autograd (`SoftmaxTopK`, `TopKSoftmax`): the plain route's ops
+    and values, the backward by hand. `softmax_first`: w = top-k of softmax(logits) (or its
+    values at the replayed ids), backward: the k gradients scattered into (N, E), then one
+    softmax backward; else w = softmax of the top-k logits (or of the replayed ids' logits),
+    backward: the softmax recomputed, its backward over the k, scattered into (N, E). 3-4 ops
+    backward, where autograd's took ~7 (the trainer step is per-op overhead bound on a
+    GPU); the same gradient (scatter of unique ids, as topk's and gather's backward)."""
+
+    @staticmethod
+    def forward(ctx, logits_NE, replay_ids_Nk, top_k, softmax_first):  # type: ignore[override]
+        if softmax_first:
+            probs_NE = F.softmax(logits_NE, dim=-1)
+            if replay_ids_Nk is None:
+                w_Nk, ids_Nk = torch.topk(probs_NE, top_k, dim=-1)
+            else:
+                ids_Nk, w_Nk = replay_ids_Nk, probs_NE.gather(-1, replay_ids_Nk)
+            ctx.save_for_backward(probs_NE, ids_Nk)
+        else:
+            if replay_ids_Nk is None:
+                sel_Nk, ids_Nk = torch.topk(logits_NE, top_k, dim=-1)
+            else:
+                ids_Nk, sel_Nk = replay_ids_Nk, logits_NE.gather(-1, replay_ids_Nk)
+            w_Nk = F.softmax(sel_Nk, dim=-1)
+            # the selected logits, not the output (a saved output costs a detach when saved
+            # and one when read back; the softmax is recomputed in backward instead)
+            ctx.save_for_backward(sel_Nk, ids_Nk)
+        ctx.softmax_first, ctx.num_experts = softmax_first, logits_NE.shape[1]
+        ctx.mark_non_differentiable(ids_Nk)
+        ctx.set_materialize_grads(False)  # no zero gradient made for the ids
+        return w_Nk, ids_Nk
+
+    @staticmethod
+    def backward(ctx, g_w_Nk, g_ids):  # type: ignore[override]
+        if g_w_Nk is None:
+            return None, None, None, None
+        saved_Nx, ids_Nk = ctx.saved_tensors
+        N, E = ids_Nk.shape[0], ctx.num_experts
+        if ctx.softmax_first:  # saved: the probabilities (N, E)
+            g_probs_NE = g_w_Nk.new_zeros(N, E).scatter_(1, ids_Nk, g_w_Nk)
+            g_NE = torch._softmax_backward_data(g_probs_NE, saved_Nx, -1, saved_Nx.dtype)
+        else:  # saved: the selected logits (N, k)
+            w_Nk = F.softmax(saved_Nx, dim=-1)
+            g_sel_Nk = torch._softmax_backward_data(g_w_Nk, w_Nk, -1, w_Nk.dtype)
+            g_NE = g_sel_Nk.new_zeros(N, E).scatter_(1, ids_Nk, g_sel_Nk)
+        return g_NE, None, None, None
 
 
 class SigmoidGroupTopK:
@@ -165,10 +215,13 @@ class _SigmoidRoute(torch.autograd.Function):
         ctx.save_for_backward(u_Nk, r_Nk, d_N1, ids_Nk)
         ctx.num_experts, ctx.scaling = logits_NE.shape[1], scheme.scaling
         ctx.mark_non_differentiable(ids_Nk)
+        ctx.set_materialize_grads(False)  # no zero gradient made for the ids
         return w_Nk, ids_Nk
 
     @staticmethod
     def backward(ctx, g_w_Nk, g_ids):  # type: ignore[override]
+        if g_w_Nk is None:
+            return None, None, None, None
         u_Nk, r_Nk, d_N1, ids_Nk = ctx.saved_tensors
         g_Nk = g_w_Nk * ctx.scaling if ctx.scaling != 1.0 else g_w_Nk
         if d_N1 is not None:
@@ -192,6 +245,8 @@ class TopKSoftmax:
         return F.softmax(_f32(logits_NE).gather(-1, ids_Nk), dim=-1)
 
     def route(self, logits_NE, correction_E, replay_ids_Nk):  # type: ignore[no-untyped-def]
+        if torch.is_grad_enabled() and logits_NE.requires_grad:
+            return _TopK.apply(_f32(logits_NE), replay_ids_Nk, self.top_k, False)
         if replay_ids_Nk is None:
             sel_Nk, ids_Nk = torch.topk(_f32(logits_NE), self.top_k, dim=-1)
             return F.softmax(sel_Nk, dim=-1), ids_Nk
