@@ -2,7 +2,10 @@
 agent process inside bwrap completes an episode through the in-sandbox forwarder and its
 episode's Unix socket, token-exact; inside, it reaches no TCP port of the host (a listener the
 test opens, the endpoint's own port), reads no host file outside its binds, and writes nowhere
-but its work directory; a hang and a non-zero exit end the episode as without the sandbox.
+but its work directory; a hang and a non-zero exit end the episode as without the sandbox. With `agent.sandbox_cgroup`
+(where cgroups are writable: root) each run is in a cgroup of its own: an allocation past
+`sandbox_memory_mib` is OOM-killed and the episode is an "oom" failure, a fork loop stops at
+`sandbox_pids_max`, and no run's cgroup is left afterwards.
 Where bwrap cannot create its namespaces, every test here is skipped with bwrap's reason."""
 
 from __future__ import annotations
@@ -24,7 +27,23 @@ from slipstream.envs import EpisodeLimits
 from slipstream.envs.agent import AgentFailed, AgentRuntime
 from slipstream.envs.agent_launch import SANDBOX_BASE_URL, SandboxLauncher
 from slipstream.envs.agent_trajectory import segments
+from slipstream.sandbox.cgroups import CgroupManager
 from slipstream.tasks import Task
+
+
+def _cgroups_writable() -> str | None:
+    """None where this process can make cgroups (root), else why not."""
+    try:
+        CgroupManager.detect()
+    except OSError as e:
+        return str(e)
+    return None
+
+
+CGROUPS_UNAVAILABLE = _cgroups_writable()
+needs_cgroups = pytest.mark.skipif(
+    CGROUPS_UNAVAILABLE is not None, reason=f"cgroups not writable: {CGROUPS_UNAVAILABLE}"
+)
 
 TASK = Task("t/0", "12*34=", "12*34=", {"answer": 408})
 REPLY = TOK.encode("408") + [TOK.eos_id]
@@ -51,6 +70,24 @@ AGENT = textwrap.dedent("""\
                 subprocess.run(["sleep", target])
             elif kind == "exit":
                 pass
+            elif kind == "alloc":  # MiB, every page written
+                out["allocated"] = len(b"x" * (int(target) << 20))
+            elif kind == "fork":  # up to N children, alive at once, until a fork fails
+                r, w = os.pipe()
+                kids = []
+                try:
+                    for _ in range(int(target)):
+                        pid = os.fork()
+                        if pid == 0:
+                            os.close(w)
+                            os.read(r, 1)  # EOF once the parent closes its end
+                            os._exit(0)
+                        kids.append(pid)
+                finally:
+                    out["forked"] = len(kids)
+                    os.close(w)
+                    for pid in kids:
+                        os.waitpid(pid, 0)  # zombies hold their pids
             out["tried"][kind + " " + target] = "ok"
         except Exception as e:
             out["tried"][kind + " " + target] = type(e).__name__
@@ -81,7 +118,8 @@ def bwrap_works() -> None:
     """Skip (with bwrap's reason) where it cannot create a sandbox, e.g. without user
     namespaces; the runtime fails the same way at its start, naming agent.sandbox."""
     try:
-        SandboxLauncher(AgentConfig(command="true", sandbox=True), os.getcwd()).close()
+        SandboxLauncher(AgentConfig(command="true", sandbox=True, sandbox_cgroup=False),
+                        os.getcwd()).close()  # fmt: skip
     except ValueError as e:
         pytest.skip(str(e))
 
@@ -95,10 +133,13 @@ def agent_dir(tmp_path: Path, bwrap_works: None) -> Path:
 
 
 def runtime(agent_dir: Path, *args: str, sandbox: bool = True, timeout_s: float = 30.0,
-            ) -> AgentRuntime:  # fmt: skip
+            **more: Any) -> AgentRuntime:  # fmt: skip
+    """The test agent's runtime; sandboxed runs in cgroups where those are writable."""
+    if sandbox:
+        more = {"sandbox_cgroup": CGROUPS_UNAVAILABLE is None, **more}
     cfg = AgentConfig(command=" ".join(["{python}", str(agent_dir / "agent.py"), *args]),
                       sandbox=sandbox, sandbox_binds=[str(agent_dir)] if sandbox else [],
-                      timeout_s=timeout_s)  # fmt: skip
+                      timeout_s=timeout_s, **more)  # fmt: skip
     return AgentRuntime(ScriptedEngine([REPLY]), _TaskSet(), cfg,  # type: ignore[arg-type]
                         EpisodeLimits(max_turns=4, max_turn_tokens=8),
                         scorer=lambda task, text: (float(text == "408"), "exact"))  # fmt: skip
@@ -185,6 +226,68 @@ def test_a_hang_is_killed_sandbox_and_all(agent_dir: Path) -> None:
     while (left := _processes_with(marker)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not left, f"agent processes left: {left}"
+    assert not _run_cgroups()
+
+
+def _run_cgroups() -> list[str]:
+    """This worker's agent run cgroups that exist now (none where cgroups are not writable)."""
+    if CGROUPS_UNAVAILABLE is not None:
+        return []
+    mine = f"agent-{os.getpid()}-"
+    return [
+        d for d in CgroupManager.detect().leftover_dirs() if os.path.basename(d).startswith(mine)
+    ]
+
+
+@needs_cgroups
+def test_past_its_memory_limit_the_agent_is_oom_killed_a_counted_failure(agent_dir: Path) -> None:
+    # 1 GiB written in a 128 MiB cgroup (its address-space ulimit, agent.memory_mib, is 2 GiB):
+    # without the cgroup the allocation succeeds and the episode completes
+    rt = runtime(agent_dir, "alloc", "1024", sandbox_memory_mib=128)
+    try:
+        run, session = run_once(rt)
+        assert run.exit_code == 128 + 9 and not run.calls, run.stderr  # SIGKILLed, before a call
+        assert run.confinement.oom_kills >= 1 and run.output is None
+        with pytest.raises(AgentFailed, match=r"OOM-killed at agent.sandbox_memory_mib = 128") as e:
+            rt.episodes(TASK, run, session)
+        assert e.value.kind == "oom" and rt.stats.oom == 1 and rt.stats.episodes == 0
+    finally:
+        rt.close()
+    assert not _run_cgroups()  # killed and removed with the run
+
+
+@needs_cgroups
+def test_a_fork_loop_stops_at_its_pids_limit(agent_dir: Path) -> None:
+    # up to 200 children at once; the cgroup's 32 pids (bwrap, its init, the forwarder and its
+    # thread, sh and the agent included) stop it well before, and the episode goes on
+    rt = runtime(agent_dir, "fork", "200", sandbox_pids_max=32)
+    try:
+        run, session = run_once(rt)
+        assert run.exit_code == 0, run.stderr
+        assert (
+            0 < run.output["forked"] < 32 and run.output["tried"]["fork 200"] == "BlockingIOError"
+        )  # EAGAIN
+        assert run.confinement.pids_max_hits >= 1
+        (ep,) = rt.episodes(TASK, run, session)
+        assert ep.reward == 1.0 and rt.stats.pids_limited == 1
+    finally:
+        rt.close()
+    assert not _run_cgroups()
+
+
+def test_cgroups_not_writable_is_one_line_naming_the_key(
+    agent_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from slipstream.envs import agent_launch
+
+    monkeypatch.setattr(agent_launch, "CGROUP_ROOT", str(tmp_path / "no-cgroups"))
+    with pytest.raises(ValueError) as e:
+        SandboxLauncher(AgentConfig(command="true", sandbox=True), os.getcwd())
+    msg = str(e.value)
+    assert msg.startswith("agent.sandbox_cgroup = true needs writable cgroups (no cgroup v2")
+    assert "set agent.sandbox_cgroup = false" in msg and "\n" not in msg
+    SandboxLauncher(AgentConfig(command="true", sandbox=True, sandbox_cgroup=False),
+                    os.getcwd()).close()  # the documented opt-out  # fmt: skip
 
 
 def test_a_nonzero_exit_fails_the_episode(agent_dir: Path) -> None:

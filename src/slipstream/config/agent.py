@@ -102,7 +102,20 @@ class AgentConfig(Section):
     job's directory), e.g. ["{cwd}/examples/agents"] for the agent's script. Only with
     `sandbox`."""
     sandbox_tmp_mib: int = Field(default=64, ge=1, le=1 << 20)
-    """Size of a sandboxed agent's private /tmp (a tmpfs, gone with the run)."""
+    """Size of a sandboxed agent's private /tmp (a tmpfs, gone with the run); what it holds
+    counts against `sandbox_memory_mib`."""
+    sandbox_cgroup: bool = True
+    """Put each sandboxed run in a cgroup of its own, as the `bwrap` sandbox backend does
+    (memory + swap, pids, CPU quota: `sandbox_memory_mib`, `sandbox_pids_max`, `sandbox_vcpus`),
+    killed and removed when the run ends. Needs writable cgroups (root; checked when the
+    runtime starts). False: no cgroup, the run's ulimits only (docs/agents.md, "Sandbox")."""
+    sandbox_memory_mib: int = Field(default=2048, ge=16, le=1 << 20)  # 1 TiB, as sandbox.memory_mib
+    """Memory limit of a sandboxed run's cgroup (memory + swap, /tmp and /dev/shm included): past
+    it the kernel OOM-kills a process inside, and a run that then fails is an "oom" failure."""
+    sandbox_pids_max: int = Field(default=256, ge=8)
+    """Processes and threads of a sandboxed run's cgroup (bwrap and the forwarder included)."""
+    sandbox_vcpus: int = Field(default=1, ge=1)
+    """CPU quota of a sandboxed run's cgroup, in CPUs."""
 
     @field_validator("preload")
     @classmethod

@@ -70,6 +70,7 @@ from slipstream.envs.agent_launch import (
     SANDBOX_BASE_URL,
     SANDBOX_WORKDIR,
     AgentProcess,
+    Confinement,
     make_launcher,
 )
 from slipstream.envs.agent_trajectory import REWARD_INPUTS_KEY, final_messages, segments
@@ -126,6 +127,11 @@ class AgentStats:
     """Malformed requests to the endpoint (answered 400)."""
     refused_calls: int = 0
     """Calls refused: past max_calls or the token budget, or after the episode ended."""
+    oom: int = 0
+    """Sandboxed runs that failed after the kernel OOM-killed a process of their cgroup
+    (agent.sandbox_memory_mib)."""
+    pids_limited: int = 0
+    """Sandboxed runs in which a fork or thread start was refused at agent.sandbox_pids_max."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **counts: int) -> None:
@@ -151,6 +157,8 @@ class AgentRun:
     """The agent's result file, else its stdout when that is JSON, else None."""
     calls: list[CallRecord]
     wall_s: float
+    confinement: Confinement = field(default_factory=Confinement)
+    """What the run's cgroup saw (a sandboxed run with `agent.sandbox_cgroup`)."""
 
 
 class AgentRuntime:
@@ -255,14 +263,17 @@ class AgentRuntime:
                             aborted = True
                             break
                 finally:
-                    _kill_group(proc)
+                    try:
+                        _kill_group(proc)
+                    finally:  # its cgroup (a sandboxed run): read, emptied, removed
+                        confinement = self.launcher.finish(proc)
             session.close()  # calls still in flight are aborted, none recorded after this
             exit_code = None if (timed_out or aborted) else proc.returncode
             cap = self.cfg.max_output_bytes
             stdout = _head(root / "stdout", cap)
             return AgentRun(exit_code, timed_out, aborted, stdout, _head(root / "stderr", cap),
                             self._output(work, stdout), list(session.calls),
-                            time.monotonic() - t0)  # fmt: skip
+                            time.monotonic() - t0, confinement)  # fmt: skip
         finally:
             session.close()
             shutil.rmtree(root, ignore_errors=True)
@@ -285,9 +296,17 @@ class AgentRuntime:
         st.add(calls=len(run.calls), bad_requests=session.bad_requests,
                refused_calls=session.refused)  # fmt: skip
         tail = run.stderr.strip().splitlines()[-1:] or [""]
+        limits = run.confinement
+        st.add(pids_limited=int(limits.pids_max_hits > 0))
         if run.aborted:
             st.add(aborted=1)
             return []
+        if limits.oom_kills and (run.timed_out or run.exit_code != 0):
+            # an OOM kill is the reason, whatever the exit: never scored (failed_exit_is_failure)
+            st.add(oom=1)
+            raise AgentFailed("oom", f"the agent's sandbox ran out of memory: {limits.oom_kills} "
+                                     f"process(es) OOM-killed at agent.sandbox_memory_mib = "
+                                     f"{self.cfg.sandbox_memory_mib} (exit {run.exit_code})")  # fmt: skip
         if run.timed_out:
             st.add(timeout=1)
             raise AgentFailed(

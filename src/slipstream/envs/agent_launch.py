@@ -5,6 +5,7 @@ directory, the files, the wall-clock bound, killing the process group, reading t
     proc = launcher.start(stdin=f0, stdout=f1, stderr=f2, cwd=work, env=episode_env)
     proc.pid        # leads its own session: os.killpg(proc.pid, ...) reaches all it started
     proc.wait(timeout=0.05)   # its exit code; subprocess.TimeoutExpired while it runs
+    confinement = launcher.finish(proc)   # after its group is killed: what its cgroup saw
 
 Two ways, one `Launcher` protocol:
 - `PopenLauncher` (`agent.preload` empty): `/bin/sh -c "ulimit ...; COMMAND"` in a new session,
@@ -30,7 +31,13 @@ Two ways, one `Launcher` protocol:
   agent, and forwards each connection to the episode's Unix socket (`endpoint_socket`, served
   by the endpoint for that episode alone), bind-mounted at `SANDBOX_SOCKET`. The process the
   runtime holds is bwrap's, the leader of a new session: killing its group kills the sandbox
-  (`--die-with-parent`; the pid namespace ends with its first process).
+  (`--die-with-parent`; the pid namespace ends with its first process). With
+  `agent.sandbox_cgroup` (the default) each run also gets a cgroup of its own
+  (sandbox/cgroups.py, as the `bwrap` backend's sandboxes: memory + swap, pids, CPU quota),
+  entered by bwrap's exec chain before bwrap runs (`/bin/sh` writes its pid into the
+  cgroup.procs files, then execs bwrap: the same pid, so nothing of the sandbox runs outside;
+  no Python `preexec_fn`, which would make Popen fork the whole worker). `finish` reads its OOM
+  kills and pids-limit hits, kills what is left in it and removes it.
 
 The template's module is this file, run by path (`runpy.run_path`): everything the template
 executes is standard library, so neither slipstream nor torch is imported there.
@@ -39,6 +46,7 @@ executes is standard library, so neither slipstream nor torch is imported there.
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import logging
 import os
@@ -52,11 +60,13 @@ import subprocess
 import sys
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, NoReturn, Protocol
 
 if TYPE_CHECKING:
     from slipstream.config.agent import AgentConfig
+    from slipstream.sandbox.cgroups import Cgroup
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +87,19 @@ SANDBOX_SOCKET_DIR = "/run/slipstream"
 """Where the directory of the episode's endpoint socket is bound (read-only)."""
 FORWARDER_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "agent_forward.py")
 FORWARDER_IN_SANDBOX = "/opt/slipstream/agent_forward.py"
+CGROUP_ROOT = "/sys/fs/cgroup"
+"""Where sandboxed runs' cgroups are made (sandbox/cgroups.py `CgroupManager.detect`)."""
+
+
+@dataclass(frozen=True)
+class Confinement:
+    """What a run's cgroup saw (all zero / None for a run without one)."""
+
+    oom_kills: int = 0
+    """Processes of the run the kernel OOM-killed at `agent.sandbox_memory_mib`."""
+    pids_max_hits: int = 0
+    """Forks and thread starts refused at `agent.sandbox_pids_max`."""
+    peak_memory_bytes: int | None = None
 
 
 class AgentProcess(Protocol):
@@ -99,6 +122,12 @@ class Launcher(Protocol):
         """Start one run of the agent as the leader of a new session (`endpoint_socket`: the
         episode endpoint's Unix socket, which a sandboxed run needs; it then sees its work
         directory at `SANDBOX_WORKDIR` and its endpoint at `SANDBOX_BASE_URL`)."""
+        ...
+
+    def finish(self, proc: AgentProcess) -> Confinement:
+        """After the run's process group was killed and reaped: release what the launcher holds
+        for it (a sandboxed run's cgroup: what is left in it killed, the cgroup removed) and
+        report what its limits saw. Called once per started run."""
         ...
 
     def close(self) -> None: ...
@@ -141,6 +170,9 @@ class PopenLauncher:
               ) -> subprocess.Popen[bytes]:  # fmt: skip
         return subprocess.Popen(self.argv, stdin=stdin, stdout=stdout, stderr=stderr, cwd=cwd,
                                 env=env, start_new_session=True)  # fmt: skip
+
+    def finish(self, proc: AgentProcess) -> Confinement:
+        return Confinement()
 
     def close(self) -> None:
         pass
@@ -292,6 +324,9 @@ class ForkLauncher:
             raise InfraError(f"the agent template could not start the run: {why}")
         return ForkedProcess(int(msg[1:]), mine)
 
+    def finish(self, proc: AgentProcess) -> Confinement:
+        return Confinement()
+
     def _restart(self) -> None:
         assert self._proc is not None and self._ctl is not None
         self._ctl.close()
@@ -312,12 +347,15 @@ class ForkLauncher:
 
 class SandboxLauncher:
     """One `/bin/sh -c` per run inside a bwrap sandbox with no network but its episode's
-    endpoint (module docstring; docs/agents.md, "Sandbox"). Built once per runtime: it stages
-    the sandbox's /etc, checks the agent's script is reachable, and starts one sandbox to see
-    that bwrap works here (ValueError naming `agent.sandbox` when it does not)."""
+    endpoint, each in a cgroup of its own with `agent.sandbox_cgroup` (module docstring;
+    docs/agents.md, "Sandbox"). Built once per runtime: it stages the sandbox's /etc, checks
+    the agent's script is reachable and the cgroups writable, and starts one sandbox (in a
+    cgroup, as a run) to see that bwrap works here (ValueError naming `agent.sandbox` or
+    `agent.sandbox_cgroup` when it does not)."""
 
     def __init__(self, cfg: AgentConfig, cwd: str) -> None:
         from slipstream.sandbox.bwrap import isolation_args, stage_etc
+        from slipstream.sandbox.cgroups import CgroupLimits, CgroupManager
         from slipstream.sandbox.seccomp import build_filter
 
         self.bwrap = shutil.which("bwrap") or "/usr/bin/bwrap"
@@ -334,6 +372,22 @@ class SandboxLauncher:
                 raise ValueError(f"agent.sandbox_binds: {b} does not exist")
         readable = _interpreter_dirs() + [os.path.realpath(b) for b in binds]
         _check_script(cfg.command, cwd, readable)
+        self._cgroups: CgroupManager | None = None
+        if cfg.sandbox_cgroup:
+            try:
+                self._cgroups = CgroupManager.detect(CGROUP_ROOT)
+            except OSError as e:
+                raise ValueError(f"agent.sandbox_cgroup = true needs writable cgroups ({_why(e)}); run "
+                                 "the job as root, or set agent.sandbox_cgroup = false to run "
+                                 "sandboxed agents with ulimits only") from None  # fmt: skip
+        self._cgroup_limits = CgroupLimits(memory_bytes=cfg.sandbox_memory_mib << 20,
+                                           pids_max=cfg.sandbox_pids_max, vcpus=cfg.sandbox_vcpus)  # fmt: skip
+        # agent-<worker pid>-<n>: unique on the host while this worker runs
+        self._cgroup_names = (f"agent-{os.getpid()}-{n}" for n in itertools.count())
+        self._runs: dict[int, Cgroup] = {}  # pid of a run's bwrap -> its cgroup, until finish
+        self._runs_lock = threading.Lock()
+        if self._cgroups is not None:
+            self._reap_orphans()
         self._dir = tempfile.mkdtemp(prefix="slipstream-agent-sandbox-")
         try:
             # the private /tmp first: a bind below /tmp (a job under /tmp) lands on top of it
@@ -372,12 +426,52 @@ class SandboxLauncher:
         return [sys.executable, "-I", "-S", FORWARDER_IN_SANDBOX, str(SANDBOX_PORT), inside,
                 *self._agent_argv]  # fmt: skip
 
+    def _cgroup(self) -> Cgroup | None:
+        """A new cgroup for one run (None without `agent.sandbox_cgroup`); OSError naming the
+        file the kernel refused."""
+        if self._cgroups is None:
+            return None
+        return self._cgroups.create(next(self._cgroup_names), self._cgroup_limits)
+
+    def _reap_orphans(self) -> None:
+        """Remove the cgroups of runs whose worker died before removing them (named
+        agent-<pid>-<n>, that pid no longer running); what is still in them is killed."""
+        assert self._cgroups is not None
+        from slipstream.sandbox.cgroups import remove_cgroup_dirs
+
+        for d in self._cgroups.leftover_dirs():
+            parts = os.path.basename(d).split("-")
+            if len(parts) != 3 or parts[0] != "agent" or not parts[1].isdigit():
+                continue
+            if int(parts[1]) == os.getpid() or os.path.exists(f"/proc/{parts[1]}"):
+                continue
+            log.warning("removing the cgroup %s of an agent run whose worker is gone", d)
+            try:
+                remove_cgroup_dirs([d])
+            except OSError as e:
+                log.error("%s", e)
+
+    def _entered(self, cgroup: Cgroup | None, argv: list[str]) -> list[str]:
+        """`argv` started inside `cgroup`: the exec chain of sandbox/bwrap.py writes the pid
+        into each cgroup.procs file, then execs argv (exit 125 when a write fails)."""
+        from slipstream.sandbox.bwrap import ENTER_CGROUP_SH, SH
+
+        if cgroup is None:
+            return argv
+        return [SH, "-c", ENTER_CGROUP_SH, "sh", *cgroup.procs_files(), "--", *argv]
+
     def _probe(self) -> None:
-        """Start one sandbox as a run would, with the interpreter's `pass` for the forwarder
-        and the agent; a one-line ValueError naming `agent.sandbox` (with bwrap's own
-        complaint) when it fails."""
+        """Start one sandbox as a run would (in a cgroup of its own with `sandbox_cgroup`),
+        with the interpreter's `pass` for the forwarder and the agent; a one-line ValueError
+        naming `agent.sandbox` (with bwrap's own complaint) when it fails."""
         from slipstream.sandbox.seccomp import filter_fd
 
+        try:
+            cgroup = self._cgroup()
+        except OSError as e:
+            raise ValueError(f"agent.sandbox_cgroup: cannot make a cgroup with agent."
+                             f"sandbox_memory_mib / sandbox_pids_max / sandbox_vcpus: {_why(e)}"
+                             ) from None  # fmt: skip
         with tempfile.TemporaryDirectory(prefix="probe-", dir=self._dir) as d:
             for sub in ("work", "endpoint"):
                 os.mkdir(os.path.join(d, sub))
@@ -385,13 +479,16 @@ class SandboxLauncher:
             try:
                 argv = self.argv(os.path.join(d, "work"), os.path.join(d, "endpoint", "sock"),
                                  fd, [sys.executable, "-I", "-S", "-c", "pass"])  # fmt: skip
-                r = subprocess.run(argv, capture_output=True, pass_fds=(fd,), env={},
-                                   timeout=TEMPLATE_START_TIMEOUT_S, check=False)  # fmt: skip
+                r = subprocess.run(self._entered(cgroup, argv), capture_output=True,
+                                   pass_fds=(fd,), env={}, timeout=TEMPLATE_START_TIMEOUT_S,
+                                   check=False)  # fmt: skip
             except subprocess.TimeoutExpired:
                 raise ValueError(f"agent.sandbox = true: bwrap's probe sandbox did not end "
                                  f"within {TEMPLATE_START_TIMEOUT_S:g} s") from None  # fmt: skip
             finally:
                 os.close(fd)
+                if cgroup is not None:
+                    cgroup.kill_and_remove()
         if r.returncode != 0:
             why = (r.stderr.decode(errors="replace").strip().splitlines() or [""])[-1]
             raise ValueError(f"agent.sandbox = true: bwrap cannot start a sandbox here (exit "
@@ -404,18 +501,79 @@ class SandboxLauncher:
 
         if endpoint_socket is None:
             raise ValueError("a sandboxed agent run needs its episode's endpoint socket")
+        try:
+            cgroup = self._cgroup()
+        except OSError as e:
+            from slipstream.envs.base import InfraError  # not at the top, as in ForkLauncher
+
+            raise InfraError(f"agent.sandbox_cgroup: the run's cgroup: {_why(e)}") from None
         fd = filter_fd(self._seccomp)
         try:
-            return subprocess.Popen(
-                self.argv(cwd, endpoint_socket, fd, self._forwarded(endpoint_socket)), stdin=stdin,
-                stdout=stdout, stderr=stderr, cwd=cwd, env=env, pass_fds=(fd,),
-                start_new_session=True,
+            argv = self.argv(cwd, endpoint_socket, fd, self._forwarded(endpoint_socket))
+            proc = subprocess.Popen(
+                self._entered(cgroup, argv), stdin=stdin, stdout=stdout, stderr=stderr, cwd=cwd,
+                env=env, pass_fds=(fd,), start_new_session=True,
             )  # fmt: skip
+        except BaseException:
+            if cgroup is not None:
+                cgroup.kill_and_remove()
+            raise
         finally:
             os.close(fd)
+        if cgroup is not None:
+            with self._runs_lock:
+                self._runs[proc.pid] = cgroup
+        return proc
+
+    def finish(self, proc: AgentProcess) -> Confinement:
+        """Read the run's cgroup (OOM kills, pids-limit hits, peak memory), then kill whatever
+        is still in it (a process that left bwrap's group) and remove it."""
+        with self._runs_lock:
+            cgroup = self._runs.pop(proc.pid, None)
+        if cgroup is None:
+            return Confinement()
+        try:
+            return Confinement(oom_kills=cgroup.oom_kills(),
+                               pids_max_hits=_pids_max_hits(cgroup),
+                               peak_memory_bytes=cgroup.peak_memory_bytes())  # fmt: skip
+        finally:
+            try:
+                cgroup.kill_and_remove()
+            except OSError as e:  # the episode's result stands; the leak is logged
+                log.error("agent run %d: its cgroup was not removed: %s", proc.pid, e)
 
     def close(self) -> None:
+        with self._runs_lock:
+            left = list(self._runs.values())
+            self._runs.clear()
+        for cgroup in left:  # runs never finished (the runtime closed under them)
+            try:
+                cgroup.kill_and_remove()
+            except OSError as e:
+                log.error("an agent run's cgroup was not removed: %s", e)
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _why(e: OSError) -> str:
+    """An OSError as one phrase: its message and the path it names, no "[Errno N]"."""
+    text = e.strerror or str(e)
+    return f"{text}: {e.filename}" if e.filename else text
+
+
+def _pids_max_hits(cgroup: Cgroup) -> int:
+    """Forks refused at the cgroup's pids.max (`pids.events` "max", v1 and v2 alike)."""
+    d = cgroup.paths.get("pids")
+    if d is None:
+        return 0
+    try:
+        text = (d / "pids.events").read_text()
+    except OSError:
+        return 0
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "max":
+            return int(value)
+    return 0
 
 
 def _interpreter_dirs(*, names: bool = False) -> list[str]:
