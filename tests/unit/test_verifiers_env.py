@@ -148,6 +148,7 @@ def test_first_try_bonus_counts(tasks: list[dict[str, Any]], rewards: RewardSet)
 def test_example_config_loads() -> None:
     cfg = load_config(EXAMPLES / "train.toml")
     assert cfg.task.env == "agent" and "slipstream.envs.verifiers_env run" in cfg.agent.command
+    assert cfg.agent.preload == ["verifiers.v1"]
     assert [f.function for f in cfg.reward.functions] == [
         "slipstream.envs.verifiers_env:episode_reward"
     ]
