@@ -250,6 +250,9 @@ class _Noting:
         self.first.arm(proc.pid, self.tree)
         return proc
 
+    def finish(self, proc: Any) -> Any:
+        return self.inner.finish(proc)
+
     def close(self) -> None:
         self.inner.close()
 
