@@ -339,7 +339,7 @@ class AgentRuntime:
                 finish_reason=s.finish_reason, text=tok.decode(s.completion_ids),
                 num_turns=s.num_calls, routed_experts=s.routed_experts(),
                 prefill_tokens=len(s.prompt_ids), env_s=run.wall_s,
-                reward_components=dict(components),
+                reward_components=dict(components), reward_inputs=extra,
             )
             for s in segs
         ]  # fmt: skip

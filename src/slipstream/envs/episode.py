@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from slipstream.engine.base import Completion, Engine, GenerateRequest, SamplingParams
+from slipstream.envs.agent_trajectory import REWARD_INPUTS_KEY
 from slipstream.envs.base import (
     EnvFactory,
     Environment,
@@ -110,6 +111,10 @@ class Episode:
     episode_index: int = -1
     """The episode's index in its group when it yields several samples (an agent that rewrote
     its history: envs/agent_trajectory.py); -1: the episode is one sample."""
+    reward_inputs: dict[str, Any] | None = None
+    """An agent episode's extra reward-function inputs by name (`messages`, `agent_output`:
+    envs/agent.py), which group reward functions get one per episode; None for other
+    environments."""
 
 
 @dataclass
@@ -590,7 +595,7 @@ class GroupRollout:
         held = [ep for ep in self.eps if ep.data is not None]
         data = [ep.data for ep in held if ep.data is not None]
         try:
-            scores = scorer(self.task, [d.text for d in data])
+            scores = scorer(_group_task(self.task, data), [d.text for d in data])
         except RewardDropped as e:
             self.runner.log_infra(f"task {self.task.task_id} group reward", e)
             with self._lock:
@@ -613,6 +618,19 @@ class GroupRollout:
                 assert d is not None
                 d.reward += s.reward
                 d.reward_components.update(s.components)
+
+
+def _group_task(task: Task, data: list[Episode]) -> Task:
+    """`task` as the group scorer sees it: for agent episodes, a copy whose meta holds under
+    `REWARD_INPUTS_KEY` each extra input as a list, one entry per episode in `data`'s order
+    (rewards/rewardset.py `score_group` passes them as the functions' per-completion lists)."""
+    inputs = [d.reward_inputs for d in data]
+    if all(i is None for i in inputs):
+        return task
+    names = sorted({k for i in inputs if i is not None for k in i})
+    per_episode = {k: [None if i is None else i.get(k) for i in inputs] for k in names}
+    return Task(task.task_id, task.prompt, task.key,
+                {**task.meta, REWARD_INPUTS_KEY: per_episode})  # fmt: skip
 
 
 def run_episodes(

@@ -26,8 +26,9 @@ built-in task, which has no columns, passes its problem data `meta` with `answer
 reference answer). An agent episode (envs/agent.py) also passes `messages` (its final
 conversation: the last chat call's messages plus the reply, OpenAI-style dicts; None when its
 last call was a /v1/completions call) and `agent_output` (the agent's parsed result file or
-stdout JSON; None when there is none), per-sample functions only; other tasks pass neither. A
-task column of either name is a ValueError. A per-sample call is a list of 1 (`batched =
+stdout JSON; None when there is none); a group call of agent episodes lists each episode's,
+in the group's order (`group_reward_inputs`); other tasks pass neither. A task column of either
+name is a ValueError. A per-sample call is a list of 1 (`batched =
 false`: the values themselves); a group call (`group = true`) lists the group's G completions.
 
 Per-function counters (`reward_stats()`): calls, failed calls, dropped samples / groups, scores,
@@ -56,7 +57,27 @@ LocalScorer = Callable[[Task, str], tuple[float, str]]
 
 
 def reward_inputs(task: Task) -> tuple[Any, dict[str, Any]]:
-    """(prompt, columns) a reward function sees for this task (module docstring)."""
+    """(prompt, columns) a reward function sees for this task (module docstring); an agent
+    episode's extra inputs (`REWARD_INPUTS_KEY`) among the columns."""
+    prompt, columns, episode = _split_inputs(task)
+    return prompt, {**columns, **episode}
+
+
+def group_reward_inputs(task: Task, n: int) -> tuple[Any, dict[str, Any], dict[str, list[Any]]]:
+    """(prompt, columns, per-completion inputs) a group function sees for this task and `n`
+    completions: a group of agent episodes carries each extra input under `REWARD_INPUTS_KEY`
+    as a list, one entry per completion in order (envs/episode.py `_group_task`); ValueError
+    naming the input when one is not a list of `n`."""
+    prompt, columns, episode = _split_inputs(task)
+    for name, values in episode.items():
+        if not isinstance(values, list) or len(values) != n:
+            raise ValueError(f"task {task.task_id}: the agent episodes' reward argument {name!r} "
+                             f"is not a list of the group's {n} completions")  # fmt: skip
+    return prompt, columns, episode
+
+
+def _split_inputs(task: Task) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """(prompt, columns, an agent episode's extra inputs) of this task."""
     meta = task.meta
     prompt = meta.get("prompt", task.prompt)
     columns = meta.get("columns")
@@ -69,8 +90,7 @@ def reward_inputs(task: Task) -> tuple[Any, dict[str, Any]]:
     if clash:  # a column would silently hide the episode's value (or the reverse)
         raise ValueError(f"task {task.task_id}: column(s) {clash} clash with the agent "
                          "episode's reward arguments of that name; rename the column(s)")  # fmt: skip
-    columns.update(episode)
-    return prompt, columns
+    return prompt, columns, dict(episode)
 
 
 def as_completion(prompt: Any, text: str) -> Any:
@@ -156,9 +176,9 @@ class RewardSet:
         reward), or None when no function scores groups. RewardDropped as for `verify`."""
         if not self.group_fns:
             return None
-        prompt, columns = reward_inputs(task)
-        per_fn = {f.name: self._call(f, task, prompt, completions, columns, "group")
-                  for f in self.group_fns}  # fmt: skip
+        prompt, columns, per_completion = group_reward_inputs(task, len(completions))
+        per_fn = {f.name: self._call(f, task, prompt, completions, columns, "group",
+                                     per_completion) for f in self.group_fns}  # fmt: skip
         out = []
         for i in range(len(completions)):
             values = {name: vals[i] for name, vals in per_fn.items()}
@@ -197,13 +217,17 @@ class RewardSet:
     # ---- calls ---------------------------------------------------------------------------------
 
     def _once(self, f: RewardFunctionConfig, task: Task, prompt: Any, texts: list[str],
-              columns: dict[str, Any]) -> list[float | None]:  # fmt: skip
+              columns: dict[str, Any], per_completion: dict[str, list[Any]] | None = None,
+              ) -> list[float | None]:  # fmt: skip
+        """One call of `f`: each column's value repeated per completion, `per_completion`'s
+        lists (a group's agent-episode inputs, one entry per completion) as they are."""
         assert self.pool is not None
         n = len(texts)
         spec = _spec(f)
         comps = [as_completion(prompt, t) for t in texts]
         if f.batched:
             kwargs = {k: [v] * n for k, v in columns.items()}
+            kwargs.update(per_completion or {})
             kwargs.update(prompts=[prompt] * n, completions=comps)
             if f.kind != "python":  # the built-in kinds read the reference answer here
                 kwargs["reference"] = [_reference(f, task, columns)] * n
@@ -213,12 +237,13 @@ class RewardSet:
         return self.pool.call(spec, kwargs, n, f.timeout_s)
 
     def _call(self, f: RewardFunctionConfig, task: Task, prompt: Any, texts: list[str],
-              columns: dict[str, Any], what: str) -> list[float | None]:  # fmt: skip
+              columns: dict[str, Any], what: str,
+              per_completion: dict[str, list[Any]] | None = None) -> list[float | None]:  # fmt: skip
         st = self._stats[f.name]
         last: CallFailed | None = None
         for _ in range(1 + self.cfg.retries):
             try:
-                values = self._once(f, task, prompt, texts, columns)
+                values = self._once(f, task, prompt, texts, columns, per_completion)
             except CallFailed as e:
                 last = e
                 fatal = self._failed(f, st, e, texts[0])
