@@ -642,6 +642,32 @@ class SparseMoeBlock(nn.Module):
         return out_ND, logits_NE
 
 
+def router_losses(
+    router_logits: Sequence[torch.Tensor],
+    num_experts: int,
+    top_k: int,
+    token_mask_N: torch.Tensor | None = None,
+    sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`load_balancing_loss`, `router_z_loss`) of the same logits, the layers' logits
+    concatenated and the mask repeated once for both (the model's forward takes both)."""
+    logits_LNE, m_LN = _concat(router_logits, token_mask_N)
+    return (
+        _load_balance(logits_LNE, m_LN, num_experts, top_k, sum_over_ranks),
+        _z_loss(logits_LNE, m_LN, sum_over_ranks),
+    )
+
+
+def _concat(
+    router_logits: Sequence[torch.Tensor], token_mask_N: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the layers' logits (L*N, E) float32, the mask repeated per layer (L*N,) float or None)."""
+    logits_LNE = torch.cat([g.float() for g in router_logits], dim=0)
+    if token_mask_N is None:
+        return logits_LNE, None
+    return logits_LNE, token_mask_N.reshape(-1).float().repeat(len(router_logits))
+
+
 def load_balancing_loss(
     router_logits: Sequence[torch.Tensor],
     num_experts: int,
@@ -658,20 +684,27 @@ def load_balancing_loss(
     `sum_over_ranks` (data-parallel training): adds the token counts and probability sums of every
     rank before the fractions are taken, so each rank computes the loss of the whole batch (its
     gradient then flows into this rank's tokens only; see parallel/ranks.py)."""
-    logits_LNE = torch.cat([g.float() for g in router_logits], dim=0)
+    logits_LNE, m_LN = _concat(router_logits, token_mask_N)
+    return _load_balance(logits_LNE, m_LN, num_experts, top_k, sum_over_ranks)
+
+
+def _load_balance(
+    logits_LNE: torch.Tensor,
+    m_LN: torch.Tensor | None,
+    num_experts: int,
+    top_k: int,
+    sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None,
+) -> torch.Tensor:
     probs = F.softmax(logits_LNE, dim=-1)
     _, ids = torch.topk(probs, top_k, dim=-1)
     # per (choice j, expert e): the (masked) tokens whose j-th choice is e, by one scatter-add
     # (F.one_hot checks its input's range on the host, and its (LN, k, E) product is larger)
     LN = probs.shape[0]
-    if token_mask_N is None:
-        m = torch.ones(LN, device=probs.device)
-    else:
-        m = token_mask_N.reshape(-1).float().repeat(len(router_logits))
+    m = torch.ones(LN, device=probs.device) if m_LN is None else m_LN
     frac_sum_kE = probs.new_zeros(top_k, num_experts).scatter_add_(
         1, ids.t(), m[None].expand(top_k, LN)
     )
-    if token_mask_N is None and sum_over_ranks is None:
+    if m_LN is None and sum_over_ranks is None:
         frac_kE = frac_sum_kE / LN
         prob_E = probs.mean(dim=0)
     else:
@@ -694,14 +727,19 @@ def router_z_loss(
 ) -> torch.Tensor:
     """ST-MoE router z-loss: mean over tokens (and MoE layers) of logsumexp(logits)^2.
     Unweighted. `sum_over_ranks`: as in `load_balancing_loss` (the whole batch's mean)."""
-    logits = torch.cat([g.float() for g in router_logits], dim=0)
-    z2 = torch.logsumexp(logits, dim=-1).pow(2)
-    if token_mask_N is None and sum_over_ranks is None:
+    logits_LNE, m_LN = _concat(router_logits, token_mask_N)
+    return _z_loss(logits_LNE, m_LN, sum_over_ranks)
+
+
+def _z_loss(
+    logits_LNE: torch.Tensor,
+    m_LN: torch.Tensor | None,
+    sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None,
+) -> torch.Tensor:
+    z2 = torch.logsumexp(logits_LNE, dim=-1).pow(2)
+    if m_LN is None and sum_over_ranks is None:
         return z2.mean()
-    if token_mask_N is None:
-        m = torch.ones_like(z2)
-    else:
-        m = token_mask_N.reshape(-1).float().repeat(len(router_logits))
+    m = torch.ones_like(z2) if m_LN is None else m_LN
     total, count = (z2 * m).sum(), m.sum()
     if sum_over_ranks is not None:
         total, count = _sum_all(sum_over_ranks, total, count)

@@ -26,7 +26,7 @@ from slipstream.model.layers import (
     rope_cos_sin,
 )
 from slipstream.model.mixers import Mixer, build_mixer, run_mixer
-from slipstream.model.moe_block import Experts, SparseMoeBlock, load_balancing_loss, router_z_loss
+from slipstream.model.moe_block import Experts, SparseMoeBlock, router_losses
 
 
 @dataclass
@@ -312,10 +312,9 @@ class MoEForCausalLM(nn.Module):
         mask_N = None if token_mask_BT is None else token_mask_BT.reshape(-1)
         if packing is not None and mask_N is not None:
             mask_N = packing.pack(mask_N)  # the router logits are the M real tokens'
-        lb = load_balancing_loss(router_logits, cfg.num_experts, cfg.num_experts_per_tok, mask_N,
-                                 self.router_stats_sum)  # fmt: skip
+        lb, z = router_losses(router_logits, cfg.num_experts, cfg.num_experts_per_tok, mask_N,
+                              self.router_stats_sum)  # fmt: skip
         aux = cfg.router_aux_loss_coef * lb
-        z = router_z_loss(router_logits, mask_N, self.router_stats_sum)
         if cfg.router_z_loss_coef > 0:
             aux = aux + cfg.router_z_loss_coef * z
         if packing is not None:  # one scatter for all layers (M, L, E) -> (N, L, E)
