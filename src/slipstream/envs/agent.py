@@ -38,15 +38,17 @@ loop, every sample of an episode getting its episode's; without functions, the t
 verifier). Per-sample functions also get the keyword arguments `messages` (the final
 conversation: the last chat call's messages plus its reply; None when the last call was a
 /v1/completions call) and `agent_output` (None when there is none), handed over on a copy of
-the task under `REWARD_INPUTS_KEY` (envs/agent_trajectory.py) and passed like columns; group
-functions get neither.
+the task under `REWARD_INPUTS_KEY` (envs/agent_trajectory.py) and passed like columns; each
+Episode keeps them (`reward_inputs`) for group functions, which get them as lists, one entry
+per episode (envs/episode.py).
 
 With `agent.sandbox` the same `/bin/sh -c` runs inside bwrap with no network
 (envs/agent_launch.py `SandboxLauncher`): the run's endpoint is a Unix socket serving its
 session alone (`EpisodeSession.serve_unix`), reached inside at `SANDBOX_BASE_URL` through a
-forwarder, and its work directory is seen at `SANDBOX_WORKDIR`.
-
-Not covered: `messages` / `agent_output` for group reward functions.
+forwarder, and its work directory is seen at `SANDBOX_WORKDIR`. With `agent.sandbox_cgroup`
+(the default) it also runs in a cgroup of its own (memory, pids, CPU); after the run the
+launcher's `finish` reports what that cgroup saw and removes it, and a run that an OOM kill
+ended is an "oom" failure (`Confinement`, envs/agent_launch.py).
 """
 
 from __future__ import annotations

@@ -377,9 +377,7 @@ class SandboxLauncher:
             try:
                 self._cgroups = CgroupManager.detect(CGROUP_ROOT)
             except OSError as e:
-                raise ValueError(f"agent.sandbox_cgroup = true needs writable cgroups ({_why(e)}); run "
-                                 "the job as root, or set agent.sandbox_cgroup = false to run "
-                                 "sandboxed agents with ulimits only") from None  # fmt: skip
+                raise ValueError(_no_cgroups(e)) from None
         self._cgroup_limits = CgroupLimits(memory_bytes=cfg.sandbox_memory_mib << 20,
                                            pids_max=cfg.sandbox_pids_max, vcpus=cfg.sandbox_vcpus)  # fmt: skip
         # agent-<worker pid>-<n>: unique on the host while this worker runs
@@ -469,9 +467,7 @@ class SandboxLauncher:
         try:
             cgroup = self._cgroup()
         except OSError as e:
-            raise ValueError(f"agent.sandbox_cgroup: cannot make a cgroup with agent."
-                             f"sandbox_memory_mib / sandbox_pids_max / sandbox_vcpus: {_why(e)}"
-                             ) from None  # fmt: skip
+            raise ValueError(_no_cgroups(e)) from None
         with tempfile.TemporaryDirectory(prefix="probe-", dir=self._dir) as d:
             for sub in ("work", "endpoint"):
                 os.mkdir(os.path.join(d, sub))
@@ -552,6 +548,12 @@ class SandboxLauncher:
             except OSError as e:
                 log.error("an agent run's cgroup was not removed: %s", e)
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _no_cgroups(e: OSError) -> str:
+    """The one-line error of a runtime whose runs' cgroups cannot be made here."""
+    return (f"agent.sandbox_cgroup = true needs writable cgroups ({_why(e)}); run the job as "
+            "root, or set agent.sandbox_cgroup = false to run sandboxed agents with ulimits only")  # fmt: skip
 
 
 def _why(e: OSError) -> str:
