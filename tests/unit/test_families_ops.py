@@ -104,11 +104,12 @@ def test_decode_step_ops_and_syncs(model_type):
 
 def _cold_constant_caches() -> None:
     """Empty the process-wide caches of config constants (RoPE frequencies, window masks, the
-    clamped SwiGLU's bounds, the experts' arange and zero tables) so a count is that of a first
-    step whatever ran before it in this process (deterministic; later steps reuse them, a few to
-    ~30 ops fewer)."""
+    clamped SwiGLU's bounds, the experts' arange and zero tables, the sinks' values) so a count
+    is that of a first step whatever ran before it in this process (deterministic; later steps
+    reuse them, a few to ~30 ops fewer)."""
     rope._INV_FREQ.clear()
     attention_variants._MASKS.clear()
+    attention_variants._SINK_VALUES.clear()
     expert_activation._BOUNDS.clear()
     moe_block._ARANGE.clear()
     moe_block._ZEROS.clear()

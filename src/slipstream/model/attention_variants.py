@@ -23,8 +23,10 @@ import torch.nn.functional as F
 
 from slipstream.model.attention import sdpa
 
-_MASKS: dict[tuple, torch.Tensor] = {}
-"""`variant_attend`'s additive (1, 1, T, T) masks by (T, window, device, dtype): every layer of
+_MASKS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+"""`variant_attend`'s additive (1, 1, T, T) masks (with sinks (1, 1, T, 1 + T): the sink key's
+column first, 0) and, with sinks, the (1, 1, 1, 1 + T) one-hot of that column, by (T, window,
+sinks, device, dtype): every layer of
 a forward (and later forwards of the same length) reuses one instead of ~10 ops per layer
 (training is per-op overhead bound on a GPU). A few entries at most (cleared past
 `_MAX_MASKS`)."""
@@ -114,6 +116,53 @@ def sink_sdpa(
     return _SinkGradient.apply(y, sinks_H, py)
 
 
+def _sink_values(like_BKSD: torch.Tensor) -> torch.Tensor:
+    """Values one at the sink key and zero at the real keys, in the shape of `like_BKSD`: the
+    attention of these is the sink's probability (in every head dim). One entry, the current
+    forward's shape (its layers share it), made outside inference mode and autograd."""
+    key = (like_BKSD.shape, like_BKSD.dtype, like_BKSD.device)
+    values = _SINK_VALUES.get(key)
+    if values is None:
+        _SINK_VALUES.clear()
+        with torch.inference_mode(False), torch.no_grad():
+            values = torch.zeros(like_BKSD.shape, dtype=like_BKSD.dtype, device=like_BKSD.device)
+            values[:, :, 0] = 1
+        _SINK_VALUES[key] = values
+    return values
+
+
+_SINK_VALUES: dict[tuple, torch.Tensor] = {}
+"""`_sink_values`' one tensor by (shape, dtype, device)."""
+
+
+def _sink_attend(
+    q_BHTD: torch.Tensor,
+    k_BKTD: torch.Tensor,
+    v_BKTD: torch.Tensor,
+    mask_11TS1: torch.Tensor,
+    first_11S1: torch.Tensor,
+    sinks_H: torch.Tensor,
+) -> torch.Tensor:
+    """`sink_sdpa` over `variant_attend`'s cached mask, which has the sink column already (0
+    there), with fewer ops: the sinks enter column 0 by one addcmul with the cached one-hot
+    `first_11S1` (m + s * onehot: s in column 0, m + 0 = m elsewhere, exact), made without
+    autograd (no detach op; the sinks' gradient comes from `_SinkGradient` as in `sink_sdpa`),
+    and the sink's probability is the attention of the cached `_sink_values` (one at the sink
+    key), not 1 - that of ones at the real keys."""
+    H = sinks_H.shape[0]
+    k_BKSD, v_BKSD = zero_key_first(k_BKTD), zero_key_first(v_BKTD)
+    with torch.no_grad():
+        sink_1H11 = sinks_H.to(mask_11TS1.dtype).view(1, H, 1, 1)
+        mask_1HTS = torch.addcmul(mask_11TS1, sink_1H11, first_11S1)
+    y = sdpa(q_BHTD, k_BKSD, v_BKSD, mask_TS=mask_1HTS)
+    if not (torch.is_grad_enabled() and sinks_H.requires_grad):
+        return y
+    with torch.no_grad():
+        p_sink = sdpa(q_BHTD, k_BKSD, _sink_values(v_BKSD), mask_TS=mask_1HTS)[..., :1]
+        py = p_sink * y
+    return _SinkGradient.apply(y, sinks_H, py)
+
+
 def variant_attend(
     q_BHTD: torch.Tensor,
     k_BKTD: torch.Tensor,
@@ -127,14 +176,24 @@ def variant_attend(
     T = q_BHTD.shape[2]
     if window is None and sinks_H is None:
         return sdpa(q_BHTD, k_BKTD, v_BKTD, is_causal=T > 1)
-    key = (T, window, q_BHTD.device, q_BHTD.dtype)
-    mask_11TS = _MASKS.get(key)
-    if mask_11TS is None:
+    sinks = sinks_H is not None
+    key = (T, window, sinks, q_BHTD.device, q_BHTD.dtype)
+    cached = _MASKS.get(key)
+    if cached is None:
         # made outside inference mode: a training forward may save it for backward
         with torch.inference_mode(False), torch.no_grad():
             pos_T = torch.arange(T, device=q_BHTD.device)
-            mask_11TS = additive(allowed_TS(pos_T, pos_T, window), q_BHTD.dtype)[None, None]
+            allowed = allowed_TS(pos_T, pos_T, window)
+            first = allowed.new_zeros(0)
+            if sinks:  # the sink key's column first, visible from every query
+                allowed = F.pad(allowed, (1, 0), value=True)
+                first = torch.zeros(T + 1, dtype=q_BHTD.dtype, device=q_BHTD.device)
+                first[0] = 1
+            cached = (additive(allowed, q_BHTD.dtype)[None, None], first[None, None, None])
         if len(_MASKS) >= _MAX_MASKS:
             _MASKS.clear()
-        _MASKS[key] = mask_11TS
-    return sink_sdpa(q_BHTD, k_BKTD, v_BKTD, mask_11TS, sinks_H)
+        _MASKS[key] = cached
+    mask_11TS, first_11S1 = cached
+    if sinks_H is None:
+        return sdpa(q_BHTD, k_BKTD, v_BKTD, mask_TS=mask_11TS)
+    return _sink_attend(q_BHTD, k_BKTD, v_BKTD, mask_11TS, first_11S1, sinks_H)
