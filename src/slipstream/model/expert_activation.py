@@ -75,9 +75,11 @@ class ClampedSwiGLU:
         g, up_c = h_c.chunk(2, dim=-1)
         sig = torch.sigmoid(g * self.alpha)
         glu = g * sig
-        # d glu / d g = sig + alpha * g * sig * (1 - sig)
-        d_glu = sig + self.alpha * glu * (1 - sig)
-        g_h = torch.cat((g_AI * (up_c + 1) * d_glu, g_AI * glu), dim=-1)
+        # d glu / d g = sig + alpha * g * sig * (1 - sig) (one addcmul), and
+        # d act / d g = g_act * (up + 1) * d glu = t + up * t, t = g_act * d glu (one addcmul)
+        d_glu = torch.addcmul(sig, glu, 1 - sig, value=self.alpha)
+        t = g_AI * d_glu
+        g_h = torch.cat((torch.addcmul(t, up_c, t), g_AI * glu), dim=-1)
         return g_h.mul_(h_c == h_A2I), torch.addcmul(glu, up_c, glu)
 
 
