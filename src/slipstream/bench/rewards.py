@@ -7,7 +7,8 @@ the EpisodeRunner hands each finished completion to the worker's Verifier on a t
 starts. The reward is `[[reward.functions]]` with a `python` function that takes --reward-s
 seconds per call (time.sleep: a remote judge or a test run), per sample, in --workers reward
 processes (slipstream/rewards). Three ways in one run, each timed as the steady-state seconds per
-step (per --groups-per-step finished groups, after one warm-up step):
+step (per --groups-per-step finished groups, after one warm-up step); generation alone and both
+alternate for --rounds rounds and each figure is the median of its rounds:
 
 - generation alone (the task's verifier only): T_gen;
 - the reward alone (the same calls, --groups-per-step x --group-size per step, on the same
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -48,12 +50,26 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     add_config_args(p)
     p.add_argument("--reward-s", type=float, default=1.0, help="seconds per reward call")
-    p.add_argument("--workers", type=int, default=32, help="reward processes (reward.workers)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=64,
+        help="reward processes (reward.workers); 64 makes the reward alone 1 s/step, "
+        "under generation's: a generation-bound step",
+    )
     p.add_argument("--groups-per-step", type=int, default=8, help="groups per training step")
     p.add_argument("--group-size", type=int, default=8, help="samples per group")
     p.add_argument("--inflight", type=int, default=16, help="groups in flight (max_inflight_tasks)")
     p.add_argument("--max-new-tokens", type=int, default=192, help="tokens per completion")
-    p.add_argument("--steps", type=int, default=4, help="timed steps (after one warm-up step)")
+    p.add_argument(
+        "--steps", type=int, default=4, help="timed steps per round (after one warm-up step)"
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds of generation alone and both, alternated; the medians are the figures",
+    )
     p.add_argument("--out", default="benchmarks/results/rewards.json", help="JSON output path")
     p.set_defaults(func=run)
 
@@ -143,19 +159,26 @@ def run(args: argparse.Namespace) -> int:
     limits = EpisodeLimits(max_turn_tokens=args.max_new_tokens)
     executor = ThreadPoolExecutor(max(32, args.workers * 2), thread_name_prefix="verify")
     try:
-        ways: dict[str, dict[str, Any]] = {}
-        for way, v in (("generation", verifier), ("both", reward_set)):
-            runner = EpisodeRunner(engine, make_env_factory(taskset, scorer=v.verify, limits=limits),
-                                   tok, limits, executor, context_tokens=seq,
-                                   group_scorer=v.score_group)  # fmt: skip
-            ways[way] = _stream(runner, taskset, args)
-            runner.close()
+        # The two ways alternate, --rounds times each, and each figure is the median of its
+        # rounds: on a shared host the load drifts over a minute, and timing one way after the
+        # other put that drift into the overhead (runs of -38% and +66% at load 23-27).
+        rounds: dict[str, list[float]] = {"generation": [], "both": []}
+        statuses: set[str] = set()
+        for _ in range(args.rounds):
+            for way, v in (("generation", verifier), ("both", reward_set)):
+                runner = EpisodeRunner(engine, make_env_factory(taskset, scorer=v.verify,
+                                       limits=limits), tok, limits, executor, context_tokens=seq,
+                                       group_scorer=v.score_group)  # fmt: skip
+                out = _stream(runner, taskset, args)
+                runner.close()
+                rounds[way].append(out["s_per_step"])
+                statuses.update(out["statuses"])
         t_reward = _reward_alone(reward_set, taskset, args)
     finally:
         reward_set.close()
         executor.shutdown()
         engine.close()
-    t_gen, t_both = ways["generation"]["s_per_step"], ways["both"]["s_per_step"]
+    t_gen, t_both = statistics.median(rounds["generation"]), statistics.median(rounds["both"])
     serial = t_gen + t_reward
     overhead = t_both / t_gen - 1
     load = os.getloadavg()
@@ -169,8 +192,10 @@ def run(args: argparse.Namespace) -> int:
         "reward_alone_s_per_step": t_reward, "overhead_vs_generation": overhead,
         "generation_bound": t_reward <= t_gen, "samples_per_step": samples,
         "reward_s": args.reward_s, "workers": args.workers, "inflight_groups": args.inflight,
-        "max_new_tokens": args.max_new_tokens, "steps": args.steps,
-        "statuses": sorted(set(ways["generation"]["statuses"] + ways["both"]["statuses"])),
+        "max_new_tokens": args.max_new_tokens, "steps": args.steps, "rounds": args.rounds,
+        "generation_s_per_step_rounds": rounds["generation"],
+        "both_s_per_step_rounds": rounds["both"],
+        "statuses": sorted(statuses),
         "params": sum(p.numel() for p in model.parameters()),
         "provenance": collect_provenance({"loadavg_1_5_15": load}),
     }  # fmt: skip
