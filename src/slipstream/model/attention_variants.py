@@ -142,15 +142,18 @@ def _sink_attend(
     mask_11TS1: torch.Tensor,
     first_11S1: torch.Tensor,
     sinks_H: torch.Tensor,
+    sink_key_first: bool = False,
 ) -> torch.Tensor:
     """`sink_sdpa` over `variant_attend`'s cached mask, which has the sink column already (0
-    there), with fewer ops: the sinks enter column 0 by one addcmul with the cached one-hot
+    there; `sink_key_first`: k and v hold the zero key already), with fewer ops: the sinks enter column 0 by one addcmul with the cached one-hot
     `first_11S1` (m + s * onehot: s in column 0, m + 0 = m elsewhere, exact), made without
     autograd (no detach op; the sinks' gradient comes from `_SinkGradient` as in `sink_sdpa`),
     and the sink's probability is the attention of the cached `_sink_values` (one at the sink
     key), not 1 - that of ones at the real keys."""
     H = sinks_H.shape[0]
-    k_BKSD, v_BKSD = zero_key_first(k_BKTD), zero_key_first(v_BKTD)
+    k_BKSD, v_BKSD = k_BKTD, v_BKTD
+    if not sink_key_first:
+        k_BKSD, v_BKSD = zero_key_first(k_BKTD), zero_key_first(v_BKTD)
     with torch.no_grad():
         sink_1H11 = sinks_H.to(mask_11TS1.dtype).view(1, H, 1, 1)
         mask_1HTS = torch.addcmul(mask_11TS1, sink_1H11, first_11S1)
@@ -169,25 +172,33 @@ def variant_attend(
     v_BKTD: torch.Tensor,
     window: int | None,
     sinks_H: torch.Tensor | None,
+    sink_key_first: bool = False,
 ) -> torch.Tensor:
     """Causal self-attention over the given tokens only (the no-cache path, as
     `causal_attend`), within `window` and with `sinks_H` when given; plain causal SDPA when
-    neither is."""
+    neither is. `sink_key_first` (with sinks): position 0 of q, k and v is the sink's zero key
+    (and a zero query, which sees the sink key only; its output is to be dropped), the tokens
+    follow: (B, H, 1 + T, D) in and out."""
     T = q_BHTD.shape[2]
     if window is None and sinks_H is None:
         return sdpa(q_BHTD, k_BKTD, v_BKTD, is_causal=T > 1)
     sinks = sinks_H is not None
-    key = (T, window, sinks, q_BHTD.device, q_BHTD.dtype)
+    first_key = sinks and sink_key_first
+    key = (T, window, sinks, first_key, q_BHTD.device, q_BHTD.dtype)
     cached = _MASKS.get(key)
     if cached is None:
         # made outside inference mode: a training forward may save it for backward
         with torch.inference_mode(False), torch.no_grad():
-            pos_T = torch.arange(T, device=q_BHTD.device)
+            n = T - first_key  # the tokens
+            pos_T = torch.arange(n, device=q_BHTD.device)
             allowed = allowed_TS(pos_T, pos_T, window)
             first = allowed.new_zeros(0)
             if sinks:  # the sink key's column first, visible from every query
                 allowed = F.pad(allowed, (1, 0), value=True)
-                first = torch.zeros(T + 1, dtype=q_BHTD.dtype, device=q_BHTD.device)
+                if first_key:  # the zero query first: it sees the sink key only
+                    allowed = F.pad(allowed, (0, 0, 1, 0), value=False)
+                    allowed[0, 0] = True
+                first = torch.zeros(n + 1, dtype=q_BHTD.dtype, device=q_BHTD.device)
                 first[0] = 1
             cached = (additive(allowed, q_BHTD.dtype)[None, None], first[None, None, None])
         if len(_MASKS) >= _MAX_MASKS:
@@ -196,4 +207,4 @@ def variant_attend(
     mask_11TS, first_11S1 = cached
     if sinks_H is None:
         return sdpa(q_BHTD, k_BKTD, v_BKTD, mask_TS=mask_11TS)
-    return _sink_attend(q_BHTD, k_BKTD, v_BKTD, mask_11TS, first_11S1, sinks_H)
+    return _sink_attend(q_BHTD, k_BKTD, v_BKTD, mask_11TS, first_11S1, sinks_H, first_key)

@@ -239,8 +239,8 @@ class Packing:
     num_tokens: int
     """T, the padded length."""
     _zeros: dict[tuple, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
-    """`unpack`'s zero tables by (row shape, dtype, device): made by the forward's first layer,
-    shared by the others (read only), gone with the forward's Packing."""
+    """`unpack`'s zero tables by (lead, row shape, dtype, device) and `_rows`' indices: made by
+    the forward's first layer, shared by the others (read only), gone with the Packing."""
 
     @classmethod
     def from_mask(cls, real_BT: torch.Tensor, num_real: int | None = None) -> Packing:
@@ -261,19 +261,33 @@ class Packing:
             )
         return cls(real_BT.reshape(-1).nonzero().squeeze(1), B, T)
 
-    def pack(self, x_N_: torch.Tensor) -> torch.Tensor:
-        """(B*T, ...) -> (M, ...): the real rows."""
-        return x_N_.index_select(0, self.rows_M)
+    def _rows(self, lead: int) -> torch.Tensor:
+        """The real rows' indices in the (B, lead + T) layout (`lead` = 0: rows_M), made once
+        per Packing: row b * T + t goes to b * (lead + T) + lead + t."""
+        if not lead:
+            return self.rows_M
+        key = ("rows", lead)
+        rows = self._zeros.get(key)
+        if rows is None:
+            rows = self._zeros[key] = self.rows_M + (self.rows_M // self.num_tokens + 1) * lead
+        return rows
 
-    def unpack(self, x_M_: torch.Tensor) -> torch.Tensor:
-        """(M, ...) -> (B*T, ...): the real rows in place, zeros at the padding."""
-        key = (x_M_.shape[1:], x_M_.dtype, x_M_.device)
+    def pack(self, x_N_: torch.Tensor, lead: int = 0) -> torch.Tensor:
+        """(B*T, ...) -> (M, ...): the real rows; `lead`: from the (B, lead + T) layout
+        (`unpack`'s)."""
+        return x_N_.index_select(0, self._rows(lead))
+
+    def unpack(self, x_M_: torch.Tensor, lead: int = 0) -> torch.Tensor:
+        """(M, ...) -> (B*T, ...): the real rows in place, zeros at the padding; with `lead`,
+        (B*(lead + T), ...): `lead` zero positions before each row's first (attention sinks'
+        zero key)."""
+        key = (lead, x_M_.shape[1:], x_M_.dtype, x_M_.device)
         zeros_N_ = self._zeros.get(key)
         if zeros_N_ is None:
-            N = self.batch_size * self.num_tokens
+            N = self.batch_size * (lead + self.num_tokens)
             zeros_N_ = self._zeros[key] = x_M_.new_zeros((N, *x_M_.shape[1:]))
         # out of place onto the shared zeros: one op per call (new_zeros + index_copy: two)
-        return zeros_N_.index_copy(0, self.rows_M, x_M_)
+        return zeros_N_.index_copy(0, self._rows(lead), x_M_)
 
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -604,10 +618,13 @@ class Attention(nn.Module):
         rot, keep = (qk, None) if rd == Dh else qk.split((rd, Dh - rd), dim=-1)
         rot = _rope_packed(rot, *cos_sin) if packing is not None else _rope_BTND(rot, cos_sin)
         qk = rot if keep is None else torch.cat((rot, keep), dim=-1)
+        # with sinks, packed: one zero position before each row (`lead`), the sink's zero key
+        # (and a query whose output is dropped), instead of padding k and v in every layer
+        lead = int(packing is not None and self.sinks is not None)
         if packing is not None:  # one scatter to the (B, T) layout, attention, one gather
             qkv = torch.cat((qk, v.to(qk.dtype)), dim=-2)
-            B, T = packing.batch_size, packing.num_tokens
-            qkv = packing.unpack(qkv).view(B, T, H + 2 * K, Dh)
+            B, T = packing.batch_size, packing.num_tokens + lead
+            qkv = packing.unpack(qkv, lead).view(B, T, H + 2 * K, Dh)
             # one transpose, then the split (as `_forward_packed`)
             q_BHTD, k_BKTD, v_BKTD = qkv.transpose(1, 2).split((H, K, K), dim=1)
         elif one:  # already (B, heads, 1, Dh)
@@ -619,12 +636,13 @@ class Attention(nn.Module):
             q_BHTD, k_BKTD = qk.transpose(1, 2).split((H, K), dim=1)
             v_BKTD = v.transpose(1, 2)
         if cache is None:
-            out_BHTD = variant_attend(q_BHTD, k_BKTD, v_BKTD, self.sliding_window, self.sinks)
+            out_BHTD = variant_attend(q_BHTD, k_BKTD, v_BKTD, self.sliding_window, self.sinks,
+                                      sink_key_first=bool(lead))  # fmt: skip
         else:
             out_BHTD = cache.attend(self.layer_idx, q_BHTD, k_BKTD, v_BKTD,
                                     window=self.sliding_window, sinks_H=self.sinks)  # fmt: skip
         if packing is not None:  # `linear`: fewer autograd ops than nn.Linear's
-            out_MD = packing.pack(out_BHTD.transpose(1, 2).reshape(B * T, H * Dh))
+            out_MD = packing.pack(out_BHTD.transpose(1, 2).reshape(B * T, H * Dh), lead)
             o_bias = None if self.o_proj.bias is None else (self.o_proj.bias,)
             return linear(out_MD, self.o_proj.weight, biases=o_bias)
         if T == 1:  # (B, H, 1, Dh) holds its elements in (B, 1, H, Dh) order: no transpose op
