@@ -69,19 +69,21 @@ def tasks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 def run(replies: list[str], row: dict[str, Any], rewards: RewardSet, env: str) -> Any:
     """One agent episode of `row` in verifiers env `env`; the engine answers call k with
     replies[k] + EOS."""
-    args = "--taskset vf_arith" if env == "" else f"--taskset vf_retry --env {env}"
+    args = {"": "--taskset vf_arith", "vf_calc": "--taskset vf_calc"}.get(
+        env, f"--taskset vf_retry --env {env}"
+    )
     cfg = AgentConfig(command=f"{{python}} -m slipstream.envs.verifiers_env run {args} "
                               f"--path {EXAMPLES} --uv-cache {UV_CACHE}",
                       memory_mib=8192, max_output_bytes=1 << 30, timeout_s=120,
                       env=TLS_ENV)  # fmt: skip
     engine = ScriptedEngine([TOK.encode(r) + [TOK.eos_id] for r in replies])
-    rt = AgentRuntime(engine, _TaskSet(), cfg, EpisodeLimits(max_turns=4, max_turn_tokens=8),  # type: ignore[arg-type]
+    rt = AgentRuntime(engine, _TaskSet(), cfg, EpisodeLimits(max_turns=4, max_turn_tokens=128),  # type: ignore[arg-type]
                       scorer=rewards.verify)  # fmt: skip
     cols = {k: v for k, v in row.items() if k != "prompt"}
     task = Task("dataset/train/0", row["prompt"], row["prompt"],
                 {"prompt": row["prompt"], "answer": row["answer"], "columns": cols})  # fmt: skip
     try:
-        session = rt.endpoint.open(max_calls=4, max_sampled_tokens=64)
+        session = rt.endpoint.open(max_calls=4, max_sampled_tokens=256)
         result = rt.run_agent(task, session, lambda: False)
         assert result.exit_code == 0, result.stderr[-3000:]
         return result, rt.episodes(task, result, session), engine
@@ -143,6 +145,42 @@ def test_first_try_bonus_counts(tasks: list[dict[str, Any]], rewards: RewardSet)
     result, (ep,), _ = run([row["answer"]], row, rewards, env="vf_retry")
     assert result.output["turns"] == 1
     assert ep.reward == pytest.approx(0.8 + 0.2 + 0.5)
+
+
+@pytest.mark.slow
+@needs_verifiers
+def test_tool_env_runs_the_models_tool_call(
+    tasks: list[dict[str, Any]], rewards: RewardSet
+) -> None:
+    """vf_calc: the model's Hermes tool call reaches verifiers' MCP tool server; its result is
+    the next call's observation. The char template renders no tool calls, so the second call's
+    prompt does not extend the first call's sequence: two samples, each token-exact, one reward."""
+    row = tasks[0]  # vf_calc's tasks are vf_arith's (and vf_retry's): same idx, same prompt
+    a, b = (int(x) for x in row["prompt"].rstrip("=").split("*"))
+    call = json.dumps({"name": "calc_toolset_multiply", "arguments": {"a": a, "b": b}})
+    calc_row = {**row, "vf_key": _key("vf_calc", row["vf_idx"])}
+    result, eps, engine = run([f"<tool_call>{call}</tool_call>", row["answer"]], calc_row,
+                              rewards, env="vf_calc")  # fmt: skip
+    assert result.output["turns"] == 2 and result.output["rewards"]["used_tool"]["score"] == 1.0
+    first, second = eps
+    assert first.completion_ids == TOK.encode(f"<tool_call>{call}</tool_call>") + [TOK.eos_id]
+    # the tool's output ("198"), rendered after the assistant turn the template left empty
+    assert second.prompt_ids == first.prompt_ids + [TOK.eos_id] + TOK.encode(row["answer"])
+    assert second.completion_ids == TOK.encode(row["answer"]) + [TOK.eos_id]
+    assert [r.prompt_ids for r in engine.requests] == [first.prompt_ids, second.prompt_ids]
+    assert first.reward == second.reward == pytest.approx(0.8 + 0.2 + 0.1)
+
+
+def _key(taskset: str, idx: int) -> str:
+    from slipstream.envs.verifiers_env import env_config, task_at
+
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import verifiers.v1 as vf
+
+        return task_at(vf.load_environment(env_config(taskset)), idx).key
+    finally:
+        sys.path.remove(str(EXAMPLES))
 
 
 def test_example_config_loads() -> None:

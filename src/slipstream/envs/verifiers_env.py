@@ -27,6 +27,10 @@ has one), `vf_idx`, `vf_key` and `vf_data` (the task's wire data).
 episode's: `{name = "verifiers", kind = "python", function =
 "slipstream.envs.verifiers_env:episode_reward", batched = false}`.
 
+Tools (`vf.Toolset`, MCP) work: verifiers starts each tool server as `python -m MODULE` in its
+subprocess runtime (so `--path` is exported as PYTHONPATH too); the endpoint parses the model's
+Hermes `<tool_call>` blocks into `tool_calls`.
+
 Not covered: harnesses that need a container runtime (every one but `null` and `bash`: they
 need docker/podman/prime), `SandboxEnv`-style tasksets (`NEEDS_CONTAINER`), verifiers' own
 trainer client (`TrainClientConfig`) and env server. The runtime is verifiers'
@@ -160,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.choices["export"].add_argument("--out", required=True)
     sub.choices["export"].add_argument("--limit", type=int, default=None)
     a = p.parse_args(argv)
-    sys.path[:0] = [str(Path(x).resolve()) for x in a.path]
+    paths = [str(Path(x).resolve()) for x in a.path]
+    sys.path[:0] = paths
+    # verifiers starts tool servers as `python -m MODULE` (vf.Toolset): they import from here too
+    os.environ["PYTHONPATH"] = ":".join([*paths, *filter(None, [os.environ.get("PYTHONPATH")])])
     env = _vf().load_environment(env_config(a.taskset, a.env, a.harness))
     if a.cmd == "export":
         rows = export_rows(env, a.limit)
