@@ -629,7 +629,12 @@ class SparseMoeBlock(nn.Module):
         logits_NE, w_Nk, ids_Nk = self.route(x_ND, replay_ids_Nk)
         if self.routing_sink is not None:
             self.routing_sink(ids_Nk)
-        out_ND = self.experts(x_ND, ids_Nk, w_Nk, impl=self.impl, keepdim=x_N1D is not None)
+        if x_N1D is not None and isinstance(self.experts, Experts):
+            out_ND = self.experts(x_ND, ids_Nk, w_Nk, impl=self.impl, keepdim=True)
+        else:  # an expert-parallel layer (moe/layer.py) takes no keepdim
+            out_ND = self.experts(x_ND, ids_Nk, w_Nk, impl=self.impl)
+            if x_N1D is not None:
+                out_ND = out_ND.view_as(x_N1D)
         if out_ND.dtype != x_ND.dtype:
             out_ND = out_ND.to(x_ND.dtype)
         x_sh = x_ND if x_N1D is None else x_N1D  # the shared expert's input, out's shape
