@@ -160,12 +160,13 @@ class SigmoidGroupTopK:
             if self.n_group > 1:
                 N, E = scores_NE.shape
                 grouped_NGe = scores_NE.view(N, self.n_group, E // self.n_group)
-                group_NG = grouped_NGe.topk(2, dim=-1).values.sum(-1)
-                best_Ng = group_NG.topk(self.topk_group, dim=-1, sorted=False).indices
-                # the groups left out, marked directly (one op fewer than keep + its negation;
-                # decode is per-op overhead bound)
-                drop_NG = torch.ones_like(group_NG, dtype=torch.bool).scatter_(1, best_Ng, False)
-                scores_NE = grouped_NGe.masked_fill(drop_NG[:, :, None], float("-inf")).view(N, E)
+                # (N, G, 1) throughout: the drop mask comes in the shape masked_fill broadcasts
+                # (no unsqueeze op; decode is per-op overhead bound)
+                group_NG1 = grouped_NGe.topk(2, dim=-1).values.sum(-1, keepdim=True)
+                best_Ng1 = group_NG1.topk(self.topk_group, dim=1, sorted=False).indices
+                # the groups left out, marked directly (one op fewer than keep + its negation)
+                drop_NG1 = torch.ones_like(group_NG1, dtype=torch.bool).scatter_(1, best_Ng1, False)
+                scores_NE = grouped_NGe.masked_fill(drop_NG1, float("-inf")).view(N, E)
             return torch.topk(scores_NE, self.top_k, dim=-1, sorted=False).indices
 
     def weights(self, logits_NE: torch.Tensor, ids_Nk: torch.Tensor) -> torch.Tensor:
