@@ -172,42 +172,45 @@ def _per_call(args: argparse.Namespace, engine: Any, ts: Any) -> dict[str, Any]:
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
 
+def _stat(path: Path) -> list[str]:
+    """/proc/PID/stat's fields after the command name: [0] state, [1] ppid, [2] pgrp,
+    [11:15] utime stime cutime cstime (ticks)."""
+    return path.read_text().rsplit(") ", 1)[1].split()
+
+
+def _processes() -> dict[int, tuple[int, int, int]]:
+    """Every live process: pid -> (ppid, pgrp, CPU ticks: its own and its reaped children's)."""
+    out = {}
+    for path in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            f = _stat(path)
+        except (OSError, IndexError):  # it exited while listed
+            continue
+        out[int(path.parent.name)] = (int(f[1]), int(f[2]), sum(int(x) for x in f[11:15]))
+    return out
+
+
 def _group_cpu_s(pgid: int) -> float:
     """User + system CPU of the processes in group `pgid` (theirs and their reaped children's),
     from /proc."""
-    total = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            f = stat.read_text().rsplit(") ", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(f[2]) == pgid:  # fields 5 (pgrp), 14-17 (utime stime cutime cstime)
-            total += sum(int(x) for x in f[11:15])
-    return total * _TICK_S
+    return sum(t for _, g, t in _processes().values() if g == pgid) * _TICK_S
 
 
 def _tree_cpu_s(pid: int) -> float:
     """User + system CPU of `pid` and its descendants (theirs and their reaped children's)."""
-    stats: dict[int, tuple[int, int]] = {}  # pid -> (parent, ticks)
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            f = stat.read_text().rsplit(") ", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        stats[int(stat.parent.name)] = (int(f[1]), sum(int(x) for x in f[11:15]))
+    procs = _processes()
     total = 0
-    for p, (_, ticks) in stats.items():
+    for p, (_, _, ticks) in procs.items():
         q = p
-        while q in stats and q != pid:
-            q = stats[q][0]
+        while q in procs and q != pid:
+            q = procs[q][0]
         if q == pid:
             total += ticks
     return total * _TICK_S
 
 
 def _own_cpu_s(pid: int) -> float:
-    f = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
-    return sum(int(x) for x in f[11:15]) * _TICK_S
+    return sum(int(x) for x in _stat(Path(f"/proc/{pid}/stat"))[11:15]) * _TICK_S
 
 
 class _FirstCall:

@@ -530,7 +530,7 @@ class SandboxLauncher:
             return Confinement()
         try:
             return Confinement(oom_kills=cgroup.oom_kills(),
-                               pids_max_hits=_pids_max_hits(cgroup),
+                               pids_max_hits=cgroup.pids_max_hits(),
                                peak_memory_bytes=cgroup.peak_memory_bytes())  # fmt: skip
         finally:
             try:
@@ -560,22 +560,6 @@ def _why(e: OSError) -> str:
     """An OSError as one phrase: its message and the path it names, no "[Errno N]"."""
     text = e.strerror or str(e)
     return f"{text}: {e.filename}" if e.filename else text
-
-
-def _pids_max_hits(cgroup: Cgroup) -> int:
-    """Forks refused at the cgroup's pids.max (`pids.events` "max", v1 and v2 alike)."""
-    d = cgroup.paths.get("pids")
-    if d is None:
-        return 0
-    try:
-        text = (d / "pids.events").read_text()
-    except OSError:
-        return 0
-    for line in text.splitlines():
-        key, _, value = line.partition(" ")
-        if key == "max":
-            return int(value)
-    return 0
 
 
 def _interpreter_dirs(*, names: bool = False) -> list[str]:

@@ -153,6 +153,11 @@ class Cgroup:
             return _read_int_field(d / "memory.oom_control", "oom_kill")
         return _read_int_field(d / "memory.events", "oom_kill")
 
+    def pids_max_hits(self) -> int:
+        """Forks and thread starts refused at pids.max (`pids.events` "max", v1 and v2 alike)."""
+        d = self._dir("pids")
+        return 0 if d is None else _read_int_field(d / "pids.events", "max")
+
     def reset_peak_memory(self) -> None:
         d = self._dir("memory")
         if d is not None and self.version == 1:
