@@ -66,22 +66,22 @@ def zero_key_first(x_BKSD: torch.Tensor) -> torch.Tensor:
 
 
 class _SinkGradient(torch.autograd.Function):
-    """y as it is, with the sinks' gradient d loss / d s_h = -sum g * p_sink * y over the
-    batch, queries and head dims (the sink's value is zero: dy/ds_h = -p_sink * y). One op
-    forward and three backward, where the equivalent zero-valued autograd term
-    (s - s.detach()) * -(p_sink * y) took ~10."""
+    """y as it is, with the sinks' gradient d loss / d s_h = sum g * (-p_sink * y) over the
+    batch, queries and head dims (the sink's value is zero: dy/ds_h = -p_sink * y), given
+    `npy` = -p_sink * y. One op forward and two backward, where the equivalent zero-valued
+    autograd term (s - s.detach()) * -(p_sink * y) took ~10."""
 
     @staticmethod
-    def forward(ctx, y_BHTD: torch.Tensor, sinks_H: torch.Tensor, py_BHTD: torch.Tensor):  # type: ignore[override]
-        ctx.save_for_backward(py_BHTD)
+    def forward(ctx, y_BHTD: torch.Tensor, sinks_H: torch.Tensor, npy_BHTD: torch.Tensor):  # type: ignore[override]
+        ctx.save_for_backward(npy_BHTD)
         return y_BHTD.view_as(y_BHTD)
 
     @staticmethod
     def backward(ctx, g_BHTD: torch.Tensor):  # type: ignore[override]
-        (py_BHTD,) = ctx.saved_tensors
+        (npy_BHTD,) = ctx.saved_tensors
         g_sinks_H = None
         if ctx.needs_input_grad[1]:
-            g_sinks_H = (g_BHTD * py_BHTD).sum((0, 2, 3)).neg()
+            g_sinks_H = (g_BHTD * npy_BHTD).sum((0, 2, 3))
         return g_BHTD, g_sinks_H, None
 
 
@@ -111,22 +111,23 @@ def sink_sdpa(
     y = sdpa(q_BHTD, k_BKSD, v_BKSD, mask_TS=mask)
     with torch.no_grad():
         ones = zero_key_first(torch.ones(real_BKSD.shape, dtype=y.dtype, device=y.device))
-        p_sink = 1 - sdpa(q_BHTD, k_BKSD, ones, mask_TS=mask)[..., :1]
-        py = p_sink * y
-    return _SinkGradient.apply(y, sinks_H, py)
+        minus_p_sink = sdpa(q_BHTD, k_BKSD, ones, mask_TS=mask)[..., :1] - 1
+        npy = minus_p_sink * y
+    return _SinkGradient.apply(y, sinks_H, npy)
 
 
 def _sink_values(like_BKSD: torch.Tensor) -> torch.Tensor:
-    """Values one at the sink key and zero at the real keys, in the shape of `like_BKSD`: the
-    attention of these is the sink's probability (in every head dim). One entry, the current
-    forward's shape (its layers share it), made outside inference mode and autograd."""
+    """Values -1 at the sink key and zero at the real keys, in the shape of `like_BKSD`: the
+    attention of these is minus the sink's probability, in every head dim (so it multiplies y
+    as it is: no slice, no negation). One entry, the current forward's shape (its layers share
+    it), made outside inference mode and autograd."""
     key = (like_BKSD.shape, like_BKSD.dtype, like_BKSD.device)
     values = _SINK_VALUES.get(key)
     if values is None:
         _SINK_VALUES.clear()
         with torch.inference_mode(False), torch.no_grad():
             values = torch.zeros(like_BKSD.shape, dtype=like_BKSD.dtype, device=like_BKSD.device)
-            values[:, :, 0] = 1
+            values[:, :, 0] = -1
         _SINK_VALUES[key] = values
     return values
 
@@ -148,8 +149,8 @@ def _sink_attend(
     there; `sink_key_first`: k and v hold the zero key already), with fewer ops: the sinks enter column 0 by one addcmul with the cached one-hot
     `first_11S1` (m + s * onehot: s in column 0, m + 0 = m elsewhere, exact), made without
     autograd (no detach op; the sinks' gradient comes from `_SinkGradient` as in `sink_sdpa`),
-    and the sink's probability is the attention of the cached `_sink_values` (one at the sink
-    key), not 1 - that of ones at the real keys."""
+    and minus the sink's probability is the attention of the cached `_sink_values` (-1 at the
+    sink key; exactly the negation of +1's), not that of ones at the real keys less 1."""
     H = sinks_H.shape[0]
     k_BKSD, v_BKSD = k_BKTD, v_BKTD
     if not sink_key_first:
@@ -161,9 +162,10 @@ def _sink_attend(
     if not (torch.is_grad_enabled() and sinks_H.requires_grad):
         return y
     with torch.no_grad():
-        p_sink = sdpa(q_BHTD, k_BKSD, _sink_values(v_BKSD), mask_TS=mask_1HTS)[..., :1]
-        py = p_sink * y
-    return _SinkGradient.apply(y, sinks_H, py)
+        # (B, H, T, D), every head dim -p_sink
+        minus_p_sink = sdpa(q_BHTD, k_BKSD, _sink_values(v_BKSD), mask_TS=mask_1HTS)
+        npy = minus_p_sink * y
+    return _SinkGradient.apply(y, sinks_H, npy)
 
 
 def variant_attend(
