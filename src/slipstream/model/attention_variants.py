@@ -45,10 +45,11 @@ def allowed_TS(q_pos_T: torch.Tensor, k_pos_S: torch.Tensor, window: int | None)
 
 
 def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A bool "may attend" mask as SDPA's additive float mask (0 / -inf)."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
-        ~allowed, float("-inf")
-    )
+    """A bool "may attend" mask as SDPA's additive float mask (0 / -inf): two ops (-inf, then 0
+    where allowed; zeros, a negated mask and a fill took three)."""
+    return torch.full(
+        allowed.shape, float("-inf"), dtype=dtype, device=allowed.device
+    ).masked_fill_(allowed, 0.0)
 
 
 def with_sink_column(mask_BHTS: torch.Tensor, sinks_H: torch.Tensor) -> torch.Tensor:
@@ -126,8 +127,10 @@ def _sink_values(like_BKSD: torch.Tensor) -> torch.Tensor:
     if values is None:
         _SINK_VALUES.clear()
         with torch.inference_mode(False), torch.no_grad():
-            values = torch.zeros(like_BKSD.shape, dtype=like_BKSD.dtype, device=like_BKSD.device)
-            values[:, :, 0] = -1
+            B, K, S, D = like_BKSD.shape  # -1 at position 0, padded with zeros: two ops
+            minus_ones = torch.full((B, K, 1, D), -1.0, dtype=like_BKSD.dtype,
+                                    device=like_BKSD.device)  # fmt: skip
+            values = F.pad(minus_ones, (0, 0, 0, S - 1))
         _SINK_VALUES[key] = values
     return values
 
@@ -190,19 +193,25 @@ def variant_attend(
     cached = _MASKS.get(key)
     if cached is None:
         # made outside inference mode: a training forward may save it for backward
+        # (a cold step makes them: in its count, so few ops, no scalar assignments)
         with torch.inference_mode(False), torch.no_grad():
             n = T - first_key  # the tokens
-            pos_T = torch.arange(n, device=q_BHTD.device)
+            dtype, device = q_BHTD.dtype, q_BHTD.device
+            pos_T = torch.arange(T, device=device)
             allowed = allowed_TS(pos_T, pos_T, window)
-            first = allowed.new_zeros(0)
-            if sinks:  # the sink key's column first, visible from every query
+            if first_key:
+                # position 0 is the zero query and the sink key, the tokens 1..n: causal among
+                # them, the zero query sees the sink key only (no later key); every token sees
+                # the sink key, which a window may leave out
+                if window is not None:
+                    allowed.select(1, 0).fill_(True)
+            elif sinks:  # the sink key's column first, visible from every query
                 allowed = F.pad(allowed, (1, 0), value=True)
-                if first_key:  # the zero query first: it sees the sink key only
-                    allowed = F.pad(allowed, (0, 0, 1, 0), value=False)
-                    allowed[0, 0] = True
-                first = torch.zeros(n + 1, dtype=q_BHTD.dtype, device=q_BHTD.device)
-                first[0] = 1
-            cached = (additive(allowed, q_BHTD.dtype)[None, None], first[None, None, None])
+            first = allowed.new_zeros(0)
+            if sinks:  # (1, 1, 1, 1 + n): 1 at the sink key's column
+                first = F.pad(torch.ones((1, 1, 1, 1), dtype=dtype, device=device), (0, n))
+            mask = torch.full((1, 1, *allowed.shape), float("-inf"), dtype=dtype, device=device)
+            cached = (mask.masked_fill_(allowed, 0.0), first)
         if len(_MASKS) >= _MAX_MASKS:
             _MASKS.clear()
         _MASKS[key] = cached

@@ -54,8 +54,8 @@ class ClampedSwiGLU:
         if b is None:
             with torch.inference_mode(False):
                 half = h_A2I.shape[-1] // 2
-                lo = torch.full((2 * half,), -self.limit, dtype=h_A2I.dtype, device=h_A2I.device)
-                lo[:half] = float("-inf")
+                lo = torch.full((half,), -self.limit, dtype=h_A2I.dtype, device=h_A2I.device)
+                lo = F.pad(lo, (half, 0), value=float("-inf"))  # the gate's half first
                 hi = torch.full_like(lo, self.limit)
             b = _BOUNDS[key] = (lo, hi)
         return b
