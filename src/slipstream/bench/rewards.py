@@ -3,7 +3,9 @@
 A rollout worker's pipeline, for real: the native engine generates groups (--groups-per-step x
 --group-size samples per step, a random model of the config's [model], --max-new-tokens each),
 the EpisodeRunner hands each finished completion to the worker's Verifier on a thread pool, and
---inflight groups are kept in flight (rollout.max_inflight_tasks): as a group finishes another
+groups are admitted as the rollout worker admits tasks: --inflight generating at once
+(rollout.max_inflight_tasks) and --scoring-tasks more that wait only on their rewards
+(rollout.max_scoring_tasks); as a group's completions return or a group finishes, another
 starts. The reward is `[[reward.functions]]` with a `python` function that takes --reward-s
 seconds per call (time.sleep: a remote judge or a test run), per sample, in --workers reward
 processes (slipstream/rewards). Three ways in one run, each timed as the steady-state seconds per
@@ -16,9 +18,10 @@ alternate for --rounds rounds and each figure is the median of its rounds:
 - the figure: both at once, the reward overlapping generation: T_both.
 
 The serial sum T_gen + T_reward is what a pipeline that rewards a step after generating it pays
-(verl's naive reward manager). Overhead = T_both / T_gen - 1; a step is generation-bound when
-T_reward <= T_gen (the per-sample calls' wall time is samples x reward-s / workers). JSON with
-provenance in benchmarks/results/rewards.json (or --out). Not covered: a GPU engine, rewards
+(verl's naive reward manager). Overhead = T_both / T_gen - 1, the median over the rounds of
+each round's ratio (a pair timed seconds apart, under the same load); a step is
+generation-bound when T_reward <= T_gen (the per-sample calls' wall time is samples x
+reward-s / workers). JSON with provenance in benchmarks/results/rewards.json (or --out). Not covered: a GPU engine, rewards
 coalesced into batched calls (each completion is one call here), several rollout workers.
 """
 
@@ -59,7 +62,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--groups-per-step", type=int, default=8, help="groups per training step")
     p.add_argument("--group-size", type=int, default=8, help="samples per group")
-    p.add_argument("--inflight", type=int, default=16, help="groups in flight (max_inflight_tasks)")
+    p.add_argument("--inflight", type=int, default=16,
+                   help="groups generating at once (rollout.max_inflight_tasks)")  # fmt: skip
+    p.add_argument("--scoring-tasks", type=int, default=None,
+                   help="groups held beyond --inflight while they wait only on rewards "
+                   "(rollout.max_scoring_tasks; default: the config's; 0: a group holds its "
+                   "generation slot until rewarded)")  # fmt: skip
     p.add_argument("--max-new-tokens", type=int, default=192, help="tokens per completion")
     p.add_argument(
         "--steps", type=int, default=4, help="timed steps per round (after one warm-up step)"
@@ -74,39 +82,75 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _stream(runner: Any, taskset: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """Keep --inflight groups running until (1 + steps) x groups-per-step finished; -> steady-state
-    seconds per step and the outcomes' statuses."""
+def _cpu_s(pids: list[int]) -> float:
+    """CPU seconds used so far by this process (all its threads) and the processes `pids`."""
+    tick_s = 1.0 / os.sysconf("SC_CLK_TCK")
+    total = time.process_time()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # exited (a replaced reward process): its CPU is lost to the count
+            continue
+        total += (int(fields[11]) + int(fields[12])) * tick_s  # utime + stime
+    return total
+
+
+def _stream(runner: Any, taskset: Any, rollout: Any, pids: list[int],
+            args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
+    """Run (1 + steps) x groups-per-step groups, admitted as the rollout worker admits tasks
+    (`rollout_room`: at most max_inflight_tasks generating, max_scoring_tasks more waiting on
+    their rewards); -> steady-state seconds per step, CPU seconds per step (this process and
+    the reward processes `pids`: a figure the host's other load barely moves) and the
+    outcomes' statuses."""
+    from slipstream.rl.worker import rollout_room
+
     total = (1 + args.steps) * args.groups_per_step
     done_at: list[float] = []
+    cpu_at: list[float] = []  # at the end of the warm-up step and of the last step
     statuses: list[str] = []
+    live: dict[int, Any] = {}  # group -> its rollout (None until start() returned); on_done not run
     cv = threading.Condition()
     started = 0
 
-    def start_next() -> None:
+    def fill() -> None:  # under cv
         nonlocal started
-        i = started
-        started += 1
-        runner.start(taskset.train(i), args.group_size, lambda out: finished(out), seed=i)
+        while started < total:
+            generating = sum(1 for r in live.values() if r is None or r.generating)
+            if rollout_room(rollout, generating, len(live)) <= 0:
+                return
+            i = started
+            started += 1
+            live[i] = None
+            r = runner.start(taskset.train(i), args.group_size, lambda out, i=i: finished(i, out),
+                             seed=i, on_engine_idle=engine_idle)  # fmt: skip
+            if i in live:  # not already finished
+                live[i] = r
 
-    def finished(out: Any) -> None:
+    def finished(i: int, out: Any) -> None:
         with cv:
             done_at.append(time.perf_counter())
+            if len(done_at) in (args.groups_per_step, total):
+                cpu_at.append(_cpu_s(pids))
             statuses.append(out.status)
-            more = started < total
-            if more:
-                start_next()
+            live.pop(i, None)
+            fill()
             cv.notify_all()
 
+    def engine_idle() -> None:
+        with cv:
+            fill()
+
     with cv:
-        for _ in range(min(args.inflight, total)):
-            start_next()
+        fill()
         while len(done_at) < total:
             if not cv.wait(600):
                 raise TimeoutError(f"{total - len(done_at)} groups did not finish in 600 s")
     warm = done_at[args.groups_per_step - 1]
     per_step = (done_at[-1] - warm) / args.steps
-    return {"s_per_step": per_step, "statuses": sorted(set(statuses))}
+    cpu_per_step = (cpu_at[-1] - cpu_at[0]) / args.steps
+    return {"s_per_step": per_step, "cpu_s_per_step": cpu_per_step,
+            "statuses": sorted(set(statuses))}  # fmt: skip
 
 
 def _reward_alone(reward_set: Any, taskset: Any, args: argparse.Namespace) -> float:
@@ -157,21 +201,27 @@ def run(args: argparse.Namespace) -> int:
         ]})  # fmt: skip
     reward_set = RewardSet(rc, {"verifier": verifier.verify})
     limits = EpisodeLimits(max_turn_tokens=args.max_new_tokens)
+    scoring = cfg.rollout.max_scoring_tasks if args.scoring_tasks is None else args.scoring_tasks
+    rollout = cfg.rollout.model_copy(update={"max_inflight_tasks": args.inflight,
+                                             "max_scoring_tasks": scoring})  # fmt: skip
     executor = ThreadPoolExecutor(max(32, args.workers * 2), thread_name_prefix="verify")
     try:
         # The two ways alternate, --rounds times each, and each figure is the median of its
         # rounds: on a shared host the load drifts over a minute, and timing one way after the
         # other put that drift into the overhead (runs of -38% and +66% at load 23-27).
         rounds: dict[str, list[float]] = {"generation": [], "both": []}
+        cpu: dict[str, list[float]] = {"generation": [], "both": []}
+        pids = reward_set.pool.pids() if reward_set.pool is not None else []
         statuses: set[str] = set()
         for _ in range(args.rounds):
             for way, v in (("generation", verifier), ("both", reward_set)):
                 runner = EpisodeRunner(engine, make_env_factory(taskset, scorer=v.verify,
                                        limits=limits), tok, limits, executor, context_tokens=seq,
                                        group_scorer=v.score_group)  # fmt: skip
-                out = _stream(runner, taskset, args)
+                out = _stream(runner, taskset, rollout, pids, args)
                 runner.close()
                 rounds[way].append(out["s_per_step"])
+                cpu[way].append(out["cpu_s_per_step"])
                 statuses.update(out["statuses"])
         t_reward = _reward_alone(reward_set, taskset, args)
     finally:
@@ -180,7 +230,14 @@ def run(args: argparse.Namespace) -> int:
         engine.close()
     t_gen, t_both = statistics.median(rounds["generation"]), statistics.median(rounds["both"])
     serial = t_gen + t_reward
-    overhead = t_both / t_gen - 1
+    # each round's both-way against the generation-alone run just before it (the pair ran a
+    # minute apart, under the same load), the median of the rounds' ratios
+    overhead = statistics.median(
+        b / g - 1 for g, b in zip(rounds["generation"], rounds["both"], strict=True)
+    )
+    cpu_overhead = statistics.median(
+        b / g - 1 for g, b in zip(cpu["generation"], cpu["both"], strict=True)
+    )
     load = os.getloadavg()
     samples = args.groups_per_step * args.group_size
     record = {
@@ -192,9 +249,12 @@ def run(args: argparse.Namespace) -> int:
         "reward_alone_s_per_step": t_reward, "overhead_vs_generation": overhead,
         "generation_bound": t_reward <= t_gen, "samples_per_step": samples,
         "reward_s": args.reward_s, "workers": args.workers, "inflight_groups": args.inflight,
+        "scoring_groups": scoring,
         "max_new_tokens": args.max_new_tokens, "steps": args.steps, "rounds": args.rounds,
         "generation_s_per_step_rounds": rounds["generation"],
         "both_s_per_step_rounds": rounds["both"],
+        "generation_cpu_s_per_step_rounds": cpu["generation"],
+        "both_cpu_s_per_step_rounds": cpu["both"], "cpu_overhead_vs_generation": cpu_overhead,
         "statuses": sorted(statuses),
         "params": sum(p.numel() for p in model.parameters()),
         "provenance": collect_provenance({"loadavg_1_5_15": load}),
@@ -203,7 +263,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"figure {t_both:.2f} s/step with a {args.reward_s:g}-s reward per sample "
           f"({samples} samples/step, {args.workers} reward processes) | serial sum "
           f"{serial:.2f} s/step (generation {t_gen:.2f} + reward {t_reward:.2f}) | generation "
-          f"alone {t_gen:.2f} s/step | overhead {overhead:+.1%} over generation"
+          f"alone {t_gen:.2f} s/step | overhead {overhead:+.1%} over generation (CPU "
+          f"seconds per step: {cpu_overhead:+.1%})"
           f"{'' if t_reward <= t_gen else ' (NOT generation-bound: reward alone is slower)'}; "
           f"CPU {record['provenance']['cpu_model']}, load {load[0]:.1f}\nwrote {out}")  # fmt: skip
     return 0

@@ -20,7 +20,16 @@ class RolloutConfig(Section):
     tasks_per_lease: int = Field(default=4, ge=1)
     """Tasks leased at once by a worker."""
     max_inflight_tasks: int = Field(default=8, ge=1)
-    """Most tasks one worker holds at once (over all its leases): generating or verifying."""
+    """Most tasks one worker has generating at once (over all its leases): a task counts from
+    its lease until its requests have all returned from the engine (`GroupRollout.generating`;
+    a multi-turn task again while a later turn generates)."""
+    max_scoring_tasks: int = Field(default=8, ge=0)
+    """Tasks a worker holds beyond `max_inflight_tasks` while they wait only on their
+    environment steps (reward functions, verification, tool runs), so a slow reward overlaps
+    the generation of newer tasks instead of holding a generation slot: a worker holds at most
+    max_inflight_tasks + max_scoring_tasks tasks. 0: a task holds its slot until it is acked.
+    Environments whose episodes hold a sandbox from reset hold no more tasks than the pool
+    has sandboxes for (capacity // group_size; at least max_inflight_tasks of them)."""
     lease_ttl_s: float = Field(default=60.0, gt=0)
     """A lease not acked or extended within this time is redelivered. Workers extend their
     leases every lease_ttl_s / 3 while they are alive."""

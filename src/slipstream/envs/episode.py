@@ -252,8 +252,12 @@ class EpisodeRunner:
         self.num_infra_logged = 0
 
     def start(self, task: Task, n: int, on_done: Callable[[GroupOutcome], None],
-              seed: int | None = None) -> GroupRollout:  # fmt: skip
-        rollout = GroupRollout(self, task, n, seed, on_done)
+              seed: int | None = None, *,
+              on_engine_idle: Callable[[], None] | None = None) -> GroupRollout:  # fmt: skip
+        """Start a group (returns at once). `on_engine_idle()`: called (on the engine's thread)
+        each time the group's last request in the engine returns, e.g. when a single-turn group
+        leaves generation for its rewards (`GroupRollout.generating`)."""
+        rollout = GroupRollout(self, task, n, seed, on_done, on_engine_idle)
         rollout.schedule(rollout.eps, rollout.begin, on=self.reset_executor)
         return rollout
 
@@ -287,12 +291,16 @@ class GroupRollout:
     """G episodes of one task (built by EpisodeRunner.start)."""
 
     def __init__(self, runner: EpisodeRunner, task: Task, n: int, seed: int | None,
-                 on_done: Callable[[GroupOutcome], None]) -> None:  # fmt: skip
+                 on_done: Callable[[GroupOutcome], None],
+                 on_engine_idle: Callable[[], None] | None = None) -> None:  # fmt: skip
         self.runner = runner
         self.task = task
         self.n = n
         self.seed = seed
         self.on_done = on_done
+        self.on_engine_idle = on_engine_idle
+        self._in_engine = 0  # requests submitted whose completions have not returned
+        self._submitted = False  # a first request went to the engine
         self.eps = [_Ep(i) for i in range(n)]
         self._lock = threading.Lock()
         self._open = n
@@ -318,6 +326,18 @@ class GroupRollout:
     @property
     def aborted(self) -> bool:
         return self._aborted
+
+    @property
+    def generating(self) -> bool:
+        """The group holds (or is about to hold) engine work: from its start until its first
+        requests went out, and while any request of it is in the engine. False while only its
+        environment steps run (reward functions, verification, tool runs): a single-turn group
+        after its completions returned, a multi-turn one between turns (it may generate again).
+        Agent-driven groups call the engine on their own and count as generating throughout.
+        The worker caps generating groups separately from groups that only wait on rewards,
+        so slow rewards overlap newer groups' generation (rollout.max_scoring_tasks)."""
+        with self._lock:
+            return not self._submitted or self._in_engine > 0
 
     def schedule(self, owners: list[_Ep], fn: Callable[..., None], *args: Any,
                  on: Executor | None = None) -> None:  # fmt: skip
@@ -436,6 +456,8 @@ class GroupRollout:
             if not aborted:
                 for ep in eps:
                     ep.request_id = req.request_id
+                self._submitted = True
+                self._in_engine += 1
         if aborted:
             for ep in eps:
                 self._end(ep, "aborted")
@@ -450,6 +472,7 @@ class GroupRollout:
             fut = runner.engine.submit(req)
         except (ValueError, RuntimeError) as e:  # a request the engine refuses, or a closed engine
             with self._lock:
+                self._in_engine -= 1
                 self._error = self._error or f"engine refused the request: {e}"
             for ep in eps:
                 ep.request_id = ""
@@ -463,7 +486,11 @@ class GroupRollout:
         with self._lock:
             self.requests += 1
             self.generate_s += time.monotonic() - t0
+            self._in_engine -= 1
+            idle = self._in_engine == 0
         self.schedule(eps, self._generated, eps, fut)
+        if idle and self.on_engine_idle is not None:
+            self.on_engine_idle()
 
     def _generated(self, eps: list[_Ep], fut: Future) -> None:
         error = fut.exception()

@@ -9,9 +9,11 @@ with their behaviour logprobs and versions), the observations as the environment
 (mask 0).
 
 Contract:
-- Holds at most `rollout.max_inflight_tasks` tasks (over several leases), so generation of new
-  tasks overlaps verification of earlier ones; every group is acked on its own as soon as it is
-  verified (one slow verification delays only its own group).
+- Has at most `rollout.max_inflight_tasks` tasks generating (over several leases) and holds at
+  most `max_scoring_tasks` more that wait only on their rewards or environment steps
+  (`rollout_room`), so a slow reward overlaps the generation of newer tasks rather than holding
+  a generation slot; every group is acked on its own as soon as it is verified (one slow
+  verification delays only its own group).
 - The coordinator is the one source of the policy version (it announces a version only after
   its weights are published). Before generating a lease's tasks, the engine is brought to at
   least the lease's `policy_version`; a watcher thread also applies newer versions as the
@@ -108,10 +110,21 @@ def episode_limits(cfg: RolloutConfig, max_turn_tokens: int) -> EpisodeLimits:
     return EpisodeLimits.from_config(cfg, max_turn_tokens)
 
 
-def _check_sandbox_capacity(sandboxes: SandboxHost, cfg: RolloutConfig) -> None:
+def rollout_room(cfg: RolloutConfig, generating: int, held: int, max_held: int = 0) -> int:
+    """How many more tasks a worker may take: fewer than `max_inflight_tasks` generating, and
+    fewer than `max_held` held in all (generating, or waiting on rewards and environment
+    steps; 0 = max_inflight_tasks + max_scoring_tasks). `bench rewards` admits its groups by
+    the same rule."""
+    max_held = max_held or cfg.max_inflight_tasks + cfg.max_scoring_tasks
+    return min(cfg.max_inflight_tasks - generating, max_held - held)
+
+
+def _check_sandbox_capacity(sandboxes: SandboxHost, cfg: RolloutConfig) -> int:
     """Every episode in flight holds a sandbox from its reset on, and a group's first turn waits
     for all of its G resets: a pool that cannot hold max_inflight_tasks x group_size sandboxes
-    at once would leave groups half-reset, waiting for each other's sandboxes."""
+    at once would leave groups half-reset, waiting for each other's sandboxes. -> the most tasks
+    the worker may hold: max_inflight_tasks + max_scoring_tasks, or fewer when the pool holds
+    fewer groups (tasks waiting on their steps keep their sandboxes)."""
     capacity = sandboxes.capacity()
     need = cfg.max_inflight_tasks * cfg.group_size
     if capacity is not None and capacity < need:
@@ -120,6 +133,8 @@ def _check_sandbox_capacity(sandboxes: SandboxHost, cfg: RolloutConfig) -> None:
             f"rollout.group_size = {need} episodes hold one each; raise sandbox.max_density "
             f"(or lower those)"
         )
+    most = cfg.max_inflight_tasks + cfg.max_scoring_tasks
+    return most if capacity is None else min(most, capacity // cfg.group_size)
 
 
 def _context_tokens(engine: Engine) -> int:
@@ -181,8 +196,9 @@ class RolloutWorker:
         self.sandboxes = verifier.sandboxes
         # only episodes that hold a sandbox from reset need the pool to fit them all; a
         # sandbox-verified single-turn task (code) borrows one per verification and queues
+        self._max_held = cfg.max_inflight_tasks + cfg.max_scoring_tasks
         if self.sandboxes is not None and env_needs_sandbox(taskset.cfg.env):
-            _check_sandbox_capacity(self.sandboxes, cfg)
+            self._max_held = _check_sandbox_capacity(self.sandboxes, cfg)
         limits = episode_limits(cfg, self.max_new_tokens)
         self.agent: AgentRuntime | None = None
         if taskset.cfg.env == "agent":  # the user's agent drives its episodes (envs/agent.py)
@@ -221,6 +237,17 @@ class RolloutWorker:
 
     def _inflight(self) -> int:
         return sum(1 for w in self._tasks.values() if not w.done)
+
+    def _room(self) -> int:
+        """`rollout_room` now (under the lock): a task not yet started counts as generating."""
+        held = [w for w in self._tasks.values() if not w.done]
+        generating = sum(1 for w in held if w.rollout is None or w.rollout.generating)
+        return rollout_room(self.cfg, generating, len(held), self._max_held)
+
+    def _engine_idle(self) -> None:
+        """A group's requests all returned (it now waits on rewards): maybe room for another."""
+        with self._lock:
+            self._lock.notify_all()
 
     # ---- weights -------------------------------------------------------------------------------
 
@@ -342,7 +369,8 @@ class RolloutWorker:
             with self._lock:
                 self._live_rollouts += 1
             w.rollout = self.runner.start(task, self.cfg.group_size,
-                                          lambda out, w=w: self._finished(w, out), seed)  # fmt: skip
+                                          lambda out, w=w: self._finished(w, out), seed,
+                                          on_engine_idle=self._engine_idle)  # fmt: skip
 
     def _finished(self, w: _TaskWork, out: GroupOutcome) -> None:
         """A group's episodes all ended (on an executor thread): ack, nack or drop its task."""
@@ -438,7 +466,7 @@ class RolloutWorker:
             if self.coord.stopping():
                 break
             with self._lock:
-                room = self.cfg.max_inflight_tasks - self._inflight()
+                room = self._room()
             lease = None
             if room > 0:
                 n = min(room, self.cfg.tasks_per_lease)
