@@ -102,6 +102,35 @@ class _RMSNormFn(torch.autograd.Function):
         return gx, gw, None
 
 
+ZEROS: dict[tuple, torch.Tensor] = {}
+"""`shared_zeros`' and `step_zeros`' tensors: zero constants shared by every layer."""
+
+
+def shared_zeros(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A zero tensor of `shape` (a constant of the config, e.g. (E, D)) in `like`'s dtype and
+    device, made once and shared (read only: out-of-place ops start from it, e.g. a per-expert
+    bias gradient's index_add: one op where new_zeros + an in-place op are two)."""
+    key = (shape, like.dtype, like.device)
+    z = ZEROS.get(key)
+    if z is None:
+        with torch.inference_mode(False), torch.no_grad():
+            z = ZEROS[key] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+    return z
+
+
+def step_zeros(rows: int, row_shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """Zeros (rows, *row_shape) as `shared_zeros`, for shapes whose row count changes from step
+    to step (the tokens of a batch): one tensor kept per row shape, remade when the row count
+    changes, so the layers of one step share it (e.g. the routers' (N, E) logit gradients) and
+    the cache stays bounded."""
+    key = ("rows", row_shape, like.dtype, like.device)
+    z = ZEROS.get(key)
+    if z is None or z.shape[0] != rows:
+        with torch.inference_mode(False), torch.no_grad():
+            z = ZEROS[key] = torch.zeros((rows, *row_shape), dtype=like.dtype, device=like.device)
+    return z
+
+
 class CosSin(tuple):
     """(cos, sin) tables (B, T, Dh), a plain 2-tuple to unpack, that also keeps the tables of the
     fused inference RoPE (`fused`), built once per forward instead of once per layer."""
@@ -275,6 +304,8 @@ class Packing:
     def pack(self, x_N_: torch.Tensor, lead: int = 0) -> torch.Tensor:
         """(B*T, ...) -> (M, ...): the real rows; `lead`: from the (B, lead + T) layout
         (`unpack`'s)."""
+        if torch.is_grad_enabled() and x_N_.requires_grad:
+            return _Pack.apply(x_N_, self, lead)
         return x_N_.index_select(0, self._rows(lead))
 
     def unpack(self, x_M_: torch.Tensor, lead: int = 0) -> torch.Tensor:
@@ -288,6 +319,21 @@ class Packing:
             zeros_N_ = self._zeros[key] = x_M_.new_zeros((N, *x_M_.shape[1:]))
         # out of place onto the shared zeros: one op per call (new_zeros + index_copy: two)
         return zeros_N_.index_copy(0, self._rows(lead), x_M_)
+
+
+class _Pack(torch.autograd.Function):
+    """`Packing.pack` with autograd: the gradient is `unpack`ed onto the Packing's shared zeros
+    (one op per call; index_select's own backward makes new zeros and index_adds: two). The
+    same gradient: the rows are distinct, so adding onto zeros and copying are one thing."""
+
+    @staticmethod
+    def forward(ctx, x_N_: torch.Tensor, packing: Packing, lead: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.packing, ctx.lead = packing, lead
+        return x_N_.index_select(0, packing._rows(lead))
+
+    @staticmethod
+    def backward(ctx, g_M_: torch.Tensor):  # type: ignore[override]
+        return ctx.packing.unpack(g_M_, ctx.lead), None, None
 
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:

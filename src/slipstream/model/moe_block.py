@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from slipstream.config.model import MOE_IMPLS, ModelConfig
 from slipstream.model.expert_activation import Activation, SwiGLU, expert_activation
-from slipstream.model.layers import MLP, linear
+from slipstream.model.layers import MLP, ZEROS, linear, shared_zeros, step_zeros
 from slipstream.model.router import (
     Router,
     RoutingScheme,
@@ -204,7 +204,8 @@ class _GroupedExperts(torch.autograd.Function):
         g_x = None
         if ctx.needs_input_grad[0]:
             g_x_AD = torch._grouped_mm(g_h_A2I, gate_up_c, offs=offs_E)
-            g_x = g_x_AD.new_zeros(N, D).index_add_(0, tok_A, g_x_AD).to(x_dtype)
+            # out of place onto the step's shared zeros: one op (new_zeros + index_add_: two)
+            g_x = torch.index_add(step_zeros(N, (D,), g_x_AD), 0, tok_A, g_x_AD).to(x_dtype)
         gate_up_b_dtype, down_b_dtype = ctx.bias_dtypes
         g_gate_up_b = g_down_b = None
         if ctx.needs_input_grad[7]:  # out-of-place onto shared zeros: one op, not two
@@ -216,19 +217,9 @@ class _GroupedExperts(torch.autograd.Function):
         return g_x, g_w, g_gate_up, g_down, None, None, None, g_gate_up_b, g_down_b, None
 
 
-_ZEROS: dict[tuple, torch.Tensor] = {}
-"""`_zeros`' tensors by (shape, dtype, device): small constants shared by every layer."""
-
-
-def _zeros(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    """A zero tensor of `shape` in `like`'s dtype and device, made once and shared (read only:
-    out-of-place ops start from it, e.g. a per-expert bias gradient's index_add)."""
-    key = (shape, like.dtype, like.device)
-    z = _ZEROS.get(key)
-    if z is None:
-        with torch.inference_mode(False), torch.no_grad():
-            z = _ZEROS[key] = torch.zeros(shape, dtype=like.dtype, device=like.device)
-    return z
+_ZEROS = ZEROS
+"""The zero constants shared by every layer (model/layers.py's `shared_zeros`, `step_zeros`)."""
+_zeros = shared_zeros
 
 
 def _segment_loop_swiglu(

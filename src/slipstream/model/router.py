@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slipstream.config.model import ModelConfig
-from slipstream.model.layers import linear
+from slipstream.model.layers import linear, step_zeros
 
 
 def _f32(x: torch.Tensor) -> torch.Tensor:
@@ -126,12 +126,13 @@ class _TopK(torch.autograd.Function):
         saved_Nx, ids_Nk = ctx.saved_tensors
         N, E = ids_Nk.shape[0], ctx.num_experts
         if ctx.softmax_first:  # saved: the probabilities (N, E)
-            g_probs_NE = g_w_Nk.new_zeros(N, E).scatter_(1, ids_Nk, g_w_Nk)
+            # out of place onto the step's shared zeros (one op; new_zeros + scatter_: two)
+            g_probs_NE = torch.scatter(step_zeros(N, (E,), g_w_Nk), 1, ids_Nk, g_w_Nk)
             g_NE = torch._softmax_backward_data(g_probs_NE, saved_Nx, -1, saved_Nx.dtype)
         else:  # saved: the selected logits (N, k)
             w_Nk = F.softmax(saved_Nx, dim=-1)
             g_sel_Nk = torch._softmax_backward_data(g_w_Nk, w_Nk, -1, w_Nk.dtype)
-            g_NE = g_sel_Nk.new_zeros(N, E).scatter_(1, ids_Nk, g_sel_Nk)
+            g_NE = torch.scatter(step_zeros(N, (E,), g_sel_Nk), 1, ids_Nk, g_sel_Nk)
         return g_NE, None, None, None
 
 
@@ -229,7 +230,9 @@ class _SigmoidRoute(torch.autograd.Function):
             g_Nk = (g_Nk - (g_Nk * r_Nk).sum(dim=-1, keepdim=True)) / d_N1
         g_sel_Nk = torch.ops.aten.sigmoid_backward(g_Nk, u_Nk)
         N = g_sel_Nk.shape[0]
-        g_logits_NE = g_sel_Nk.new_zeros(N, ctx.num_experts).scatter_add_(1, ids_Nk, g_sel_Nk)
+        # out of place onto the step's shared zeros (one op; new_zeros + scatter_add_: two)
+        zeros_NE = step_zeros(N, (ctx.num_experts,), g_sel_Nk)
+        g_logits_NE = torch.scatter_add(zeros_NE, 1, ids_Nk, g_sel_Nk)
         return g_logits_NE, None, None, None
 
 
