@@ -165,14 +165,21 @@ def rope_cos_sin(
     return CosSin(rope.cos_sin(position_ids_BT, inv_freq, scaling, dtype))
 
 
-def _rope_BTND(x_BTND: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """RoPE on the (B, T, heads, Dh) layout (the fused inference path)."""
+def _rope_BTND(
+    x_BTND: torch.Tensor,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """RoPE on the (B, T, heads, Dh) layout (the fused inference path); `out`: written there
+    (no autograd; may be x itself: the products are taken before the sum is written)."""
     if isinstance(cos_sin, CosSin):
         cos_BT1D, sin_signed_BT1D = cos_sin.fused()
-        return x_BTND * cos_BT1D + x_BTND.roll(x_BTND.shape[-1] // 2, -1) * sin_signed_BT1D
+        rolled = x_BTND.roll(x_BTND.shape[-1] // 2, -1)
+        return torch.add(x_BTND * cos_BT1D, rolled * sin_signed_BT1D, out=out)
     cos_BTD, sin_BTD = cos_sin
     x1, x2 = x_BTND.chunk(2, dim=-1)
-    return x_BTND * cos_BTD[:, :, None] + torch.cat((-x2, x1), dim=-1) * sin_BTD[:, :, None]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return torch.add(x_BTND * cos_BTD[:, :, None], rotated * sin_BTD[:, :, None], out=out)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -661,9 +668,19 @@ class Attention(nn.Module):
                 qk = self._per_head_norm(qk, one)
                 if self.clip_qkv is not None:
                     qk, v = clamp(qk, self.clip_qkv), clamp(v, self.clip_qkv)
-        rot, keep = (qk, None) if rd == Dh else qk.split((rd, Dh - rd), dim=-1)
-        rot = _rope_packed(rot, *cos_sin) if packing is not None else _rope_BTND(rot, cos_sin)
-        qk = rot if keep is None else torch.cat((rot, keep), dim=-1)
+        if rd == Dh:
+            qk = _rope_packed(qk, *cos_sin) if packing is not None else _rope_BTND(qk, cos_sin)
+        elif packing is None and not torch.is_grad_enabled():
+            # partial rotary without autograd: RoPE written over the first rd dims of each head
+            # in place (qk is this forward's own tensor: the norm's or the clamp's output, or
+            # the q/k heads of the projection's; v's dims are not touched), so no cat (decode
+            # is per-op overhead bound); the same values
+            rot = qk[..., :rd]
+            _rope_BTND(rot, cos_sin, out=rot)
+        else:
+            rot, keep = qk.split((rd, Dh - rd), dim=-1)
+            rot = _rope_packed(rot, *cos_sin) if packing is not None else _rope_BTND(rot, cos_sin)
+            qk = torch.cat((rot, keep), dim=-1)
         # with sinks, packed: one zero position before each row (`lead`), the sink's zero key
         # (and a query whose output is dropped), instead of padding k and v in every layer
         lead = int(packing is not None and self.sinks is not None)
