@@ -66,19 +66,40 @@ def test_sync_cycle_is_step_plus_generation_plus_slowest_of_the_batch() -> None:
 
 def test_rollout_bound_async_throughput_is_closed_loop_capacity() -> None:
     # Admission never binds (huge staleness), the trainer is instant, every instance keeps m tasks
-    # in flight: groups/s = N m / E[cycle], cycle = generation + E[max of G exponentials].
+    # in flight, each until it is verified (max_scoring_tasks = 0): groups/s = N m / E[cycle],
+    # cycle = generation + E[max of G exponentials].
     n_inst, m, group, mean_verify, length, tok_s = 3, 4, 4, 0.1, 3, 0.001
-    plan = with_overrides(PlanConfig(), [
+    loop = [
         *FAST, "loop.max_staleness=1000", "loop.groups_per_step=4", f"loop.group_size={group}",
         "loop.steps=3000", "loop.warmup_steps=50", "trainer.step_s.value=1e-9",
         f"rollout.num_instances={n_inst}", f"rollout.max_inflight_tasks={m}",
         "rollout.tasks_per_lease=1", f"rollout.engine.step_fixed_s={tok_s}",
         f"rollout.engine.completion_tokens.value={length}",
         f'verifier.latency_s={{kind="exponential", value={mean_verify}}}',
-    ])  # fmt: skip
-    res = simulate(plan)
+    ]  # fmt: skip
+    res = simulate(with_overrides(PlanConfig(), [*loop, "rollout.max_scoring_tasks=0"]))
     cycle = length * tok_s + mean_verify * harmonic(group)
     assert res.samples_per_s / group == pytest.approx(n_inst * m / cycle, rel=0.03)
+
+
+def test_tasks_being_verified_leave_their_generation_slots() -> None:
+    # As above, but a verified group no longer holds one of the m generation slots (enough
+    # max_scoring_tasks and verification threads for the groups a cycle verifies): the engines
+    # generate all the time, groups/s = N m / generation time, a group's generation being its
+    # `length` steps and the step it waits for (it is submitted while the next step runs).
+    n_inst, m, group, mean_verify, length, tok_s = 3, 4, 4, 0.1, 3, 0.05
+    plan = with_overrides(PlanConfig(), [
+        *FAST, "loop.max_staleness=1000", "loop.groups_per_step=4", f"loop.group_size={group}",
+        "loop.steps=1500", "loop.warmup_steps=50", "trainer.step_s.value=1e-9",
+        f"rollout.num_instances={n_inst}", f"rollout.max_inflight_tasks={m}",
+        "rollout.max_scoring_tasks=32", "verifier.concurrency_per_instance=256",
+        "rollout.tasks_per_lease=1", f"rollout.engine.step_fixed_s={tok_s}",
+        f"rollout.engine.completion_tokens.value={length}",
+        f'verifier.latency_s={{kind="exponential", value={mean_verify}}}',
+    ])  # fmt: skip
+    res = simulate(plan)
+    generation_s = (length + 1) * tok_s
+    assert res.samples_per_s / group == pytest.approx(n_inst * m / generation_s, rel=0.03)
 
 
 def test_littles_law_holds_for_tasks_in_flight() -> None:

@@ -18,8 +18,9 @@ from slipstream.envs import EpisodeLimits, EpisodeRunner, make_env_factory
 from slipstream.rl.buffer import ExperienceBuffer
 from slipstream.rl.coordinator import Coordinator
 from slipstream.rl.queue import TaskQueue
+from slipstream.rl.types import rollout_room
 from slipstream.rl.verifier import InProcessVerifier
-from slipstream.rl.worker import RolloutWorker, rollout_room
+from slipstream.rl.worker import RolloutWorker
 from slipstream.tasks import Task
 
 
@@ -62,15 +63,13 @@ def wait_for(cond: Any, what: str, timeout_s: float = 120.0) -> None:
 
 
 def test_rollout_room() -> None:
-    cfg = RolloutConfig(max_inflight_tasks=4, max_scoring_tasks=2)
-    assert rollout_room(cfg, generating=0, held=0) == 4
-    assert rollout_room(cfg, generating=4, held=4) == 0  # every generation slot taken
-    assert rollout_room(cfg, generating=2, held=4) == 2  # two only wait on their rewards
-    assert rollout_room(cfg, generating=1, held=5) == 1  # at most 4 + 2 held
-    assert rollout_room(cfg, generating=0, held=6) == 0
-    assert rollout_room(cfg, generating=0, held=3, max_held=3) == 0  # e.g. a sandbox pool's
-    off = RolloutConfig(max_inflight_tasks=4, max_scoring_tasks=0)
-    assert rollout_room(off, generating=0, held=4) == 0  # 0: held until acked
+    # (max_inflight_tasks, max_held, generating, held)
+    assert rollout_room(4, 6, generating=0, held=0) == 4
+    assert rollout_room(4, 6, generating=4, held=4) == 0  # every generation slot taken
+    assert rollout_room(4, 6, generating=2, held=4) == 2  # two only wait on their rewards
+    assert rollout_room(4, 6, generating=1, held=5) == 1  # at most 4 + 2 held
+    assert rollout_room(4, 6, generating=0, held=6) == 0
+    assert rollout_room(4, 4, generating=0, held=4) == 0  # max_scoring_tasks = 0
 
 
 def test_group_leaves_generation_while_its_rewards_run(setup) -> None:  # type: ignore[no-untyped-def] # noqa: F811

@@ -103,7 +103,7 @@ def _stream(runner: Any, taskset: Any, rollout: Any, pids: list[int],
     their rewards); -> steady-state seconds per step, CPU seconds per step (this process and
     the reward processes `pids`: a figure the host's other load barely moves) and the
     outcomes' statuses."""
-    from slipstream.rl.worker import rollout_room
+    from slipstream.rl.types import rollout_room
 
     total = (1 + args.steps) * args.groups_per_step
     done_at: list[float] = []
@@ -117,7 +117,8 @@ def _stream(runner: Any, taskset: Any, rollout: Any, pids: list[int],
         nonlocal started
         while started < total:
             generating = sum(1 for r in live.values() if r is None or r.generating)
-            if rollout_room(rollout, generating, len(live)) <= 0:
+            most = rollout.max_inflight_tasks + rollout.max_scoring_tasks
+            if rollout_room(rollout.max_inflight_tasks, most, generating, len(live)) <= 0:
                 return
             i = started
             started += 1

@@ -537,6 +537,7 @@ def calibrate(
                              overhead_s=fig["overhead_s_mean"]),
         rollout=RolloutRates(
             num_instances=ro_cfg.num_workers, max_inflight_tasks=ro_cfg.max_inflight_tasks,
+            max_scoring_tasks=ro_cfg.max_scoring_tasks,
             tasks_per_lease=ro_cfg.tasks_per_lease, lease_ttl_s=ro_cfg.lease_ttl_s,
             weight_poll_s=ro_cfg.weight_poll_s, lease_rpc_s=rpc_idle_s, ack_rpc_s=rpc_idle_s,
             rpc_busy_s=rpc_busy_s,

@@ -92,6 +92,10 @@ class Instance:
         """Tasks held (generating or verifying): done ones leave `inflight` at once."""
         return len(self.inflight)
 
+    def num_generating(self) -> int:
+        """Tasks held whose generation has not finished (not yet verifying)."""
+        return sum(1 for w in self.inflight.values() if w.generated_s < 0)
+
 
 def backoff_chain(
     wait_start_s: float, wait_len_s: float, t: float, rpc_s: float, cap_s: float

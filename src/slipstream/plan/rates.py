@@ -228,7 +228,10 @@ class RolloutRates(Section):
     nodes_per_instance: int = Field(default=1, ge=1)
     """Nodes one instance spans (e.g. 2 for an EP16 inference server on 8-GPU nodes)."""
     max_inflight_tasks: int = Field(default=8, ge=1)
-    """`rollout.max_inflight_tasks`: tasks one instance holds (generating or verifying)."""
+    """`rollout.max_inflight_tasks`: tasks one instance has generating."""
+    max_scoring_tasks: int = Field(default=8, ge=0)
+    """`rollout.max_scoring_tasks`: tasks an instance holds beyond max_inflight_tasks while
+    they only wait on their verification."""
     tasks_per_lease: int = Field(default=4, ge=1)
     """`rollout.tasks_per_lease`."""
     lease_ttl_s: float = Field(default=30.0, gt=0)

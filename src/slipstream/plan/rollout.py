@@ -177,6 +177,8 @@ class RolloutMixin:
         self.request_latency_s.append(self.now - w.submitted_s)
         if w.done:
             return
+        if not inst.draining:  # it left its generation slot: a loop waiting for room wakes
+            self._notify(inst)
         pool = self.shared_pool or self.pools[inst.idx]
         end = pool.submit(self.now, self.verify_sampler.draw(self.G).tolist())
         # acks go out from the verification threads, which contend with each other and with

@@ -11,8 +11,9 @@ What is simulated (one event heap, simulated seconds):
   queue reading the simulated clock. Live instances heartbeat, so their leases get a TTL that
   never runs out here; a reclaimed node's last heartbeat sets its leases' real deadline.
 - **Rollout instances** (rl/worker.py + engine/native.py): the worker loop leases up to
-  `tasks_per_lease` tasks while it holds fewer than `max_inflight_tasks`, backs off 5 -> 50 ms
-  when nothing is granted, brings its engine to the store's latest version before starting a
+  `tasks_per_lease` tasks while it has fewer than `max_inflight_tasks` generating and holds
+  fewer than `max_inflight_tasks + max_scoring_tasks` (`rl.types.rollout_room`: a group being
+  verified leaves its generation slot), backs off 5 -> 50 ms when nothing is granted, brings its engine to the store's latest version before starting a
   lease (fetch, then apply at a step boundary, pausing generation), and a watcher thread does the
   same every `weight_poll_s`; with `[weights] sync = "distributed"` the trainer's step holds
   the push to every live instance instead, and each applies the version at its next step
@@ -52,7 +53,7 @@ from slipstream.plan.rollout import RolloutMixin
 from slipstream.rl.buffer import ExperienceBuffer
 from slipstream.rl.coordinator import Coordinator
 from slipstream.rl.queue import TaskQueue
-from slipstream.rl.types import Lease
+from slipstream.rl.types import Lease, rollout_room
 
 INFINITE_TTL_S = 1e12  # live instances heartbeat: their leases never expire in the simulation
 NUM_PROMPTS = 1 << 62  # the simulated train split: never wraps, a task id is its own prompt index
@@ -401,8 +402,7 @@ class Simulator(RolloutMixin):
     def _iterate(self, inst: Instance, gen: int, token: int) -> None:
         if not self._live(inst, gen) or inst.draining or token != inst.loop_token:
             return
-        ro = self.plan.rollout
-        room = ro.max_inflight_tasks - inst.num_inflight()
+        room = self._room(inst)
         if room > 0:  # stopping() + lease() round trips; the lease is decided when they are done
             inst.waiting = ""
             self.at(self.now + 2 * self._rpc(inst), self._lease_eval, inst, gen, inst.loop_token)
@@ -410,11 +410,16 @@ class Simulator(RolloutMixin):
             inst.waiting = "room"
             inst.wait_start_s, inst.wait_len_s = self.now + self._rpc(inst), inst.idle_s
 
+    def _room(self, inst: Instance) -> int:
+        ro = self.plan.rollout
+        return rollout_room(ro.max_inflight_tasks, ro.max_inflight_tasks + ro.max_scoring_tasks,
+                            inst.num_generating(), inst.num_inflight())  # fmt: skip
+
     def _lease_eval(self, inst: Instance, gen: int, token: int) -> None:
         if not self._live(inst, gen) or inst.draining or token != inst.loop_token:
             return
         ro = self.plan.rollout
-        room = ro.max_inflight_tasks - inst.num_inflight()
+        room = self._room(inst)
         lease: Lease | None = self._call(self.coordinator.lease, inst.worker_id,
                                          min(room, ro.tasks_per_lease), INFINITE_TTL_S)  # fmt: skip
         if lease is None:

@@ -203,3 +203,12 @@ class Batch:
     @property
     def task_ids(self) -> list[int]:
         return [g.task.task_id for g in self.groups]
+
+
+def rollout_room(max_inflight_tasks: int, max_held: int, generating: int, held: int) -> int:
+    """How many more tasks a rollout worker may take: fewer than `max_inflight_tasks` generating,
+    and fewer than `max_held` held in all (generating, or waiting on their rewards and environment
+    steps: `rollout.max_inflight_tasks + rollout.max_scoring_tasks`, or fewer where a sandbox
+    pool holds fewer groups). The worker (rl/worker.py), `bench rewards` and the planner's
+    simulation (plan/sim.py) admit tasks by this one rule."""
+    return min(max_inflight_tasks - generating, max_held - held)

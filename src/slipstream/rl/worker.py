@@ -11,7 +11,7 @@ with their behaviour logprobs and versions), the observations as the environment
 Contract:
 - Has at most `rollout.max_inflight_tasks` tasks generating (over several leases) and holds at
   most `max_scoring_tasks` more that wait only on their rewards or environment steps
-  (`rollout_room`), so a slow reward overlaps the generation of newer tasks rather than holding
+  (`rl.types.rollout_room`), so a slow reward overlaps the generation of newer tasks rather than holding
   a generation slot; every group is acked on its own as soon as it is verified (one slow
   verification delays only its own group).
 - The coordinator is the one source of the policy version (it announces a version only after
@@ -68,7 +68,7 @@ from slipstream.envs import (
 from slipstream.envs.agent import AgentRuntime
 from slipstream.envs.sandboxes import SandboxHost
 from slipstream.rl import routing
-from slipstream.rl.types import Group, Lease, Sample, TaskRef
+from slipstream.rl.types import Group, Lease, Sample, TaskRef, rollout_room
 from slipstream.rl.verifier import Verifier
 from slipstream.tasks import TaskSet
 
@@ -108,15 +108,6 @@ def episode_sample(ep: Episode) -> Sample:
 def episode_limits(cfg: RolloutConfig, max_turn_tokens: int) -> EpisodeLimits:
     """The `[rollout]` bounds of every episode."""
     return EpisodeLimits.from_config(cfg, max_turn_tokens)
-
-
-def rollout_room(cfg: RolloutConfig, generating: int, held: int, max_held: int = 0) -> int:
-    """How many more tasks a worker may take: fewer than `max_inflight_tasks` generating, and
-    fewer than `max_held` held in all (generating, or waiting on rewards and environment
-    steps; 0 = max_inflight_tasks + max_scoring_tasks). `bench rewards` admits its groups by
-    the same rule."""
-    max_held = max_held or cfg.max_inflight_tasks + cfg.max_scoring_tasks
-    return min(cfg.max_inflight_tasks - generating, max_held - held)
 
 
 def _check_sandbox_capacity(sandboxes: SandboxHost, cfg: RolloutConfig) -> int:
@@ -242,7 +233,7 @@ class RolloutWorker:
         """`rollout_room` now (under the lock): a task not yet started counts as generating."""
         held = [w for w in self._tasks.values() if not w.done]
         generating = sum(1 for w in held if w.rollout is None or w.rollout.generating)
-        return rollout_room(self.cfg, generating, len(held), self._max_held)
+        return rollout_room(self.cfg.max_inflight_tasks, self._max_held, generating, len(held))
 
     def _engine_idle(self) -> None:
         """A group's requests all returned (it now waits on rewards): maybe room for another."""
