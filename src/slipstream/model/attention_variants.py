@@ -207,9 +207,10 @@ def variant_attend(
                     allowed.select(1, 0).fill_(True)
             elif sinks:  # the sink key's column first, visible from every query
                 allowed = F.pad(allowed, (1, 0), value=True)
-            first = allowed.new_zeros(0)
             if sinks:  # (1, 1, 1, 1 + n): 1 at the sink key's column
                 first = F.pad(torch.ones((1, 1, 1, 1), dtype=dtype, device=device), (0, n))
+            else:  # unused
+                first = allowed.new_zeros(0)
             mask = torch.full((1, 1, *allowed.shape), float("-inf"), dtype=dtype, device=device)
             cached = (mask.masked_fill_(allowed, 0.0), first)
         if len(_MASKS) >= _MAX_MASKS:
