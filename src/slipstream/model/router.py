@@ -156,7 +156,8 @@ class SigmoidGroupTopK:
         self, scores_NE: torch.Tensor, correction_E: torch.Tensor | None
     ) -> torch.Tensor:
         with torch.no_grad():
-            if correction_E is not None:
+            own = correction_E is not None  # scores_NE is then this call's own tensor
+            if own:
                 scores_NE = scores_NE + correction_E
             if self.n_group > 1:
                 N, E = scores_NE.shape
@@ -167,7 +168,10 @@ class SigmoidGroupTopK:
                 best_Ng1 = group_NG1.topk(self.topk_group, dim=1, sorted=False).indices
                 # the groups left out, marked directly (one op fewer than keep + its negation)
                 drop_NG1 = torch.ones_like(group_NG1, dtype=torch.bool).scatter_(1, best_Ng1, False)
-                scores_NE = grouped_NGe.masked_fill(drop_NG1, float("-inf")).view(N, E)
+                if own:  # filled in place: scores_NE shows it, no view back to (N, E)
+                    grouped_NGe.masked_fill_(drop_NG1, float("-inf"))
+                else:  # the caller's scores (their weights are gathered from them)
+                    scores_NE = grouped_NGe.masked_fill(drop_NG1, float("-inf")).view(N, E)
             return torch.topk(scores_NE, self.top_k, dim=-1, sorted=False).indices
 
     def weights(self, logits_NE: torch.Tensor, ids_Nk: torch.Tensor) -> torch.Tensor:
