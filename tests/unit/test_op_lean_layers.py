@@ -1,0 +1,75 @@
+"""The op-lean layer paths of issue 47's glm4_moe round against their plain forms: the per-head
+q/k norm Function (`rms_norm_qk`), the packed gradient of `Packing.pack`, the shared per-step
+zeros (`step_zeros`) and partial rotary written in place without autograd."""
+
+from __future__ import annotations
+
+import torch
+
+from slipstream.model import layers
+from slipstream.model.layers import Attention, Packing, rms_norm, rms_norm_qk, rope_cos_sin
+
+
+def _reference_qk_norm(qk, wq, wk, H, eps, one):
+    C, Dh = qk.shape[-3 if one else -2], qk.shape[-1]
+    table = torch.cat((wq.expand(H, Dh), wk.expand(C - H, Dh)))
+    return rms_norm(qk, table.view(C, 1, Dh) if one else table, eps)
+
+
+def test_qk_norm_function_matches_the_table_norm_values_and_gradients():
+    g = torch.Generator().manual_seed(0)
+    H, K, Dh = 4, 2, 8
+    for shape, one in (((5, H + K, Dh), False), ((3, H + K, 1, Dh), True)):
+        x = torch.randn(shape, generator=g)
+        wq0, wk0 = 1 + 0.3 * torch.randn(Dh, generator=g), 1 + 0.3 * torch.randn(Dh, generator=g)
+        upstream = torch.randn(shape, generator=g)
+        outs = []
+        for fn in (rms_norm_qk, _reference_qk_norm):
+            xi = x.clone().requires_grad_()
+            wq, wk = wq0.clone().requires_grad_(), wk0.clone().requires_grad_()
+            y = fn(xi, wq, wk, H, 1e-6, one)
+            (y * upstream).sum().backward()
+            outs.append((y.detach(), xi.grad, wq.grad, wk.grad))
+        got, ref = outs
+        torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0)  # the same forward
+        for a, b, name in zip(got[1:], ref[1:], ("x", "wq", "wk"), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_pack_gradient_is_the_unpacked_gradient_with_zeros_at_the_padding():
+    real = torch.tensor([[True, True, True, False], [True, False, False, False]])
+    packing = Packing.from_mask(real)
+    x = torch.randn(8, 3, requires_grad=True)
+    g = torch.randn(4, 3)
+    (packing.pack(x) * g).sum().backward()
+    expected = torch.zeros(8, 3)
+    expected[real.reshape(-1)] = g
+    torch.testing.assert_close(x.grad, expected, rtol=0, atol=0)
+
+
+def test_step_zeros_are_shared_within_a_row_count_and_bounded():
+    layers.ZEROS.clear()
+    like = torch.empty(0)
+    a = layers.step_zeros(7, (5,), like)
+    assert layers.step_zeros(7, (5,), like) is a
+    b = layers.step_zeros(9, (5,), like)
+    assert b.shape == (9, 5) and not b.any()
+    assert len(layers.ZEROS) == 1  # one kept per row shape
+    layers.ZEROS.clear()
+
+
+def test_partial_rotary_in_place_equals_the_split_and_cat_path():
+    """The no-grad forward (RoPE written over the first rotary dims in place) gives bitwise the
+    values of the autograd forward (split, rotate, cat) of the same layer."""
+    torch.manual_seed(0)
+    attn = Attention(32, 4, 2, 16, 1e-6, 0, qkv_bias=True, rotary_dim=8).eval()
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.add_(0.1 * torch.randn(p.shape))
+    x = torch.randn(2, 5, 32)
+    cos_sin = rope_cos_sin(torch.arange(5).expand(2, 5), 8, 10000.0, torch.float32)
+    attn.fused_inference = False  # the same projection op (F.linear) on both paths
+    with torch.no_grad():
+        fast = attn(x, cos_sin)
+    slow = attn(x, cos_sin)  # autograd on: the split + cat path
+    torch.testing.assert_close(fast, slow.detach(), rtol=0, atol=0)
