@@ -4,6 +4,7 @@ zeros (`step_zeros`) and partial rotary written in place without autograd."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from slipstream.model import layers
@@ -73,3 +74,43 @@ def test_partial_rotary_in_place_equals_the_split_and_cat_path():
         fast = attn(x, cos_sin)
     slow = attn(x, cos_sin)  # autograd on: the split + cat path
     torch.testing.assert_close(fast, slow.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("qk_norm", "rotary_dim"), [("per_head", 8), ("none", 8), ("per_head", 16)]
+)
+def test_packed_qk_norm_rope_function_matches_the_padded_forward_and_gradients(qk_norm, rotary_dim):
+    """The packed training forward through `qk_norm_rope_packed` (per-head norm or none,
+    partial rotary) gives the padded autograd forward's outputs and gradients at the real
+    tokens."""
+    real = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
+    packing = Packing.from_mask(real)
+    torch.manual_seed(0)
+    attn = Attention(32, 4, 2, 16, 1e-6, 0, qkv_bias=True, qk_norm=qk_norm,
+                     rotary_dim=rotary_dim).train()  # fmt: skip
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.add_(0.2 * torch.randn(p.shape))
+    x_BTD = torch.randn(2, 6, 32)
+    cos_sin = rope_cos_sin(torch.arange(6).expand(2, 6), rotary_dim, 10000.0, torch.float32)
+    upstream = torch.randn(2, 6, 32)
+
+    def run(packed: bool):
+        attn.zero_grad(set_to_none=True)
+        x = x_BTD.clone().requires_grad_()
+        if packed:
+            cos_M, sin_M = (t.reshape(12, -1)[packing.rows_M] for t in cos_sin)
+            tables = layers.packed_rope_tables(cos_M, sin_M)
+            out = attn(packing.pack(x.reshape(12, 32)), tables, packing=packing)
+            out = packing.unpack(out).view(2, 6, 32)
+        else:
+            out = attn(x, cos_sin)
+        (out * upstream * real[..., None]).sum().backward()
+        grads = {n: p.grad for n, p in attn.named_parameters()}
+        return out.detach()[real], x.grad[real], grads
+
+    got, ref = run(True), run(False)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[1], ref[1], rtol=1e-4, atol=1e-6)
+    for name, g in ref[2].items():
+        torch.testing.assert_close(got[2][name], g, rtol=1e-4, atol=1e-6, msg=name)
