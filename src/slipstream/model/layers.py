@@ -222,7 +222,8 @@ class _QKNormRopeFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
         H, K, rd = ctx.H, ctx.K, ctx.rd
-        cos, sin = ctx.saved_tensors[:2]
+        saved = ctx.saved_tensors  # read once (activation checkpointing unpacks once)
+        cos, sin = saved[:2]
         Dh = g.shape[-1]
         g_qk, g_v = g.split((H + K, K), dim=1)
         if rd == Dh:
@@ -232,9 +233,9 @@ class _QKNormRopeFn(torch.autograd.Function):
             g_rot = g_rot * cos + (g_rot * sin).roll(-(rd // 2), -1)
             g_qk = torch.cat((g_rot, g_keep), dim=-1)
         gwq = gwk = None
-        if len(ctx.saved_tensors) == 2:  # no norm
+        if len(saved) == 2:  # no norm
             return torch.cat((g_qk, g_v), dim=1), None, None, None, None, None, None, None
-        xhat, rstd, table = ctx.saved_tensors[2:]
+        xhat, rstd, table = saved[2:]
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             prod = g_qk * xhat.to(ctx.x_dtype)
             gq, gk = prod.split((H, K), dim=1)
@@ -685,16 +686,18 @@ class Attention(nn.Module):
         # together; C = H + 2K heads. apply_rope broadcasts the (M, Dh) tables over the heads.
         # (split, not slicing: its backward is one cat, a slice's a zero-filled full-size copy)
         qkv_w = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
-        qk_MCD, v_MKD = linear(x_MD, *qkv_w).view(M, H + 2 * K, Dh).split((H + K, K), dim=1)
+        qkv_MCD = linear(x_MD, *qkv_w).view(M, H + 2 * K, Dh)
         if self.q_norm.eps == self.k_norm.eps:
-            qk_MCD = rms_norm_qk(qk_MCD, self.q_norm.weight, self.k_norm.weight, H,
-                                 self.q_norm.eps)  # fmt: skip
+            # norm, RoPE and the v heads in one Function (`qk_norm_rope_packed`)
+            norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            qkv_MCD = qk_norm_rope_packed(qkv_MCD, H, Dh, *cos_sin, norm)
         else:
+            qk_MCD, v_MKD = qkv_MCD.split((H + K, K), dim=1)
             q_MHD, k_MKD = qk_MCD.split((H, K), dim=1)
             qk_MCD = torch.cat((self.q_norm(q_MHD), self.k_norm(k_MKD)), dim=1)
-        qk_MCD = _rope_packed(qk_MCD, *cos_sin)
-        # one scatter for q, k and v together
-        qkv_MCD = torch.cat((qk_MCD, v_MKD.to(qk_MCD.dtype)), dim=1)
+            qk_MCD = _rope_packed(qk_MCD, *cos_sin)
+            # one scatter for q, k and v together
+            qkv_MCD = torch.cat((qk_MCD, v_MKD.to(qk_MCD.dtype)), dim=1)
         qkv_BTCD = packing.unpack(qkv_MCD).view(B, T, H + 2 * K, Dh)
         # one transpose, then the split: the same strided views as three transposes (2 ops
         # fewer forward and backward)
