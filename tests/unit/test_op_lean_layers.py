@@ -1,14 +1,18 @@
-"""The op-lean layer paths of issue 47's glm4_moe round against their plain forms: the per-head
-q/k norm Function (`rms_norm_qk`), the packed gradient of `Packing.pack`, the shared per-step
-zeros (`step_zeros`) and partial rotary written in place without autograd."""
+"""The op-lean paths of issue 47's glm4_moe round against their plain forms: the per-head q/k
+norm Function (`rms_norm_qk`), the packed gradient of `Packing.pack`, the shared per-step zeros
+(`step_zeros`), partial rotary written in place without autograd, the packed q/k norm + RoPE
+Function (`qk_norm_rope_packed`) and unweighted router losses kept out of the graph."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from slipstream.model import layers
+from slipstream.config.model import ModelConfig
+from slipstream.model import MoEForCausalLM, layers
+from slipstream.model.families import family_for
 from slipstream.model.layers import Attention, Packing, rms_norm, rms_norm_qk, rope_cos_sin
+from slipstream.model.moe_block import router_losses
 
 
 def _reference_qk_norm(qk, wq, wk, H, eps, one):
@@ -114,3 +118,22 @@ def test_packed_qk_norm_rope_function_matches_the_padded_forward_and_gradients(q
     torch.testing.assert_close(got[1], ref[1], rtol=1e-4, atol=1e-6)
     for name, g in ref[2].items():
         torch.testing.assert_close(got[2][name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("aux_coef", [0.0, 0.01])
+def test_router_losses_join_the_graph_only_when_weighted(aux_coef):
+    """With both router-loss coefficients 0 (GLM-4.5) the losses are statistics without a graph
+    (backward skips them), the same values; weighted, the aux loss carries the gradient."""
+    family = family_for("glm4_moe")
+    fields = {**family.config_from_hf(family.tiny_hf_config()), "router_aux_loss_coef": aux_coef}
+    torch.manual_seed(0)
+    model = MoEForCausalLM(ModelConfig(model_type="glm4_moe", **fields)).train()
+    ids = torch.randint(
+        0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3)
+    )
+    out = model(ids)
+    assert out.aux_loss.requires_grad == (aux_coef != 0)
+    lb, z = router_losses(out.router_logits, model.config.num_experts,
+                          model.config.num_experts_per_tok)  # fmt: skip
+    torch.testing.assert_close(out.load_balance_loss, lb.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(out.z_loss, z.detach(), rtol=0, atol=0)

@@ -35,7 +35,7 @@ class ModelOutput:
     """Next-token logits, always float32; None when the forward was asked for `hidden` instead."""
     aux_loss: torch.Tensor
     """router_aux_loss_coef * load_balance + router_z_loss_coef * z_loss (scalar, float32, part of
-    the graph); 0 when the model has no MoE layer."""
+    the graph when a coefficient is not 0); 0 when the model has no MoE layer."""
     router_logits: tuple[torch.Tensor, ...] | None = None
     """Per MoE layer, router logits (B*T, E) in the model dtype (0 at the padding when the
     forward skipped it); None without MoE layers."""
@@ -312,8 +312,13 @@ class MoEForCausalLM(nn.Module):
         mask_N = None if token_mask_BT is None else token_mask_BT.reshape(-1)
         if packing is not None and mask_N is not None:
             mask_N = packing.pack(mask_N)  # the router logits are the M real tokens'
-        lb, z = router_losses(router_logits, cfg.num_experts, cfg.num_experts_per_tok, mask_N,
-                              self.router_stats_sum)  # fmt: skip
+        # with both coefficients 0 (GLM-4.5, DeepSeek-V3) the losses are statistics only: no
+        # graph, so backward does not run through them (their gradient was 0 * ..., added to
+        # every router's logit gradient: ~40 ops per step for nothing)
+        weighted = cfg.router_aux_loss_coef != 0 or cfg.router_z_loss_coef > 0
+        with torch.set_grad_enabled(torch.is_grad_enabled() and weighted):
+            lb, z = router_losses(router_logits, cfg.num_experts, cfg.num_experts_per_tok,
+                                  mask_N, self.router_stats_sum)  # fmt: skip
         aux = cfg.router_aux_loss_coef * lb
         if cfg.router_z_loss_coef > 0:
             aux = aux + cfg.router_z_loss_coef * z
