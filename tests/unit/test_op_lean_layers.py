@@ -137,3 +137,21 @@ def test_router_losses_join_the_graph_only_when_weighted(aux_coef):
                           model.config.num_experts_per_tok)  # fmt: skip
     torch.testing.assert_close(out.load_balance_loss, lb.detach(), rtol=0, atol=0)
     torch.testing.assert_close(out.z_loss, z.detach(), rtol=0, atol=0)
+
+
+def test_kept_constants_are_never_replaced_and_bounded():
+    """Inference constants a captured CUDA graph may read stay put (a later row count adds one,
+    it does not replace the first); too many rows or a full cache: None (the caller makes its
+    own)."""
+    layers.ZEROS.clear()
+    a = layers.kept_full(4, (3, 1), True, torch.bool, "cpu")
+    b = layers.kept_full(8, (3, 1), True, torch.bool, "cpu")
+    assert a is not None and b is not None and bool(a.all()) and b.shape == (8, 3, 1)
+    assert layers.kept_full(4, (3, 1), True, torch.bool, "cpu") is a
+    assert layers.kept_full(layers.KEPT_MAX_ROWS + 1, (3, 1), True, torch.bool, "cpu") is None
+    for rows in range(layers.KEPT_MAX):
+        layers.kept_full(16 + rows, (3, 1), True, torch.bool, "cpu")
+    assert sum(1 for k in layers.ZEROS if k[0] == "kept") == layers.KEPT_MAX
+    assert layers.kept_full(15, (3, 1), True, torch.bool, "cpu") is None
+    assert layers.kept_full(4, (3, 1), True, torch.bool, "cpu") is a
+    layers.ZEROS.clear()

@@ -266,12 +266,43 @@ def step_zeros(rows: int, row_shape: tuple[int, ...], like: torch.Tensor) -> tor
     to step (the tokens of a batch): one tensor kept per row shape, remade when the row count
     changes, so the layers of one step share it (e.g. the routers' (N, E) logit gradients) and
     the cache stays bounded."""
-    key = ("rows", row_shape, like.dtype, like.device)
-    z = ZEROS.get(key)
-    if z is None or z.shape[0] != rows:
+    return step_full(rows, row_shape, 0, like.dtype, like.device)
+
+
+def step_full(
+    rows: int, row_shape: tuple[int, ...], value: float | bool, dtype: torch.dtype, device
+) -> torch.Tensor:
+    """`step_zeros` filled with `value` (read only: out-of-place ops start from it)."""
+    key = ("rows", row_shape, value, dtype, device)
+    t = ZEROS.get(key)
+    if t is None or t.shape[0] != rows:
         with torch.inference_mode(False), torch.no_grad():
-            z = ZEROS[key] = torch.zeros((rows, *row_shape), dtype=like.dtype, device=like.device)
-    return z
+            t = ZEROS[key] = torch.full((rows, *row_shape), value, dtype=dtype, device=device)
+    return t
+
+
+KEPT_MAX_ROWS = 1024
+"""`kept_full` keeps constants of at most this many rows (decode batches; not long prefills)."""
+KEPT_MAX = 64
+"""`kept_full` keeps at most this many constants (never evicted, so the cache is bounded)."""
+
+
+def kept_full(
+    rows: int, row_shape: tuple[int, ...], value: float | bool, dtype: torch.dtype, device
+) -> torch.Tensor | None:
+    """A constant (rows, *row_shape) filled with `value` for inference forwards, kept for the
+    process and never replaced (a captured CUDA graph reads it by address, so a step-to-step
+    cache like `step_full`, which frees the old tensor, would leave the graph reading freed
+    memory), or None when it is too large (`KEPT_MAX_ROWS`) or the cache is full (`KEPT_MAX`):
+    the caller then makes its own."""
+    key = ("kept", rows, row_shape, value, dtype, device)
+    t = ZEROS.get(key)
+    if t is None:
+        if rows > KEPT_MAX_ROWS or sum(1 for k in ZEROS if k[0] == "kept") >= KEPT_MAX:
+            return None
+        with torch.inference_mode(False), torch.no_grad():
+            t = ZEROS[key] = torch.full((rows, *row_shape), value, dtype=dtype, device=device)
+    return t
 
 
 class CosSin(tuple):

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slipstream.config.model import ModelConfig
-from slipstream.model.layers import linear, step_zeros
+from slipstream.model.layers import kept_full, linear, step_full, step_zeros
 
 
 def _f32(x: torch.Tensor) -> torch.Tensor:
@@ -166,8 +166,17 @@ class SigmoidGroupTopK:
                 # (no unsqueeze op; decode is per-op overhead bound)
                 group_NG1 = grouped_NGe.topk(2, dim=-1).values.sum(-1, keepdim=True)
                 best_Ng1 = group_NG1.topk(self.topk_group, dim=1, sorted=False).indices
-                # the groups left out, marked directly (one op fewer than keep + its negation)
-                drop_NG1 = torch.ones_like(group_NG1, dtype=torch.bool).scatter_(1, best_Ng1, False)
+                # the groups left out, marked directly (one op fewer than keep + its negation),
+                # out of place from all-True shared by the layers (one op, not two): in
+                # inference kept for good (`kept_full`: CUDA graphs read it), else the step's
+                shape, dev = (self.n_group, 1), scores_NE.device
+                if torch.is_inference_mode_enabled():
+                    true_NG1 = kept_full(N, shape, True, torch.bool, dev)
+                else:
+                    true_NG1 = step_full(N, shape, True, torch.bool, dev)
+                if true_NG1 is None:
+                    true_NG1 = torch.ones_like(group_NG1, dtype=torch.bool)
+                drop_NG1 = torch.scatter(true_NG1, 1, best_Ng1, False)
                 if own:  # filled in place: scores_NE shows it, no view back to (N, E)
                     grouped_NGe.masked_fill_(drop_NG1, float("-inf"))
                 else:  # the caller's scores (their weights are gathered from them)
