@@ -92,8 +92,8 @@ class _TopK(torch.autograd.Function):
     and values, the backward by hand. `softmax_first`: w = top-k of softmax(logits) (or its
     values at the replayed ids), backward: the k gradients scattered into (N, E), then one
     softmax backward; else w = softmax of the top-k logits (or of the replayed ids' logits),
-    backward: the softmax recomputed, its backward over the k, scattered into (N, E). 3-4 ops
-    backward, where autograd's took ~7 (the trainer step is per-op overhead bound on a
+    backward: the softmax recomputed, its backward over the k, scattered into (N, E) (out of
+    place onto zeros the step's layers share). 2-3 ops backward, where autograd's took ~7 (the trainer step is per-op overhead bound on a
     GPU); the same gradient (scatter of unique ids, as topk's and gather's backward)."""
 
     @staticmethod
@@ -211,7 +211,8 @@ class _SigmoidRoute(torch.autograd.Function):
     (sigmoid, selection or replayed ids, gather, renormalisation, scaling), the backward by hand:
     d w_j / d u = scaling * (g_j - sum_i g_i r_i) / d (r = u / d, d = sum u + 1e-20; without
     renormalisation scaling * g), through the sigmoid on the k chosen scores, scattered into the
-    (N, E) logits' gradient: 8 ops, where autograd's backward through the same forward took ~15
+    (N, E) logits' gradient (out of place onto the step's shared zeros): 7 ops, where
+    autograd's backward through the same forward took ~15
     (the trainer step is per-op overhead bound on a GPU). The same gradient up to rounding."""
 
     @staticmethod
