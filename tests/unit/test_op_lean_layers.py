@@ -155,3 +155,29 @@ def test_kept_constants_are_never_replaced_and_bounded():
     assert layers.kept_full(15, (3, 1), True, torch.bool, "cpu") is None
     assert layers.kept_full(4, (3, 1), True, torch.bool, "cpu") is a
     layers.ZEROS.clear()
+
+
+def test_packed_rope_function_rounds_bf16_gradients_as_autograd():
+    """bf16 q/k/v heads with float32 RoPE tables (autocast training): without a norm the
+    Function's values and input gradient are bitwise autograd's through split, rotation and
+    cats (each product's gradient rounded to bf16 before the two are added)."""
+    g = torch.Generator().manual_seed(0)
+    M, H, K, Dh, rd = 5, 4, 2, 16, 8
+    qkv0 = torch.randn(M, H + 2 * K, Dh, generator=g).to(torch.bfloat16)
+    cos_sin = rope_cos_sin(torch.arange(M)[None], rd, 10000.0, torch.float32)
+    cos, sin = layers.packed_rope_tables(cos_sin[0][0], cos_sin[1][0])
+    upstream = torch.randn(M, H + 2 * K, Dh, generator=g).to(torch.bfloat16)
+
+    qkv = qkv0.clone().requires_grad_()
+    out = layers.qk_norm_rope_packed(qkv, H, rd, cos, sin, None)
+    (out.float() * upstream.float()).sum().backward()
+
+    ref_in = qkv0.clone().requires_grad_()
+    qk, v = ref_in.split((H + K, K), dim=1)
+    rot, keep = qk.split((rd, Dh - rd), dim=-1)
+    rot = rot * cos + rot.roll(rd // 2, -1) * sin
+    ref = torch.cat((torch.cat((rot, keep), dim=-1), v.to(rot.dtype)), dim=1)
+    (ref * upstream.float()).sum().backward()
+
+    torch.testing.assert_close(out, ref.to(torch.bfloat16), rtol=0, atol=0)
+    torch.testing.assert_close(qkv.grad, ref_in.grad, rtol=0, atol=0)

@@ -216,7 +216,7 @@ class _QKNormRopeFn(torch.autograd.Function):
         torch.add(rot * cos, rot.roll(rd // 2, -1) * sin, out=rot)
         if wq is not None:
             out = torch.cat((qk, v.to(qk.dtype)), dim=1)
-        ctx.H, ctx.K, ctx.rd, ctx.x_dtype = H, K, rd, qkv.dtype
+        ctx.H, ctx.K, ctx.rd, ctx.x_dtype, ctx.rot_dtype = H, K, rd, qkv.dtype, rot.dtype
         return out
 
     @staticmethod
@@ -227,11 +227,10 @@ class _QKNormRopeFn(torch.autograd.Function):
         Dh = g.shape[-1]
         g_qk, g_v = g.split((H + K, K), dim=1)
         if rd == Dh:
-            g_qk = g_qk * cos + (g_qk * sin).roll(-(rd // 2), -1)
+            g_qk = _rope_grad(g_qk, cos, sin, ctx.rot_dtype)
         else:
             g_rot, g_keep = g_qk.split((rd, Dh - rd), dim=-1)
-            g_rot = g_rot * cos + (g_rot * sin).roll(-(rd // 2), -1)
-            g_qk = torch.cat((g_rot, g_keep), dim=-1)
+            g_qk = torch.cat((_rope_grad(g_rot, cos, sin, ctx.rot_dtype), g_keep), dim=-1)
         gwq = gwk = None
         if len(saved) == 2:  # no norm
             return torch.cat((g_qk, g_v), dim=1), None, None, None, None, None, None, None
@@ -243,6 +242,18 @@ class _QKNormRopeFn(torch.autograd.Function):
         g_x = _rms_norm_grad_x(g_qk, xhat, rstd, table, ctx.x_dtype)
         g_qkv = torch.cat((g_x, g_v.to(ctx.x_dtype)), dim=1)
         return g_qkv, gwq, gwk, None, None, None, None, None
+
+
+def _rope_grad(
+    g: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, x_dtype: torch.dtype
+) -> torch.Tensor:
+    """The gradient of x * cos + roll(x, r / 2) * sin_signed at x (dtype `x_dtype`): as
+    autograd forms it, each product's gradient cast to x's dtype before the two are added
+    (bf16 activations with float32 tables under autocast: the same rounding)."""
+    t_cos, t_sin = g * cos, g * sin_signed
+    if t_cos.dtype != x_dtype:
+        t_cos, t_sin = t_cos.to(x_dtype), t_sin.to(x_dtype)
+    return t_cos + t_sin.roll(-(g.shape[-1] // 2), -1)
 
 
 ZEROS: dict[tuple, torch.Tensor] = {}
