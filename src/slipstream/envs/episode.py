@@ -34,6 +34,10 @@ How a group runs:
    scores to their rewards; RewardDropped there drops the group too.
 6. Every environment is closed exactly once, however its episode ends (done, aborted, failed,
    dropped), before `on_done` runs.
+7. `GroupRollout.generating` is False while the group has no request in the engine and only its
+   environment steps run (rewards, verification, tool runs); `on_engine_idle` (given to
+   `start`) is called as its last request returns. The worker counts generating groups apart
+   from groups waiting on rewards (`rollout.max_scoring_tasks`).
 
 Statuses: `done` (G finished episodes, rewards from the environments), `aborted` (`abort()`
 or an engine abort, e.g. a weight update under the "abort" policy), `failed` (the engine
