@@ -73,7 +73,7 @@ from slipstream.model import (
     MoEForCausalLM,
     attention_variants,
     expert_activation,
-    moe_block,
+    layers,
     rope,
 )
 from slipstream.model.families import family_for
@@ -141,8 +141,7 @@ def _cold_constant_caches() -> None:
     attention_variants._MASKS.clear()
     attention_variants._SINK_VALUES.clear()
     expert_activation._BOUNDS.clear()
-    moe_block._ARANGE.clear()
-    moe_block._ZEROS.clear()
+    layers.ZEROS.clear()  # the zeros, aranges and full tables the layers share
 
 
 @pytest.mark.parametrize("model_type", FAMILIES + HYBRIDS)

@@ -136,29 +136,43 @@ def _qk_table(
     return table.view(C, 1, Dh) if one else table
 
 
+def _qk_norm_forward(
+    qk: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, H: int, eps: float, one: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The per-head q/k norm's forward for the Functions below: (out, xhat, rstd, table)."""
+    table = _qk_table(qk, wq, wk, H, one)
+    xhat, rstd = torch.ops.aten._fused_rms_norm(qk.float(), [qk.shape[-1]], None, eps)
+    return table * xhat.to(qk.dtype), xhat, rstd, table
+
+
+def _qk_norm_weight_grads(
+    g: torch.Tensor, xhat: torch.Tensor, table: torch.Tensor, H: int, x_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dwq, dwk): g * xhat summed over the q heads, over the k heads (and every other dim but
+    the last); the heads' dim lines up with the table's first: (C, Dh) or (C, 1, Dh)."""
+    prod = g * xhat.to(x_dtype)
+    gq, gk = prod.split((H, table.shape[0] - H), dim=-table.dim())
+    dims = tuple(range(prod.dim() - 1))
+    return gq.sum(dims).to(table.dtype), gk.sum(dims).to(table.dtype)
+
+
 class _QKRMSNormFn(torch.autograd.Function):
     """`rms_norm_qk` with autograd: `_RMSNormFn` with the weight table made inside (no autograd
     graph for its cat and expands); dwq, dwk = g * xhat summed over the q heads, the k heads."""
 
     @staticmethod
     def forward(ctx, qk, wq, wk, H, eps, one):  # type: ignore[override]
-        table = _qk_table(qk, wq, wk, H, one)
-        xhat, rstd = torch.ops.aten._fused_rms_norm(qk.float(), [qk.shape[-1]], None, eps)
+        out, xhat, rstd, table = _qk_norm_forward(qk, wq, wk, H, eps, one)
         ctx.save_for_backward(xhat, rstd, table)
         ctx.x_dtype, ctx.H = qk.dtype, H
-        return table * xhat.to(qk.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
         xhat, rstd, table = ctx.saved_tensors
         gwq = gwk = None
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            prod = g * xhat.to(ctx.x_dtype)
-            # the heads' dim: table (C, Dh) or (C, 1, Dh) lines up with qk's last dims
-            C = table.shape[0]
-            gq, gk = prod.split((ctx.H, C - ctx.H), dim=-table.dim())
-            dims = tuple(range(prod.dim() - 1))
-            gwq, gwk = gq.sum(dims).to(table.dtype), gk.sum(dims).to(table.dtype)
+            gwq, gwk = _qk_norm_weight_grads(g, xhat, table, ctx.H, ctx.x_dtype)
         gx = None
         if ctx.needs_input_grad[0]:
             gx = _rms_norm_grad_x(g, xhat, rstd, table, ctx.x_dtype)
@@ -205,9 +219,8 @@ class _QKNormRopeFn(torch.autograd.Function):
             ctx.save_for_backward(cos, sin)
         else:
             qk, v = qkv.split((H + K, K), dim=1)
-            table = _qk_table(qk, wq, wk, H, False)
-            xhat, rstd = torch.ops.aten._fused_rms_norm(qk.float(), [qk.shape[-1]], None, eps)
-            rot = qk = table * xhat.to(qkv.dtype)
+            qk, xhat, rstd, table = _qk_norm_forward(qk, wq, wk, H, eps, False)
+            rot = qk
             ctx.save_for_backward(cos, sin, xhat, rstd, table)
             ctx.v_dtype = v.dtype
         if rd != qkv.shape[-1]:
@@ -236,9 +249,7 @@ class _QKNormRopeFn(torch.autograd.Function):
             return torch.cat((g_qk, g_v), dim=1), None, None, None, None, None, None, None
         xhat, rstd, table = saved[2:]
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            prod = g_qk * xhat.to(ctx.x_dtype)
-            gq, gk = prod.split((H, K), dim=1)
-            gwq, gwk = gq.sum((0, 1)).to(table.dtype), gk.sum((0, 1)).to(table.dtype)
+            gwq, gwk = _qk_norm_weight_grads(g_qk, xhat, table, H, ctx.x_dtype)
         g_x = _rms_norm_grad_x(g_qk, xhat, rstd, table, ctx.x_dtype)
         g_qkv = torch.cat((g_x, g_v.to(ctx.x_dtype)), dim=1)
         return g_qkv, gwq, gwk, None, None, None, None, None
@@ -257,7 +268,8 @@ def _rope_grad(
 
 
 ZEROS: dict[tuple, torch.Tensor] = {}
-"""`shared_zeros`' and `step_zeros`' tensors: zero constants shared by every layer."""
+"""The constants shared by every layer: `shared_zeros`', `shared_arange`'s, `step_full`'s and
+`kept_full`'s tensors (one cache: `ZEROS.clear()` makes the next step a cold one)."""
 
 
 def shared_zeros(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
@@ -270,6 +282,17 @@ def shared_zeros(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode(False), torch.no_grad():
             z = ZEROS[key] = torch.zeros(shape, dtype=like.dtype, device=like.device)
     return z
+
+
+def shared_arange(n: int, device: torch.device) -> torch.Tensor:
+    """arange(n) (int64), made once per n and device and shared (read only; outside inference
+    mode, so training forwards may use it too), e.g. the experts' ids for their offsets."""
+    key = ("arange", n, device)
+    t = ZEROS.get(key)
+    if t is None:
+        with torch.inference_mode(False), torch.no_grad():
+            t = ZEROS[key] = torch.arange(n, device=device)
+    return t
 
 
 def step_zeros(rows: int, row_shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
@@ -459,7 +482,7 @@ class Packing:
     batch_size: int
     num_tokens: int
     """T, the padded length."""
-    _zeros: dict[tuple, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    _cache: dict[tuple, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
     """`unpack`'s zero tables by (lead, row shape, dtype, device) and `_rows`' indices: made by
     the forward's first layer, shared by the others (read only), gone with the Packing."""
 
@@ -488,9 +511,9 @@ class Packing:
         if not lead:
             return self.rows_M
         key = ("rows", lead)
-        rows = self._zeros.get(key)
+        rows = self._cache.get(key)
         if rows is None:
-            rows = self._zeros[key] = self.rows_M + (self.rows_M // self.num_tokens + 1) * lead
+            rows = self._cache[key] = self.rows_M + (self.rows_M // self.num_tokens + 1) * lead
         return rows
 
     def pack(self, x_N_: torch.Tensor, lead: int = 0) -> torch.Tensor:
@@ -505,10 +528,10 @@ class Packing:
         (B*(lead + T), ...): `lead` zero positions before each row's first (attention sinks'
         zero key)."""
         key = (lead, x_M_.shape[1:], x_M_.dtype, x_M_.device)
-        zeros_N_ = self._zeros.get(key)
+        zeros_N_ = self._cache.get(key)
         if zeros_N_ is None:
             N = self.batch_size * (lead + self.num_tokens)
-            zeros_N_ = self._zeros[key] = x_M_.new_zeros((N, *x_M_.shape[1:]))
+            zeros_N_ = self._cache[key] = x_M_.new_zeros((N, *x_M_.shape[1:]))
         # out of place onto the shared zeros: one op per call (new_zeros + index_copy: two)
         return zeros_N_.index_copy(0, self._rows(lead), x_M_)
 
@@ -872,8 +895,8 @@ class Attention(nn.Module):
                 qk = self._per_head_norm(qk, one)
                 if self.clip_qkv is not None:
                     qk, v = clamp(qk, self.clip_qkv), clamp(v, self.clip_qkv)
-        if ready is not None:
-            pass
+        if ready is not None:  # rotated already
+            qkv = ready
         elif rd == Dh:
             qk = _rope_packed(qk, *cos_sin) if packing is not None else _rope_BTND(qk, cos_sin)
         elif packing is None and not torch.is_grad_enabled():
@@ -891,7 +914,8 @@ class Attention(nn.Module):
         # (and a query whose output is dropped), instead of padding k and v in every layer
         lead = int(packing is not None and self.sinks is not None)
         if packing is not None:  # one scatter to the (B, T) layout, attention, one gather
-            qkv = torch.cat((qk, v.to(qk.dtype)), dim=-2) if ready is None else ready
+            if ready is None:
+                qkv = torch.cat((qk, v.to(qk.dtype)), dim=-2)
             B, T = packing.batch_size, packing.num_tokens + lead
             qkv = packing.unpack(qkv, lead).view(B, T, H + 2 * K, Dh)
             # one transpose, then the split (as `_forward_packed`)

@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from slipstream.config.model import MOE_IMPLS, ModelConfig
 from slipstream.model.expert_activation import Activation, SwiGLU, expert_activation
-from slipstream.model.layers import MLP, ZEROS, linear, shared_zeros, step_zeros
+from slipstream.model.layers import MLP, linear, shared_arange, shared_zeros, step_zeros
 from slipstream.model.router import (
     Router,
     RoutingScheme,
@@ -109,26 +109,11 @@ def grouped_mm_unavailable(
     return None
 
 
-_ARANGE: dict[tuple[int, torch.device], torch.Tensor] = {}
-"""`_arange`'s tensors by (E, device)."""
-
-
-def _arange(num_experts: int, device: torch.device) -> torch.Tensor:
-    """arange(E) (int64), made once per E and device and shared by every layer (read only;
-    outside inference mode, so training forwards may use it)."""
-    key = (num_experts, device)
-    t = _ARANGE.get(key)
-    if t is None:
-        with torch.inference_mode(False), torch.no_grad():
-            t = _ARANGE[key] = torch.arange(num_experts, device=device)
-    return t
-
-
 def _expert_offsets(sorted_ids_A: torch.Tensor, num_experts: int) -> torch.Tensor:
     """offs[e] = assignments to experts 0..e (the end of expert e's segment), int32, computed on
     the device by a binary search of the sorted ids (bincount on CUDA reads its max on the
     host)."""
-    experts_E = _arange(num_experts, sorted_ids_A.device)
+    experts_E = shared_arange(num_experts, sorted_ids_A.device)
     return torch.searchsorted(sorted_ids_A, experts_E, right=True, out_int32=True)
 
 
@@ -209,17 +194,12 @@ class _GroupedExperts(torch.autograd.Function):
         gate_up_b_dtype, down_b_dtype = ctx.bias_dtypes
         g_gate_up_b = g_down_b = None
         if ctx.needs_input_grad[7]:  # out-of-place onto shared zeros: one op, not two
-            g_gate_up_b = torch.index_add(_zeros((E, g_h_A2I.shape[1]), g_h_A2I), 0,
+            g_gate_up_b = torch.index_add(shared_zeros((E, g_h_A2I.shape[1]), g_h_A2I), 0,
                                           sorted_ids_A, g_h_A2I).to(gate_up_b_dtype)  # fmt: skip
         if ctx.needs_input_grad[8]:
-            g_down_b = torch.index_add(_zeros((E, D), g_y_AD), 0, sorted_ids_A,
+            g_down_b = torch.index_add(shared_zeros((E, D), g_y_AD), 0, sorted_ids_A,
                                        g_y_AD).to(down_b_dtype)  # fmt: skip
         return g_x, g_w, g_gate_up, g_down, None, None, None, g_gate_up_b, g_down_b, None
-
-
-_ZEROS = ZEROS
-"""The zero constants shared by every layer (model/layers.py's `shared_zeros`, `step_zeros`)."""
-_zeros = shared_zeros
 
 
 def _segment_loop_swiglu(
@@ -316,7 +296,7 @@ class Experts(nn.Module):
         if cached is None or cached[0] != key:
             # outside inference mode and autograd: the training forward uses them too
             with torch.inference_mode(False), torch.no_grad():
-                experts_E = _arange(gate_up_w_E.shape[0], gate_up_w_E.device)
+                experts_E = shared_arange(gate_up_w_E.shape[0], gate_up_w_E.device)
                 views = (gate_up_w_E.transpose(1, 2), down_w_E.transpose(1, 2), experts_E)
             cached = (key, views)
             self.__dict__["_static"] = cached
